@@ -1,0 +1,1 @@
+"""Contracts and machinery. Imports nothing from ``kvtier.backends`` or ``kvtier.plugins``."""

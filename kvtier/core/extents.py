@@ -1,0 +1,46 @@
+"""Extents: a page as a list of memory regions, for scatter-gather I/O with no staging copy."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["Extent", "extent_of_tensor", "extent_of_view"]
+
+
+class Extent(NamedTuple):
+    """One contiguous memory region: a writable byte memoryview and its (pointer, length).
+
+    ``view`` and ``ptr`` describe the same bytes; backends use whichever their I/O call
+    takes (``os.preadv`` takes views, Mooncake and io_uring take pointers).
+    """
+
+    view: memoryview
+    ptr: int
+    length: int
+
+
+def extent_of_tensor(tensor: torch.Tensor) -> Extent:
+    """A zero-copy extent over a contiguous CPU tensor's bytes (pinned memory included)."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"extents need host memory, got a tensor on {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError("extents need a contiguous tensor region")
+    length = tensor.numel() * tensor.element_size()
+    ptr = tensor.data_ptr()
+    view = memoryview((ctypes.c_ubyte * length).from_address(ptr)).cast("B") if length else (
+        memoryview(bytearray(0))
+    )
+    return Extent(view, ptr, length)
+
+
+def extent_of_view(view: memoryview) -> Extent:
+    """An extent over a writable, contiguous byte memoryview."""
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if view.readonly:
+        raise ValueError("extents must be writable so that gets can fill them in place")
+    length = view.nbytes
+    ptr = ctypes.addressof(ctypes.c_char.from_buffer(view)) if length else 0
+    return Extent(view, ptr, length)

@@ -1,0 +1,215 @@
+"""What a storage backend or an IO backend declares about itself.
+
+Declarations are plain frozen dataclasses, so capability resolution needs no plugin
+machinery and declaring a backend imports none of its optional dependencies: the factory
+may be a lazy ``"module:attribute"`` string that is imported only when the backend is
+built. Defaults are conservative: a backend supports only what it lists.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import importlib.util
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel, ConfigDict
+
+from kvtier.core.errors import BackendUnavailableError, PluginError
+from kvtier.core.geometry import AttentionKind
+from kvtier.core.layout import Layout
+
+__all__ = [
+    "ALL_ATTENTION",
+    "ALL_LAYOUTS",
+    "ALL_OPERATIONS",
+    "BackendSpec",
+    "Capability",
+    "EmptyConfig",
+    "Feature",
+    "IOBackendSpec",
+    "Operation",
+]
+
+
+class Operation(str, enum.Enum):
+    """A device <-> host transfer an engine will ask for."""
+
+    BACKUP_ALL = "backup_all"  # device -> host, every layer of some pages
+    LOAD_ALL = "load_all"  # host -> device, every layer
+    LOAD_LAYER = "load_layer"  # host -> device, one layer, to overlap with compute
+    BACKUP_LAYER = "backup_layer"  # device -> host, one layer (layer-sharded pools)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Feature(str, enum.Enum):
+    """Properties of a storage backend that an operator may rely on."""
+
+    ZERO_COPY = "zero_copy"  # reads and writes host-pool extents in place
+    PERSISTENT = "persistent"  # pages survive a process restart
+    SHARED_PROCESSES = "shared_processes"  # several processes on one host see one store
+    SHARED_NODES = "shared_nodes"  # several hosts see one store
+
+    def __str__(self) -> str:
+        return self.value
+
+
+ALL_LAYOUTS: frozenset[Layout] = frozenset(Layout)
+ALL_ATTENTION: frozenset[AttentionKind] = frozenset(AttentionKind)
+ALL_OPERATIONS: frozenset[Operation] = frozenset(Operation)
+
+
+class EmptyConfig(BaseModel):
+    """The config model of a backend that takes no options."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Capability(NamedTuple):
+    """One (layout, attention kind, operation) an IO backend executes."""
+
+    layout: Layout
+    attention: AttentionKind
+    operation: Operation
+
+    def __str__(self) -> str:
+        return f"{self.layout.value}/{self.attention.value}/{self.operation.value}"
+
+
+Factory = Callable[..., Any] | str
+
+
+def _load_factory(kind: str, name: str, factory: Factory) -> Callable[..., Any]:
+    if callable(factory):
+        return factory
+    module_name, sep, attribute = factory.partition(":")
+    if not sep or not module_name or not attribute:
+        raise PluginError(
+            f"{kind} {name!r}: factory {factory!r} is not of the form 'package.module:Attribute'",
+            value=factory,
+        )
+    module = importlib.import_module(module_name)
+    obj: Any = module
+    for part in attribute.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise PluginError(f"{kind} {name!r}: factory {factory!r} is not callable", value=factory)
+    return obj  # type: ignore[no-any-return]
+
+
+def _missing_modules(modules: Iterable[str]) -> list[str]:
+    missing = []
+    for module in modules:
+        try:
+            if importlib.util.find_spec(module) is None:
+                missing.append(module)
+        except (ImportError, ValueError):
+            missing.append(module)
+    return missing
+
+
+def _check_name(kind: str, name: str) -> None:
+    if not name or not name.replace("_", "").replace("-", "").isalnum() or not name.isascii():
+        raise PluginError(
+            f"{kind} name {name!r} must be non-empty ASCII letters, digits, '_' or '-'",
+            value=name,
+        )
+
+
+@dataclass(frozen=True)
+class _SpecBase:
+    name: str
+    factory: Factory
+    config_model: type[BaseModel] = EmptyConfig
+    description: str = ""
+    requires: tuple[str, ...] = ()
+    install_hint: str = ""
+    #: Optional probe run by ``unavailable_reason``: returns why the backend cannot run
+    #: here (a kernel feature missing, say), or None. It must be cheap and never raise.
+    probe: Callable[[], str | None] | None = None
+
+    _kind = "backend"
+
+    def unavailable_reason(self) -> str | None:
+        """Why this cannot be used here (missing modules, a failed probe), or None."""
+        missing = _missing_modules(self.requires)
+        if missing:
+            return f"missing Python module(s) {', '.join(missing)}"
+        if self.probe is not None:
+            try:
+                return self.probe()
+            except Exception as exc:  # a probe that raises still must not break listing
+                return f"availability probe failed: {exc!r}"
+        return None
+
+    def ensure_available(self) -> None:
+        """Raise :class:`BackendUnavailableError` with the install hint if unusable here."""
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise BackendUnavailableError(self._kind, self.name, reason, self.install_hint)
+
+    def load_factory(self) -> Callable[..., Any]:
+        """Import (if lazy) and return the factory; dependencies are checked first."""
+        self.ensure_available()
+        return _load_factory(self._kind, self.name, self.factory)
+
+
+@dataclass(frozen=True)
+class BackendSpec(_SpecBase):
+    """A storage backend's declaration.
+
+    ``factory(config, context)`` builds the backend from its validated ``config_model``
+    instance and a :class:`kvtier.core.storage.BackendContext`. ``io_backends`` of None
+    means the backend pairs with any IO backend (it only ever sees host memory).
+    """
+
+    layouts: frozenset[Layout] = ALL_LAYOUTS
+    attention: frozenset[AttentionKind] = ALL_ATTENTION
+    operations: frozenset[Operation] = ALL_OPERATIONS
+    io_backends: frozenset[str] | None = None
+    features: frozenset[Feature] = field(default_factory=frozenset)
+
+    _kind = "backend"
+
+    def __post_init__(self) -> None:
+        _check_name(self._kind, self.name)
+        for attr, enum_type in (("layouts", Layout), ("attention", AttentionKind),
+                                ("operations", Operation), ("features", Feature)):
+            object.__setattr__(self, attr, frozenset(enum_type(v) for v in getattr(self, attr)))
+        if self.io_backends is not None:
+            object.__setattr__(self, "io_backends", frozenset(self.io_backends))
+        object.__setattr__(self, "requires", tuple(self.requires))
+
+
+@dataclass(frozen=True)
+class IOBackendSpec(_SpecBase):
+    """An IO backend's declaration: exactly which capabilities it executes.
+
+    ``factory(config, geometry, layout)`` returns an :class:`kvtier.core.io.IOBackend`.
+    ``devices`` names the torch device types it runs on (``cpu``, ``cuda``, ...).
+    """
+
+    capabilities: frozenset[Capability] = field(default_factory=frozenset)
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    #: Preference when ``io_backend="auto"``: the highest priority that fits wins.
+    priority: int = 0
+
+    _kind = "IO backend"
+
+    def __post_init__(self) -> None:
+        _check_name(self._kind, self.name)
+        object.__setattr__(
+            self,
+            "capabilities",
+            frozenset(Capability(Layout(c[0]), AttentionKind(c[1]), Operation(c[2]))
+                      for c in self.capabilities),
+        )
+        object.__setattr__(self, "devices", frozenset(self.devices))
+        object.__setattr__(self, "requires", tuple(self.requires))
+
+    def supports(self, layout: Layout, attention: AttentionKind, operation: Operation) -> bool:
+        return Capability(layout, attention, operation) in self.capabilities

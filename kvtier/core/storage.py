@@ -1,0 +1,112 @@
+"""The storage backend contract: batched, byte-level, one result per key.
+
+A storage backend moves bytes between host memory and wherever it keeps pages; it knows
+nothing of tensors, layouts or the envelope. Each page arrives as a list of
+:class:`~kvtier.core.extents.Extent` in a fixed order (the envelope header region, then
+the page's extents); the backend stores their concatenation as one object and fills the
+same regions in place on ``get``. Ordinary misses, a full disk or an unreachable server
+are reported per key as ``False``; exceptions are for bugs and are caught and counted at
+the core's boundary.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvtier.core.extents import Extent
+from kvtier.core.geometry import KVGeometry
+from kvtier.core.layout import Layout
+
+if TYPE_CHECKING:
+    from kvtier.core.host_pool import HostPool
+
+__all__ = ["BackendContext", "Counters", "PageBuffers", "StorageBackend"]
+
+#: One page's regions, in order. Their concatenation is the stored object.
+PageBuffers = Sequence[Extent]
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """What a backend factory learns about the engine besides its own config."""
+
+    geometry: KVGeometry
+    layout: Layout
+    tp_rank: int = 0
+    tp_size: int = 1
+    #: A short, charset-safe id of the model / geometry / tenant, for backends that keep
+    #: one store for several namespaces (``clear`` may use it).
+    namespace: str = "default"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Counters:
+    """Thread-safe named counters, the usual body of ``stats()``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, int | float] = {}
+
+    def add(self, name: str, amount: int | float = 1) -> None:
+        with self._lock:
+            self._values[name] = self._values.get(name, 0) + amount
+
+    def set(self, name: str, value: int | float) -> None:
+        with self._lock:
+            self._values[name] = value
+
+    def snapshot(self) -> dict[str, int | float]:
+        with self._lock:
+            return dict(self._values)
+
+
+class StorageBackend(ABC):
+    """Base class of storage backends. Every method is batched; results align with keys."""
+
+    def attach(self, pool: HostPool) -> None:  # noqa: B027 - optional hook, no-op default
+        """Register the host pool's memory once (RDMA, io_uring fixed buffers). Optional."""
+
+    @abstractmethod
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored. Must be cheap: the core calls it for prefix hits."""
+
+    @abstractmethod
+    def get(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
+        """Fill each page's regions in order from its stored object.
+
+        True only when every byte of the regions was filled; a missing key, a short
+        object or an I/O error is False. The core verifies the envelope afterwards.
+        """
+
+    @abstractmethod
+    def put(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
+        """Store the concatenation of each page's regions under its key, atomically.
+
+        A reader must see the whole new object, the whole old one, or a miss. False
+        when the page could not be stored (full disk, server down); nothing partial stays.
+        """
+
+    @abstractmethod
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        """Remove each key; True if it was there and is gone."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Remove every page this backend instance stored (its namespace, not others')."""
+
+    def stats(self) -> dict[str, int | float]:
+        """Counters for operators: hits, misses, bytes, failures by cause."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - optional hook, no-op default
+        """Release files, threads and registered memory. Idempotent."""
+
+    def __enter__(self) -> StorageBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""The plugin system: hook markers, hook specifications, the manager and registries."""

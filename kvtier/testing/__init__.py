@@ -1,0 +1,1 @@
+"""Test helpers and the conformance kit that third-party backends import and run."""
