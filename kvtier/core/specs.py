@@ -172,6 +172,10 @@ class BackendSpec(_SpecBase):
     operations: frozenset[Operation] = ALL_OPERATIONS
     io_backends: frozenset[str] | None = None
     features: frozenset[Feature] = field(default_factory=frozenset)
+    #: Optional plan check run during capability resolution, before anything is built:
+    #: ``validate_plan(config, context)`` raises a ConfigError subclass naming what cannot
+    #: work (for example O_DIRECT with extents that cannot be 4096-aligned).
+    validate_plan: Callable[[Any, Any], None] | None = None
 
     _kind = "backend"
 
