@@ -30,8 +30,10 @@ def extent_of_tensor(tensor: torch.Tensor) -> Extent:
         raise ValueError("extents need a contiguous tensor region")
     length = tensor.numel() * tensor.element_size()
     ptr = tensor.data_ptr()
-    view = memoryview((ctypes.c_ubyte * length).from_address(ptr)).cast("B") if length else (
-        memoryview(bytearray(0))
+    view = (
+        memoryview((ctypes.c_ubyte * length).from_address(ptr)).cast("B")
+        if length
+        else (memoryview(bytearray(0)))
     )
     return Extent(view, ptr, length)
 

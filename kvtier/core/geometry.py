@@ -44,9 +44,16 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     **_float8_dtypes(),
 }
-_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32",
-            "float": "float32", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
-            "fp8_e5m2": "float8_e5m2"}
+_ALIASES = {
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "fp32": "float32",
+    "float": "float32",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
 
 
 def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
@@ -121,8 +128,9 @@ class KVGeometry:
         page_size: int = 64,
     ) -> KVGeometry:
         """An MHA/GQA geometry: separate K and V, ``num_kv_heads`` heads on this rank."""
-        return cls(AttentionKind.MHA, num_layers, num_kv_heads, head_dim,
-                   dtype_from_name(dtype), page_size)
+        return cls(
+            AttentionKind.MHA, num_layers, num_kv_heads, head_dim, dtype_from_name(dtype), page_size
+        )
 
     @classmethod
     def mla(
@@ -137,8 +145,14 @@ class KVGeometry:
         """An MLA geometry: one latent vector of ``kv_lora_rank + qk_rope_head_dim``."""
         _positive("kv_lora_rank", kv_lora_rank)
         _positive("qk_rope_head_dim", qk_rope_head_dim)
-        return cls(AttentionKind.MLA, num_layers, 1, kv_lora_rank + qk_rope_head_dim,
-                   dtype_from_name(dtype), page_size)
+        return cls(
+            AttentionKind.MLA,
+            num_layers,
+            1,
+            kv_lora_rank + qk_rope_head_dim,
+            dtype_from_name(dtype),
+            page_size,
+        )
 
     @property
     def kv_count(self) -> int:

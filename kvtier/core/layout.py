@@ -30,8 +30,12 @@ class Layout(str, enum.Enum):
 
 
 _BY_ATTENTION: dict[AttentionKind, tuple[Layout, ...]] = {
-    AttentionKind.MHA: (Layout.LAYER_FIRST, Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT,
-                        Layout.PAGE_HEAD),
+    AttentionKind.MHA: (
+        Layout.LAYER_FIRST,
+        Layout.PAGE_FIRST,
+        Layout.PAGE_FIRST_DIRECT,
+        Layout.PAGE_HEAD,
+    ),
     AttentionKind.MLA: (Layout.LAYER_FIRST, Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT),
 }
 

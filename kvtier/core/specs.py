@@ -181,8 +181,12 @@ class BackendSpec(_SpecBase):
 
     def __post_init__(self) -> None:
         _check_name(self._kind, self.name)
-        for attr, enum_type in (("layouts", Layout), ("attention", AttentionKind),
-                                ("operations", Operation), ("features", Feature)):
+        for attr, enum_type in (
+            ("layouts", Layout),
+            ("attention", AttentionKind),
+            ("operations", Operation),
+            ("features", Feature),
+        ):
             object.__setattr__(self, attr, frozenset(enum_type(v) for v in getattr(self, attr)))
         if self.io_backends is not None:
             object.__setattr__(self, "io_backends", frozenset(self.io_backends))
@@ -209,8 +213,10 @@ class IOBackendSpec(_SpecBase):
         object.__setattr__(
             self,
             "capabilities",
-            frozenset(Capability(Layout(c[0]), AttentionKind(c[1]), Operation(c[2]))
-                      for c in self.capabilities),
+            frozenset(
+                Capability(Layout(c[0]), AttentionKind(c[1]), Operation(c[2]))
+                for c in self.capabilities
+            ),
         )
         object.__setattr__(self, "devices", frozenset(self.devices))
         object.__setattr__(self, "requires", tuple(self.requires))
