@@ -14,7 +14,7 @@ from kvtier.core.errors import (
 from kvtier.core.geometry import AttentionKind, KVGeometry
 from kvtier.core.layout import Layout
 from kvtier.core.specs import BackendSpec, Capability, Feature, IOBackendSpec, Operation
-from kvtier.core.storage import BackendContext, StorageBackend
+from kvtier.core.storage import BackendContext, PageBuffers, StorageBackend
 from kvtier.plugins.hookspecs import hookimpl, hookspec
 
 __version__ = "0.1.0"
@@ -33,6 +33,7 @@ __all__ = [
     "KvtierError",
     "Layout",
     "Operation",
+    "PageBuffers",
     "PluginError",
     "StorageBackend",
     "StorageError",

@@ -179,7 +179,7 @@ def _collect(
     found: dict[str, Any] = {}
     owner: dict[str, str] = {}
     hook = getattr(loaded.pm.hook, hook_name)
-    for impl in reversed(hook.get_hookimpls()):  # registration order
+    for impl in hook.get_hookimpls():  # registration order: built-ins first
         plugin_name = impl.plugin_name
 
         def register(spec: Any, _plugin: str = plugin_name) -> None:
