@@ -23,6 +23,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import liburing
 
@@ -53,6 +54,8 @@ class IORequest:
     fd: int
     views: Sequence[memoryview] = ()
     offset: int = 0
+    #: The caller's own bookkeeping (which key this request serves); the ring ignores it.
+    tag: Any = None
     done: int = 0
     error: int = 0
     nbytes: int = field(init=False)
