@@ -1,9 +1,208 @@
-"""The stored page format: a fixed-size envelope header in front of every page's payload."""
+"""The stored page format: a fixed-size envelope header in front of every page's payload.
+
+The envelope is a little-endian binary header at the start of a :data:`ENVELOPE_BYTES`
+slot; the rest of the slot is zero. ``docs/integrity.md`` describes it byte by byte.
+The payload checksum streams over the page's extents in place (no concatenation); the
+header carries its own checksum, so a flipped bit in the header is caught too.
+"""
 
 from __future__ import annotations
 
-__all__ = ["ENVELOPE_BYTES"]
+import enum
+import hashlib
+import struct
+from collections.abc import Sequence
+
+import xxhash
+
+from kvtier.core.errors import InvalidFieldError
+from kvtier.core.extents import Extent
+from kvtier.core.layout import Layout
+
+__all__ = [
+    "ENVELOPE_BYTES",
+    "FORMAT_VERSION",
+    "HEADER",
+    "MAGIC",
+    "ChecksumAlgorithm",
+    "Rejection",
+    "key_digest",
+    "layout_code",
+    "verify_envelope",
+    "write_envelope",
+]
 
 #: Bytes reserved for the envelope in front of every stored page. 4096 keeps the payload
 #: aligned for O_DIRECT on storage and the header slot aligned in the host pool.
 ENVELOPE_BYTES = 4096
+
+#: First 8 bytes of every envelope.
+MAGIC = b"KVTIERPG"
+#: The version of the format this module writes and reads.
+FORMAT_VERSION = 1
+
+#: magic, version, header length, flags, fingerprint, layout code, checksum id, reserved,
+#: key digest, payload length, payload checksum. The header checksum (u64) follows.
+_BODY = struct.Struct("<8sHHI32sBBHI16sQ16s")
+_HEADER_SUM = struct.Struct("<Q")
+#: The whole header: body plus its xxh3_64 checksum (104 bytes).
+HEADER = struct.Struct(_BODY.format + "Q")
+_FINGERPRINT_BYTES = 32
+_PREFIX = struct.Struct("<8sHH")
+_ZEROS = memoryview(bytes(ENVELOPE_BYTES))
+
+_LAYOUT_CODES: dict[Layout, int] = {
+    Layout.LAYER_FIRST: 1,
+    Layout.PAGE_FIRST: 2,
+    Layout.PAGE_FIRST_DIRECT: 3,
+    Layout.PAGE_HEAD: 4,
+}
+
+
+class ChecksumAlgorithm(enum.IntEnum):
+    """The payload checksum, by the id stored in the header."""
+
+    XXH3_128 = 1
+
+
+#: The algorithm :func:`write_envelope` uses (chosen by measurement, docs/integrity.md).
+DEFAULT_CHECKSUM = ChecksumAlgorithm.XXH3_128
+
+
+class Rejection(str, enum.Enum):
+    """Why a stored page was rejected; the value is the stats counter name."""
+
+    BAD_MAGIC = "bad_magic"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    CORRUPT_HEADER = "corrupt_header"
+    WRONG_GEOMETRY = "wrong_geometry"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    WRONG_KEY = "wrong_key"
+    UNKNOWN_CHECKSUM = "unknown_checksum"
+    WRONG_LENGTH = "wrong_length"
+    CORRUPT_CHECKSUM = "corrupt_checksum"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def layout_code(layout: Layout | str) -> int:
+    """The one-byte code of a layout in the header."""
+    return _LAYOUT_CODES[Layout(layout)]
+
+
+def key_digest(key: str) -> bytes:
+    """16 bytes of BLAKE2b over the key: which key a stored page was written under."""
+    return hashlib.blake2b(key.encode("utf-8"), digest_size=16).digest()
+
+
+def _fingerprint_field(fingerprint: str) -> bytes:
+    raw = fingerprint.encode("ascii", "strict") if fingerprint.isascii() else b""
+    if not raw or len(raw) > _FINGERPRINT_BYTES:
+        raise InvalidFieldError(
+            "fingerprint",
+            f"must be 1 to {_FINGERPRINT_BYTES} ASCII characters, got {fingerprint!r}",
+            value=fingerprint,
+        )
+    return raw.ljust(_FINGERPRINT_BYTES, b"\0")
+
+
+def _view(slot: Extent | memoryview) -> memoryview:
+    view = slot.view if isinstance(slot, Extent) else slot
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if view.nbytes < HEADER.size:
+        raise InvalidFieldError(
+            "slot",
+            f"an envelope slot needs at least {HEADER.size} bytes, got {view.nbytes}",
+            value=view.nbytes,
+        )
+    return view
+
+
+def payload_checksum(payload: Sequence[Extent | memoryview]) -> tuple[int, bytes]:
+    """Payload length and its xxh3_128 digest, streamed over the extents in place."""
+    h = xxhash.xxh3_128()
+    length = 0
+    for region in payload:
+        view = region.view if isinstance(region, Extent) else region
+        h.update(view)
+        length += view.nbytes
+    return length, h.digest()
+
+
+def write_envelope(
+    slot: Extent | memoryview,
+    *,
+    key: str,
+    fingerprint: str,
+    layout: Layout | str,
+    payload: Sequence[Extent | memoryview],
+) -> None:
+    """Write the envelope for ``payload`` stored under ``key`` into ``slot``; zero the rest."""
+    view = _view(slot)
+    length, digest = payload_checksum(payload)
+    body = _BODY.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        HEADER.size,
+        0,
+        _fingerprint_field(fingerprint),
+        layout_code(layout),
+        int(DEFAULT_CHECKSUM),
+        0,
+        0,
+        key_digest(key),
+        length,
+        digest,
+    )
+    view[: _BODY.size] = body
+    _HEADER_SUM.pack_into(view, _BODY.size, xxhash.xxh3_64_intdigest(body))
+    rest = view.nbytes - HEADER.size
+    view[HEADER.size :] = _ZEROS[:rest] if rest <= len(_ZEROS) else bytes(rest)
+
+
+def verify_envelope(
+    slot: Extent | memoryview,
+    *,
+    key: str,
+    fingerprint: str,
+    layout: Layout | str,
+    payload: Sequence[Extent | memoryview],
+    full: bool = True,
+) -> Rejection | None:
+    """Why the page in ``slot`` + ``payload`` must not be used, or None if it is valid.
+
+    ``full=False`` checks the header only (magic, version, header checksum, geometry,
+    layout, key, length) and skips the payload checksum.
+    """
+    view = _view(slot)
+    magic, version, header_len = _PREFIX.unpack_from(view, 0)
+    if magic != MAGIC:
+        return Rejection.BAD_MAGIC
+    if version != FORMAT_VERSION:
+        return Rejection.UNSUPPORTED_VERSION
+    if header_len != HEADER.size:
+        return Rejection.CORRUPT_HEADER
+    body = bytes(view[: _BODY.size])
+    (stored_sum,) = _HEADER_SUM.unpack_from(view, _BODY.size)
+    if xxhash.xxh3_64_intdigest(body) != stored_sum:
+        return Rejection.CORRUPT_HEADER
+    (_, _, _, _, fp, code, algo, _, _, digest, length, checksum) = _BODY.unpack(body)
+    if fp != _fingerprint_field(fingerprint):
+        return Rejection.WRONG_GEOMETRY
+    if code != layout_code(layout):
+        return Rejection.LAYOUT_MISMATCH
+    if digest != key_digest(key):
+        return Rejection.WRONG_KEY
+    if algo not in ChecksumAlgorithm._value2member_map_:
+        return Rejection.UNKNOWN_CHECKSUM
+    expected = sum(
+        (region.view if isinstance(region, Extent) else region).nbytes for region in payload
+    )
+    if length != expected:
+        return Rejection.WRONG_LENGTH
+    if full:
+        _, actual = payload_checksum(payload)
+        if actual != checksum:
+            return Rejection.CORRUPT_CHECKSUM
+    return None

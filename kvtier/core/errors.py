@@ -19,6 +19,7 @@ __all__ = [
     "ExtraConfigSyntaxError",
     "IntegrityError",
     "InvalidFieldError",
+    "InvalidKeyError",
     "KvtierError",
     "MissingFieldError",
     "NotAnObjectError",
@@ -185,6 +186,13 @@ class TransferError(KvtierError, ValueError):
 
 class StorageError(KvtierError):
     """A storage backend failed in a way that is not an ordinary miss."""
+
+
+class InvalidKeyError(KvtierError, ValueError):
+    """A page key outside the key charset, or tokens no key can be derived from.
+
+    Raised before any I/O: a path-like key is a bug in the caller, never a miss.
+    """
 
 
 class IntegrityError(StorageError):
