@@ -20,15 +20,16 @@ import errno
 import functools
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
 from kvtier.backends import _filestore as fs
+from kvtier.backends.file import default_root, validate_file_plan
+from kvtier.core.errors import BackendUnavailableError, ConfigError, InvalidFieldError, StorageError
 from kvtier.core.specs import BackendSpec, Feature
 from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBackend
 from kvtier.plugins.hookspecs import hookimpl
@@ -36,7 +37,7 @@ from kvtier.plugins.hookspecs import hookimpl
 if TYPE_CHECKING:
     from kvtier.backends._uring_ring import IORequest
 
-__all__ = ["URING_SPEC", "UringBackend", "UringConfig", "probe_io_uring"]
+__all__ = ["URING_SPEC", "UringBackend", "UringConfig", "probe_io_uring", "validate_uring_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -45,54 +46,67 @@ log = logging.getLogger(__name__)
 DIRECT_ALIGN = 4096
 
 
-def _default_root() -> Path:
-    return Path(tempfile.gettempdir()) / f"kvtier-{os.getuid()}"
-
-
 class UringConfig(BaseModel):
-    """Options of the ``uring`` backend (the file backend's, plus the queue)."""
+    """Options of the ``uring`` backend: the file backend's, plus the queue."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     root: Path = Field(
-        default_factory=_default_root,
-        description="Directory holding the pages; created 0700. Shared with the 'file' "
-        "backend's format: either backend reads a root the other wrote.",
+        default_factory=default_root,
+        description="Directory holding the pages (created 0700; an existing one must be "
+        "private to this user). The 'file' backend's format and default root: either "
+        "backend reads pages the other wrote. Default: <tempdir>/kvtier-<uid>/file.",
     )
     queue_depth: int = Field(
         default=32,
         ge=1,
         le=4096,
-        description="Most requests in flight per thread's ring. 8-64 keeps an NVMe busy.",
+        description="Most requests in flight in each thread's ring; 8-64 keeps a local "
+        "NVMe busy, 1 issues one request at a time.",
     )
-    durability: Literal["none", "page", "batch"] = Field(
+    fsync: Literal["none", "page", "batch"] = Field(
         default="none",
-        description="'none': no fsync (pages survive a process crash, not a power cut); "
-        "'page': fsync each page and its directory; 'batch': fsync each page, publish the "
-        "batch, fsync each touched directory once.",
+        description="Durability: 'none' survives a process crash, not a power cut; "
+        "'page' fsyncs each page and its directory; 'batch' fsyncs each page and each "
+        "touched directory once per batch. Page fsyncs run in the ring, in parallel.",
     )
     o_direct: bool = Field(
         default=False,
-        description="Bypass the page cache. Needs extents whose addresses and lengths are "
-        "multiples of 4096; other pages use buffered I/O, logged once and counted.",
+        description="Bypass the page cache (O_DIRECT). Needs 4096-aligned extents and a "
+        "filesystem that supports it (not tmpfs); misaligned pages use buffered I/O, "
+        "logged once and counted as o_direct_fallbacks.",
     )
     capacity_bytes: ByteSize | None = Field(
         default=None,
         gt=0,
-        description="Most bytes of pages kept; least recently used pages are evicted. "
-        "None: no limit besides min_free_bytes.",
+        description="Most bytes of pages kept; least recently used pages are evicted "
+        "beyond it. None: bounded only by min_free_bytes. An integer or '64GiB'.",
     )
     min_free_bytes: ByteSize = Field(
-        default=ByteSize(0),
+        default=ByteSize(1 << 30),
         ge=0,
-        description="Free space to leave on the filesystem; pages are evicted (or the put "
-        "fails) rather than go below it.",
+        description="Free space always left on the filesystem; pages are evicted (or the "
+        "put fails) rather than going below it.",
+    )
+    check_disk_on_miss: bool = Field(
+        default=True,
+        description="On an index miss, exists() stats the file once, so pages written by "
+        "other processes sharing the root are found.",
     )
     submit_async: bool = Field(
         default=False,
         description="Hand every request to the kernel's io_uring workers (IOSQE_ASYNC) "
-        "instead of trying it inline at submission.",
+        "instead of trying it inline at submission first.",
     )
+
+
+def validate_uring_plan(config: Any, context: Any) -> None:
+    """Refuse O_DIRECT at config time when the page's extents cannot be 4096-aligned."""
+    try:
+        validate_file_plan(config, context)
+    except InvalidFieldError as exc:
+        message = str(exc).removeprefix(f"{exc.path}: ")
+        raise InvalidFieldError("uring.o_direct", message, value=exc.value) from None
 
 
 # --- availability --------------------------------------------------------------------
@@ -199,27 +213,25 @@ class UringBackend(StorageBackend):
     ) -> None:
         reason = probe_io_uring()
         if reason is not None:  # a direct construction bypasses resolution: refuse too
-            from kvtier.core.errors import BackendUnavailableError
-
             raise BackendUnavailableError("backend", "uring", reason, URING_SPEC.install_hint)
         from kvtier.backends._uring_ring import RingPool
 
         self.config = config or UringConfig()
         self.context = context
         namespace = context.namespace if context is not None else "default"
-        fs.ensure_private_dir(Path(self.config.root))
-        self.store = fs.store_dir(self.config.root, namespace)
-        fs.ensure_private_dir(self.store)
+        self.store = fs.prepare_store(self.config.root, namespace)
+        if self.config.o_direct:
+            self._probe_o_direct()
         self._counters = Counters()
-        self._counters.add("stale_temps_removed", fs.remove_stale_temps(self.store))
         self.index = fs.FileIndex(
             self.store,
-            capacity_bytes=int(self.config.capacity_bytes) if self.config.capacity_bytes else None,
-            min_free_bytes=int(self.config.min_free_bytes),
+            capacity_bytes=self.config.capacity_bytes,
+            min_free_bytes=self.config.min_free_bytes,
+            check_disk_on_miss=self.config.check_disk_on_miss,
         )
-        self.index.rebuild()
+        self._counters.set("pages_found_at_start", self.index.rebuild())
         self._rings = RingPool(self.config.queue_depth, force_async=self.config.submit_async)
-        self._warned_direct = False
+        self._warned: set[str] = set()
         self._closed = False
 
     @classmethod
@@ -229,43 +241,76 @@ class UringBackend(StorageBackend):
 
     # --- helpers ---------------------------------------------------------------------
 
+    def _probe_o_direct(self) -> None:
+        probe = self.store / f".o_direct_probe.{os.getpid()}"
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise ConfigError(
+                f"o_direct is set but the filesystem holding {str(self.store)!r} refused "
+                f"O_DIRECT ({exc.strerror}); tmpfs and some overlay filesystems do not "
+                "support it: choose a 'root' on a local disk or set o_direct to false",
+                value=str(self.config.root),
+            ) from exc
+        os.close(fd)
+        os.unlink(probe)
+
+    def _check(self, what: str, keys: Sequence[str], pages: Sequence[PageBuffers]) -> None:
+        for key in keys:
+            fs.check_key(key)
+        if len(keys) != len(pages):
+            raise StorageError(f"{what}: {len(keys)} keys but {len(pages)} pages", value=keys)
+        if self._closed:
+            raise StorageError("uring backend is closed; build a new one", value=str(self.store))
+
     def _direct(self, page: PageBuffers) -> bool:
         """Whether this page may use O_DIRECT; a misaligned one falls back, loudly."""
         if not self.config.o_direct:
             return False
         if _aligned(page):
             return True
-        self._counters.add("o_direct_fallbacks")
-        if not self._warned_direct:
-            self._warned_direct = True
-            log.warning(
-                "uring backend: a page's extents are not %d-byte aligned, so it uses "
-                "buffered I/O instead of O_DIRECT (counted as o_direct_fallbacks); allocate "
-                "the host pool 4096-aligned to avoid this",
-                DIRECT_ALIGN,
-            )
+        self._warn_once(
+            "o_direct_fallbacks",
+            "uring backend: a page's extents are not %d-byte aligned; using buffered I/O "
+            "for such pages (counted as o_direct_fallbacks)",
+            DIRECT_ALIGN,
+        )
         return False
+
+    def _warn_once(self, what: str, message: str, *args: object) -> None:
+        """Count ``what`` and log its first occurrence at WARNING."""
+        self._counters.add(what)
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message, *args)
 
     def _fail_put(self, put: _Put, cause: int) -> None:
         fs.unlink_quietly([put.tmp])
         self.index.release(put.nbytes)
         if cause in (errno.ENOSPC, errno.EDQUOT):
-            self._counters.add("put_failed_no_space")
+            self._warn_once(
+                "put_failed_no_space",
+                "uring backend: %s is full (%s)",
+                self.store,
+                os.strerror(cause),
+            )
         else:
-            self._counters.add("put_failed_io")
-            log.debug("uring put of %s failed: %s", put.key, os.strerror(cause))
+            self._warn_once(
+                "put_failed_io", "uring backend: writing %s: %s", put.final, os.strerror(cause)
+            )
 
     # --- the contract ----------------------------------------------------------------
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
+        for key in keys:
+            fs.check_key(key)
         return [self.index.contains(key) for key in keys]
 
     def get(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
         from kvtier.backends._uring_ring import IORequest, Op
 
-        if len(keys) != len(pages):
-            raise ValueError(f"get: {len(keys)} keys but {len(pages)} pages")
-        paths = [fs.page_path(self.store, key) for key in keys]  # validates every key first
+        self._check("get", keys, pages)
+        paths = [fs.page_path(self.store, key) for key in keys]
         results = [False] * len(keys)
         open_fds: set[int] = set()
 
@@ -280,10 +325,21 @@ class UringBackend(StorageBackend):
                     self.index.forget(key)
                     self._counters.add("misses")
                     continue
-                except OSError:
-                    self._counters.add("get_failed_io")
+                except OSError as exc:
+                    self._warn_once(
+                        "get_errors", "uring backend: cannot open %s: %s", paths[index], exc
+                    )
                     continue
                 open_fds.add(fd)
+                try:
+                    size = os.fstat(fd).st_size
+                except OSError:
+                    size = -1
+                if size != sum(e.length for e in page):  # truncated, foreign or torn
+                    open_fds.discard(fd)
+                    os.close(fd)
+                    self._counters.add("get_size_mismatch")
+                    continue
                 yield IORequest(Op.READ, fd, [e.view for e in page], tag=index)
 
         def on_done(request: IORequest) -> None:
@@ -296,9 +352,14 @@ class UringBackend(StorageBackend):
                 self._counters.add("hits")
                 self._counters.add("bytes_read", request.done)
             elif request.error:
-                self._counters.add("get_failed_io")
+                self._warn_once(
+                    "get_errors",
+                    "uring backend: reading %s failed: %s",
+                    paths[index],
+                    os.strerror(request.error),
+                )
             else:
-                self._counters.add("get_short")
+                self._counters.add("get_short_reads")
 
         try:
             self._rings.run(requests(), on_done)
@@ -310,10 +371,9 @@ class UringBackend(StorageBackend):
     def put(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
         from kvtier.backends._uring_ring import IORequest, Op
 
-        if len(keys) != len(pages):
-            raise ValueError(f"put: {len(keys)} keys but {len(pages)} pages")
-        finals = [fs.page_path(self.store, key) for key in keys]  # validates every key first
-        durability = self.config.durability
+        self._check("put", keys, pages)
+        finals = [fs.page_path(self.store, key) for key in keys]
+        durability = self.config.fsync
         results = [False] * len(keys)
         live: dict[int, _Put] = {}  # fd -> page being written, for cleanup after a bug
         to_publish: list[_Put] = []
@@ -329,9 +389,20 @@ class UringBackend(StorageBackend):
                     fd, tmp = fs.open_temp(finals[index], o_direct=self._direct(page))
                 except OSError as exc:
                     self.index.release(nbytes)
-                    self._counters.add(
-                        "put_failed_no_space" if fs.is_no_space(exc) else "put_failed_io"
-                    )
+                    if fs.is_no_space(exc):
+                        self._warn_once(
+                            "put_failed_no_space",
+                            "uring backend: %s is full (%s)",
+                            self.store,
+                            exc,
+                        )
+                    else:
+                        self._warn_once(
+                            "put_failed_io",
+                            "uring backend: creating a temp file for %s: %s",
+                            finals[index],
+                            exc,
+                        )
                     continue
                 put = _Put(index, key, finals[index], tmp, nbytes, fd)
                 live[fd] = put
@@ -340,7 +411,7 @@ class UringBackend(StorageBackend):
         def on_done(request: IORequest) -> IORequest | None:
             put: _Put = request.tag
             if request.op == Op.WRITE and request.ok and durability != "none":
-                return IORequest(Op.FSYNC, put.fd, tag=put)
+                return IORequest(Op.FDATASYNC, put.fd, tag=put)
             del live[put.fd]
             os.close(put.fd)
             if request.error or not request.ok:
@@ -365,26 +436,42 @@ class UringBackend(StorageBackend):
                 if self._publish(put, results, sync_dir=False):
                     touched.add(put.final.parent)
             for directory in touched:
-                fs.fsync_dir(directory)
+                try:
+                    fs.fsync_dir(directory)
+                except OSError as exc:
+                    self._warn_once(
+                        "fsync_errors", "uring backend: fsync of %s: %s", directory, exc
+                    )
         return results
 
     def _publish(self, put: _Put, results: list[bool], *, sync_dir: bool) -> bool:
         try:
-            fs.publish(put.tmp, put.final, sync_dir=sync_dir)
+            fs.publish(put.tmp, put.final)
         except OSError as exc:
             self._fail_put(put, exc.errno or errno.EIO)
             return False
         self.index.commit(put.key, put.nbytes)
+        if sync_dir:
+            try:
+                fs.fsync_dir(put.final.parent)
+            except OSError as exc:
+                self._warn_once("fsync_errors", "uring backend: fsync of %s: %s", put.final, exc)
         results[put.index] = True
         self._counters.add("puts")
         self._counters.add("bytes_written", put.nbytes)
         return True
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
+        for key in keys:
+            fs.check_key(key)
         return [self.index.remove(key) for key in keys]
 
     def clear(self) -> None:
         self.index.remove_all()
+
+    def rescan(self) -> int:
+        """Rebuild the index from disk (pages other processes wrote); return the count."""
+        return self.index.rebuild()
 
     def stats(self) -> dict[str, int | float]:
         return {
@@ -411,6 +498,7 @@ URING_SPEC = BackendSpec(
     install_hint="pip install 'kvtier[uring]'",
     probe=probe_io_uring,
     features=frozenset({Feature.PERSISTENT, Feature.SHARED_PROCESSES, Feature.ZERO_COPY}),
+    validate_plan=validate_uring_plan,
 )
 
 
