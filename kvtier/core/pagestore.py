@@ -1,0 +1,216 @@
+"""The core's side of the storage contract: envelopes on put, verification on get.
+
+A :class:`PageStore` sits between host-pool pages and one storage backend. It validates
+every key before any I/O, writes each page's envelope into its header slot, hands the
+backend the page's regions (header slot, then payload extents: scatter-gather, no staging
+copy), verifies what comes back, and turns every invalid page into a counted miss. A
+backend exception is caught here, logged once per exception type, counted, and reported
+as ``False`` for the whole batch; it never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Literal, Protocol
+
+from kvtier.core.envelope import HEADER, verify_envelope, write_envelope
+from kvtier.core.errors import InvalidFieldError, PageError, StorageError
+from kvtier.core.extents import Extent
+from kvtier.core.keys import validate_key
+from kvtier.core.layout import Layout
+from kvtier.core.storage import Counters, StorageBackend
+
+__all__ = ["PagePool", "PageStore", "VerifyMode"]
+
+logger = logging.getLogger(__name__)
+
+VerifyMode = Literal["full", "header"]
+_VERIFY_MODES = ("full", "header")
+
+
+class PagePool(Protocol):
+    """What a PageStore needs of a host pool (``kvtier.core.host_pool.HostPool`` has it)."""
+
+    @property
+    def layout(self) -> Layout: ...
+
+    def header_extent(self, page: int) -> Extent: ...
+
+    def extents(self, page: int) -> list[Extent]: ...
+
+    def page_buffers(self, page: int) -> list[Extent]: ...
+
+
+class PageStore:
+    """Puts host-pool pages into a storage backend and gets them back, verified."""
+
+    def __init__(
+        self,
+        backend: StorageBackend,
+        pool: PagePool,
+        *,
+        fingerprint: str,
+        verify: VerifyMode = "full",
+    ) -> None:
+        if verify not in _VERIFY_MODES:
+            raise InvalidFieldError(
+                "verify",
+                f"must be one of {', '.join(map(repr, _VERIFY_MODES))}, got {verify!r}",
+                value=verify,
+            )
+        if not isinstance(fingerprint, str) or not fingerprint:
+            raise InvalidFieldError(
+                "fingerprint", f"must be a non-empty str, got {fingerprint!r}", value=fingerprint
+            )
+        self.backend = backend
+        self.pool = pool
+        self.fingerprint = fingerprint
+        self.verify: VerifyMode = verify
+        self._counters = Counters()
+        self._warned: set[type[BaseException]] = set()
+        self._warn_lock = threading.Lock()
+
+    # --- public API ---------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored (one batched backend call); False on backend error."""
+        keys = self._checked_keys(keys)
+        if not keys:
+            return []
+        return self._call("exists", len(keys), lambda: self.backend.exists(keys))
+
+    def prefix_hits(self, keys: Sequence[str]) -> int:
+        """How many leading keys are stored, from one batched ``exists`` call."""
+        hits = 0
+        for found in self.exists(keys):
+            if not found:
+                break
+            hits += 1
+        self._counters.add("prefix_queries")
+        self._counters.add("prefix_pages", hits)
+        return hits
+
+    def put(self, keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
+        """Envelope each page in its header slot and store it; True where the backend did."""
+        keys = self._checked_keys(keys, pages)
+        if not keys:
+            return []
+        buffers = [self.pool.page_buffers(page) for page in pages]
+        layout = self.pool.layout
+        for key, regions in zip(keys, buffers, strict=True):
+            write_envelope(
+                regions[0],
+                key=key,
+                fingerprint=self.fingerprint,
+                layout=layout,
+                payload=regions[1:],
+            )
+        results = self._call("put", len(keys), lambda: self.backend.put(keys, buffers))
+        for ok, regions in zip(results, buffers, strict=True):
+            if ok:
+                self._counters.add("puts")
+                self._counters.add("bytes_written", sum(r.length for r in regions))
+            else:
+                self._counters.add("put_failures")
+        return results
+
+    def get(self, keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
+        """Fill pages from storage and verify them; an invalid page is a counted False."""
+        keys = self._checked_keys(keys, pages)
+        if not keys:
+            return []
+        buffers = [self.pool.page_buffers(page) for page in pages]
+        for regions in buffers:
+            # A backend that reports True without filling the slot must not leave a stale
+            # (valid-looking) envelope from an earlier put behind.
+            regions[0].view[: HEADER.size] = bytes(HEADER.size)
+        results = self._call("get", len(keys), lambda: self.backend.get(keys, buffers))
+        full = self.verify == "full"
+        layout = self.pool.layout
+        for i, (key, regions) in enumerate(zip(keys, buffers, strict=True)):
+            if not results[i]:
+                self._counters.add("misses")
+                continue
+            reason = verify_envelope(
+                regions[0],
+                key=key,
+                fingerprint=self.fingerprint,
+                layout=layout,
+                payload=regions[1:],
+                full=full,
+            )
+            if reason is not None:
+                results[i] = False
+                self._counters.add("invalid")
+                self._counters.add(f"invalid_{reason.value}")
+                logger.debug("page %r rejected: %s", key, reason.value)
+                continue
+            self._counters.add("hits")
+            self._counters.add("bytes_read", sum(r.length for r in regions))
+        return results
+
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        """Remove each key from the backend; False on backend error."""
+        keys = self._checked_keys(keys)
+        if not keys:
+            return []
+        return self._call("delete", len(keys), lambda: self.backend.delete(keys))
+
+    def stats(self) -> dict[str, int | float]:
+        """Counters: hits, misses, invalid (and ``invalid_<reason>``), bytes, backend errors."""
+        base: dict[str, int | float] = {
+            "hits": 0,
+            "misses": 0,
+            "invalid": 0,
+            "puts": 0,
+            "put_failures": 0,
+            "bytes_read": 0,
+            "bytes_written": 0,
+            "backend_errors": 0,
+        }
+        return {**base, **self._counters.snapshot()}
+
+    # --- internals ----------------------------------------------------------------------
+
+    @staticmethod
+    def _checked_keys(keys: Sequence[str], pages: Sequence[int] | None = None) -> list[str]:
+        checked = [validate_key(key) for key in keys]
+        if pages is not None and len(pages) != len(checked):
+            raise PageError(
+                f"got {len(checked)} keys and {len(pages)} pages; pass one page per key",
+                value=len(pages),
+            )
+        return checked
+
+    def _call(self, op: str, count: int, call: Callable[[], list[bool]]) -> list[bool]:
+        """Run one backend call; any exception or malformed answer becomes all-False."""
+        try:
+            results = call()
+            if len(results) != count:
+                raise StorageError(
+                    f"backend {type(self.backend).__name__}.{op} returned {len(results)} "
+                    f"results for {count} keys",
+                    value=len(results),
+                )
+            return [bool(r) for r in results]
+        except Exception as exc:
+            self._counters.add("backend_errors")
+            self._counters.add(f"backend_errors_{op}")
+            kind = type(exc)
+            with self._warn_lock:
+                first = kind not in self._warned
+                self._warned.add(kind)
+            if first:
+                logger.warning(
+                    "storage backend %s raised %s in %s (%s); the batch of %d keys reports "
+                    "False. Later %s errors are counted in stats()['backend_errors'] only.",
+                    type(self.backend).__name__,
+                    kind.__name__,
+                    op,
+                    exc,
+                    count,
+                    kind.__name__,
+                )
+            return [False] * count
