@@ -27,7 +27,6 @@ so an engine that needs, say, per-layer loads still gets a layout that can do th
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from kvtier.core.errors import (
     UnsupportedCombinationError,
 )
 from kvtier.core.geometry import AttentionKind, KVGeometry
+from kvtier.core.keys import Namespace
 from kvtier.core.layout import Layout, layouts_for
 from kvtier.core.specs import BackendSpec, IOBackendSpec, Operation
 from kvtier.core.storage import BackendContext
@@ -61,9 +61,8 @@ LAYOUT_PREFERENCE: tuple[Layout, ...] = (
 
 
 def namespace_for(model: str, fingerprint: str, tenant: str | None) -> str:
-    """16 hex digits naming (model, geometry, tenant): pages of one never match another."""
-    canonical = f"kvtier-namespace-v1\0{model}\0{fingerprint}\0{tenant or ''}"
-    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    """The key namespace id of (model, geometry, tenant): the one :mod:`kvtier.core.keys` uses."""
+    return Namespace(model, fingerprint, tenant).id
 
 
 @dataclass(frozen=True)
@@ -291,6 +290,8 @@ def resolve(
             reason = f"IO backend {explicit_io.name!r} has no layout that runs {plan_text}"
         elif layout_wanted is not None:
             reason = f"no IO backend runs {plan_text} with layout {layout_wanted.value!r}"
+        elif not io_backends:
+            reason = f"no IO backend is installed, so nothing can run {plan_text}"
         else:
             reason = f"no installed IO backend and layout run {plan_text}"
         raise UnsupportedCombinationError(
