@@ -46,9 +46,10 @@ A backend built on this scheme (file, io_uring) does, per page::
 and at start-up ``store = prepare_store(root, namespace)`` (0700 dirs, stale temps
 removed), then ``index.rebuild()``.
 
-Keys reach the filesystem only after :func:`check_key`: ASCII letters, digits, ``_`` and
-``-``, at most :data:`MAX_KEY_LENGTH` characters, so no key can name a path outside the
-store or collide with a temp file.
+Keys reach the filesystem only after :func:`check_key` (the key module's
+``validate_key``: lowercase ASCII letters, digits, ``_`` and ``-``, starting with a letter
+or digit, at most 160 characters), so no key can name a path outside the store or collide
+with a temp file (those start with ``.``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ import errno
 import hashlib
 import logging
 import os
-import re
 import stat
 import threading
 import time
@@ -67,7 +67,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Literal
 
-from kvtier.core.errors import ConfigError, StorageError
+from kvtier.core.errors import ConfigError, InvalidKeyError
+from kvtier.core.keys import MAX_KEY_LENGTH, validate_key
 
 __all__ = [
     "DIR_MODE",
@@ -98,30 +99,19 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 PAGE_SUFFIX = ".kv"
 TEMP_SUFFIX = ".tmp"
-#: Longest key accepted; keeps ``.<key>`` names and temp names well under NAME_MAX (255).
-MAX_KEY_LENGTH = 200
-_KEY_RE = re.compile(r"[0-9A-Za-z_-]+")
 _temp_seq: dict[int, int] = {}
 _temp_lock = threading.Lock()
 
 
 def check_key(key: str) -> str:
-    """Return ``key`` if it is safe as a file name, else raise :class:`StorageError`."""
-    if not isinstance(key, str) or not key:
-        raise StorageError(f"page key must be a non-empty string, got {key!r}", value=key)
-    if len(key) > MAX_KEY_LENGTH:
-        raise StorageError(
-            f"page key of {len(key)} characters is longer than {MAX_KEY_LENGTH}; "
-            "use kvtier's page keys (fixed-length digests)",
-            value=key,
-        )
-    if not key.isascii() or _KEY_RE.fullmatch(key) is None:
-        raise StorageError(
-            f"page key {key!r} has characters outside [0-9A-Za-z_-]; "
-            "keys reach storage only through kvtier's key module",
-            value=key,
-        )
-    return key
+    """Return ``key`` if it is a valid page key (so a safe file name), else raise.
+
+    Delegates to :func:`kvtier.core.keys.validate_key` (raises
+    :class:`~kvtier.core.errors.InvalidKeyError`): ``[a-z0-9_-]``, starting with a letter
+    or digit, at most :data:`MAX_KEY_LENGTH` characters, so no key is a path, ``.``,
+    ``..``, a hidden or temp file name.
+    """
+    return validate_key(key)
 
 
 def store_dir(root: str | os.PathLike[str], namespace: str) -> Path:
@@ -283,7 +273,7 @@ def scan_pages(store: Path) -> list[tuple[str, int, float]]:
             try:
                 check_key(key)
                 info = entry.stat(follow_symlinks=False)
-            except (StorageError, FileNotFoundError):
+            except (InvalidKeyError, FileNotFoundError):
                 continue
             if stat.S_ISREG(info.st_mode):
                 found.append((key, info.st_size, info.st_mtime))

@@ -1,0 +1,423 @@
+"""The ``file`` backend: one file per page under a root directory, on local disk.
+
+Pages are written with ``os.pwritev`` straight from the host pool's extents into a temp
+file and published by an atomic rename; they are read back with ``os.preadv`` straight
+into the extents. No staging copy, no bytes objects. Batches run on a small thread pool
+(the calls release the GIL), so cold reads keep several requests in flight. The on-disk
+scheme, index, LRU capacity and free-space guard live in :mod:`kvtier.backends._filestore`
+and are shared with the io_uring backend.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
+
+from kvtier.backends import _filestore as fs
+from kvtier.core.envelope import ENVELOPE_BYTES
+from kvtier.core.errors import ConfigError, InvalidFieldError, StorageError
+from kvtier.core.geometry import KVGeometry
+from kvtier.core.layout import Layout
+from kvtier.core.specs import BackendSpec, Feature
+from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBackend
+from kvtier.plugins.hookspecs import hookimpl
+
+__all__ = ["FILE_SPEC", "FileBackend", "FileConfig", "default_root", "validate_file_plan"]
+
+log = logging.getLogger(__name__)
+
+#: O_DIRECT needs buffers, lengths and offsets aligned to the device's logical block;
+#: 4096 covers every common device.
+DIRECT_ALIGNMENT = 4096
+#: Linux accepts at most this many regions per preadv/pwritev call.
+_IOV_MAX = 1024
+
+
+def default_root() -> Path:
+    """``<tempdir>/kvtier-<uid>/file``: private to this user, created 0700."""
+    return Path(tempfile.gettempdir()) / f"kvtier-{os.geteuid()}" / "file"
+
+
+class FileConfig(BaseModel):
+    """Options of the ``file`` backend."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    root: Path = Field(
+        default_factory=default_root,
+        description="Directory holding the pages (created 0700; an existing one must be "
+        "private to this user). Default: <tempdir>/kvtier-<uid>/file.",
+    )
+    fsync: Literal["none", "page", "batch"] = Field(
+        default="none",
+        description="Durability: 'none' survives a process crash, not a power cut; "
+        "'page' fsyncs each page and its directory; 'batch' fsyncs each page and each "
+        "touched directory once per batch.",
+    )
+    o_direct: bool = Field(
+        default=False,
+        description="Bypass the page cache (O_DIRECT). Needs 4096-aligned extents and a "
+        "filesystem that supports it (not tmpfs).",
+    )
+    capacity_bytes: ByteSize | None = Field(
+        default=None,
+        gt=0,
+        description="Most bytes of pages kept; least recently used pages are evicted "
+        "beyond it. None: bounded only by min_free_bytes. An integer or '64GiB'.",
+    )
+    min_free_bytes: ByteSize = Field(
+        default=ByteSize(1 << 30),
+        ge=0,
+        description="Free space always left on the filesystem; pages are evicted (or the "
+        "put fails) rather than going below it.",
+    )
+    io_threads: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="Threads issuing reads and writes for one batch, so that several "
+        "requests are in flight.",
+    )
+    check_disk_on_miss: bool = Field(
+        default=True,
+        description="On an index miss, exists() stats the file once, so pages written by "
+        "other processes sharing the root are found.",
+    )
+
+
+def _extent_lengths(geometry: KVGeometry, layout: Layout) -> list[int]:
+    """The lengths of one page's payload extents in ``layout`` (see kvtier.core.layout)."""
+    per_layer = geometry.page_size * geometry.token_bytes_per_layer
+    if layout is Layout.LAYER_FIRST:
+        return [per_layer] * (geometry.kv_count * geometry.num_layers)
+    return [per_layer * geometry.num_layers] * geometry.kv_count
+
+
+def validate_file_plan(config: Any, context: Any) -> None:
+    """Refuse O_DIRECT at config time when the page's extents cannot be 4096-aligned."""
+    if not getattr(config, "o_direct", False):
+        return
+    geometry: KVGeometry = context.geometry
+    layout = Layout(context.layout)
+    lengths = _extent_lengths(geometry, layout)
+    if ENVELOPE_BYTES % DIRECT_ALIGNMENT == 0 and all(n % DIRECT_ALIGNMENT == 0 for n in lengths):
+        return
+    working = [
+        other.value
+        for other in Layout
+        if all(n % DIRECT_ALIGNMENT == 0 for n in _extent_lengths(geometry, other))
+    ]
+    hint = (
+        f"use layout {' or '.join(repr(w) for w in working)}, or set o_direct to false"
+        if working
+        else "set o_direct to false (no layout aligns this geometry)"
+    )
+    raise InvalidFieldError(
+        "file.o_direct",
+        f"O_DIRECT needs every extent to be a multiple of {DIRECT_ALIGNMENT} bytes, but "
+        f"layout {layout.value!r} cuts a page of {geometry.describe()} into extents of "
+        f"{lengths[0]} bytes; {hint}",
+        value=True,
+    )
+
+
+def _check_keys(keys: Sequence[str]) -> None:
+    for key in keys:
+        fs.check_key(key)
+
+
+def _advance(views: list[memoryview], done: int) -> list[memoryview]:
+    """The regions left after the first ``done`` bytes were transferred."""
+    rest: list[memoryview] = []
+    for view in views:
+        if done >= view.nbytes:
+            done -= view.nbytes
+            continue
+        rest.append(view[done:] if done else view)
+        done = 0
+    return rest
+
+
+def _pwritev_all(fd: int, views: list[memoryview]) -> int:
+    """Write every region at offset 0 onwards, resuming after short writes."""
+    offset = 0
+    while views:
+        batch = views[:_IOV_MAX]
+        written = os.pwritev(fd, batch, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += written
+        views = _advance(views, written)
+    return offset
+
+
+def _preadv_all(fd: int, views: list[memoryview]) -> int:
+    """Fill every region from offset 0 onwards; stops early only at end of file."""
+    offset = 0
+    while views:
+        batch = views[:_IOV_MAX]
+        got = os.preadv(fd, batch, offset)
+        if got == 0:
+            break
+        offset += got
+        views = _advance(views, got)
+    return offset
+
+
+def _aligned(page: PageBuffers) -> bool:
+    return all(e.ptr % DIRECT_ALIGNMENT == 0 and e.length % DIRECT_ALIGNMENT == 0 for e in page)
+
+
+class FileBackend(StorageBackend):
+    """Pages as files under ``root/<namespace>``; see :mod:`kvtier.backends._filestore`."""
+
+    def __init__(
+        self, config: FileConfig | None = None, context: BackendContext | None = None
+    ) -> None:
+        self.config = config or FileConfig()
+        self.context = context
+        namespace = context.namespace if context is not None else "default"
+        self.store = fs.prepare_store(self.config.root, namespace)
+        if self.config.o_direct:
+            self._probe_o_direct()
+        self.index = fs.FileIndex(
+            self.store,
+            capacity_bytes=self.config.capacity_bytes,
+            min_free_bytes=self.config.min_free_bytes,
+            check_disk_on_miss=self.config.check_disk_on_miss,
+        )
+        found = self.index.rebuild()
+        self._counters = Counters()
+        self._counters.set("pages_found_at_start", found)
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._warned: set[str] = set()
+
+    @classmethod
+    def from_config(cls, config: FileConfig, context: BackendContext) -> FileBackend:
+        """The factory kvtier calls with the validated config."""
+        return cls(config, context)
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def _probe_o_direct(self) -> None:
+        probe = self.store / f".o_direct_probe.{os.getpid()}"
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise ConfigError(
+                f"o_direct is set but the filesystem holding {str(self.store)!r} refused "
+                f"O_DIRECT ({exc.strerror}); tmpfs and some overlay filesystems do not "
+                "support it: choose a 'root' on a local disk or set o_direct to false",
+                value=str(self.config.root),
+            ) from exc
+        os.close(fd)
+        os.unlink(probe)
+
+    def _warn_once(self, what: str, message: str, *args: object) -> None:
+        self._counters.add(what)
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message, *args)
+
+    def _map(self, fn: Callable[..., Any], *iterables: Sequence[Any]) -> list[Any]:
+        """Run ``fn`` over a batch, on the thread pool when the batch has several items."""
+        if self._closed:
+            raise StorageError("file backend is closed; build a new one", value=str(self.store))
+        if len(iterables[0]) <= 1 or self.config.io_threads == 1:
+            return list(map(fn, *iterables))
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    self.config.io_threads, thread_name_prefix="kvtier-file"
+                )
+        return list(self._executor.map(fn, *iterables))
+
+    def _direct_for(self, page: PageBuffers) -> bool:
+        if not self.config.o_direct:
+            return False
+        if _aligned(page):
+            return True
+        self._warn_once(
+            "o_direct_fallbacks",
+            "file backend: a page's extents are not %d-byte aligned; using buffered I/O "
+            "for such pages (counted as o_direct_fallbacks)",
+            DIRECT_ALIGNMENT,
+        )
+        return False
+
+    # --- contract ------------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        _check_keys(keys)
+        return [self.index.contains(key) for key in keys]
+
+    def get(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
+        _check_keys(keys)
+        if len(keys) != len(pages):
+            raise StorageError(f"get: {len(keys)} keys but {len(pages)} pages", value=keys)
+        return self._map(self._get_one, keys, pages)
+
+    def _get_one(self, key: str, page: PageBuffers) -> bool:
+        final = fs.page_path(self.store, key)
+        flags = os.O_RDONLY | os.O_CLOEXEC
+        if self._direct_for(page):
+            flags |= os.O_DIRECT
+        try:
+            fd = os.open(final, flags)
+        except (FileNotFoundError, NotADirectoryError):
+            self.index.forget(key)  # another process deleted or evicted it
+            self._counters.add("misses")
+            return False
+        except OSError as exc:
+            self._warn_once("get_errors", "file backend: cannot open %s: %s", final, exc)
+            return False
+        try:
+            expected = sum(e.length for e in page)
+            size = os.fstat(fd).st_size
+            if size != expected:
+                self._counters.add("get_size_mismatch")
+                return False
+            got = _preadv_all(fd, [e.view for e in page])
+        except OSError as exc:
+            self._warn_once("get_errors", "file backend: reading %s failed: %s", final, exc)
+            return False
+        finally:
+            os.close(fd)
+        if got != expected:
+            self._counters.add("get_short_reads")
+            return False
+        self.index.touch(key, size)
+        self._counters.add("hits")
+        self._counters.add("bytes_read", got)
+        return True
+
+    def put(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
+        _check_keys(keys)
+        if len(keys) != len(pages):
+            raise StorageError(f"put: {len(keys)} keys but {len(pages)} pages", value=keys)
+        if self.config.fsync != "batch":
+            return [r is True for r in self._map(self._put_one, keys, pages)]
+        # batch: write and fsync every temp file, then publish all, then sync each dir once
+        written = self._map(self._put_one, keys, pages, [False] * len(keys))
+        results: list[bool] = []
+        directories: set[Path] = set()
+        for key, outcome in zip(keys, written, strict=True):
+            if outcome is False:
+                results.append(False)
+                continue
+            tmp, final, nbytes = outcome
+            results.append(self._publish(key, tmp, final, nbytes, sync_dir=False))
+            directories.add(final.parent)
+        for directory in directories:
+            try:
+                fs.fsync_dir(directory)
+            except OSError as exc:
+                self._warn_once("fsync_errors", "file backend: fsync of %s: %s", directory, exc)
+        return results
+
+    def _put_one(
+        self, key: str, page: PageBuffers, publish_now: bool = True
+    ) -> bool | tuple[Path, Path, int]:
+        final = fs.page_path(self.store, key)
+        nbytes = sum(e.length for e in page)
+        refused = self.index.reserve(key, nbytes)
+        if refused is not None:
+            self._counters.add(f"put_failed_{refused}")
+            return False
+        direct = self._direct_for(page)
+        tmp: Path | None = None
+        try:
+            fd, tmp = fs.open_temp(final, o_direct=direct)
+            try:
+                _pwritev_all(fd, [e.view for e in page])
+                if self.config.fsync != "none":
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if tmp is not None:
+                fs.unlink_quietly([tmp])
+            self.index.release(nbytes)
+            if fs.is_no_space(exc):
+                self._warn_once(
+                    "put_failed_no_space", "file backend: %s is full (%s)", self.store, exc
+                )
+            else:
+                self._warn_once("put_failed_io", "file backend: writing %s: %s", final, exc)
+            return False
+        if not publish_now:
+            return tmp, final, nbytes
+        return self._publish(key, tmp, final, nbytes, sync_dir=self.config.fsync == "page")
+
+    def _publish(self, key: str, tmp: Path, final: Path, nbytes: int, *, sync_dir: bool) -> bool:
+        try:
+            fs.publish(tmp, final)
+        except OSError as exc:
+            fs.unlink_quietly([tmp])
+            self.index.release(nbytes)
+            self._warn_once("put_failed_io", "file backend: publishing %s: %s", final, exc)
+            return False
+        self.index.commit(key, nbytes)
+        if sync_dir:
+            try:
+                fs.fsync_dir(final.parent)
+            except OSError as exc:
+                self._warn_once("fsync_errors", "file backend: fsync of %s: %s", final, exc)
+        self._counters.add("puts")
+        self._counters.add("bytes_written", nbytes)
+        return True
+
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        _check_keys(keys)
+        return [self.index.remove(key) for key in keys]
+
+    def clear(self) -> None:
+        self.index.remove_all()
+
+    def rescan(self) -> int:
+        """Rebuild the index from disk (pages other processes wrote); return the count."""
+        return self.index.rebuild()
+
+    def stats(self) -> dict[str, int | float]:
+        return {
+            **self._counters.snapshot(),
+            "pages": len(self.index),
+            "bytes": self.index.stored_bytes,
+            "evictions": self.index.evictions,
+            "evicted_bytes": self.index.evicted_bytes,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+
+FILE_SPEC = BackendSpec(
+    name="file",
+    factory="kvtier.backends.file:FileBackend.from_config",
+    config_model=FileConfig,
+    description="One file per page on local disk: atomic publish, LRU capacity, "
+    "vectored I/O straight from host-pool extents.",
+    features=frozenset({Feature.PERSISTENT, Feature.SHARED_PROCESSES, Feature.ZERO_COPY}),
+    validate_plan=validate_file_plan,
+)
+
+
+@hookimpl
+def kvtier_register_backends(register: Callable[[BackendSpec], None]) -> None:
+    """Declare the ``file`` backend."""
+    register(FILE_SPEC)
