@@ -141,8 +141,10 @@ class Ring:
             raise
         self._inflight: dict[int, _Inflight] = {}
         self._next_tag = 1
+        #: Requests submitted, remainders of short transfers resubmitted, most in flight.
         self.submitted = 0
         self.resubmitted = 0
+        self.peak_inflight = 0
 
     def close(self) -> None:
         """Tear the ring down. Idempotent; must not race with ``run`` on this ring."""
@@ -236,6 +238,8 @@ class Ring:
             liburing.io_uring_sqe_set_flags(sqe, liburing.IOSQE_ASYNC)
         liburing.io_uring_sqe_set_data64(sqe, tag)
         self._inflight[tag] = _Inflight(request, views, unsent, iovec, wanted)
+        if len(self._inflight) > self.peak_inflight:
+            self.peak_inflight = len(self._inflight)
 
     def _submit(self, pending: deque[_Pending], on_done: OnDone | None) -> None:
         while True:

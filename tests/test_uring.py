@@ -1,0 +1,730 @@
+"""The io_uring backend: ring engine, file-format interop, atomicity, errors, O_DIRECT, GIL.
+
+Tests that need io_uring skip with the reason where liburing is missing or the kernel
+forbids io_uring, and fail instead under ``KVTIER_REQUIRE_URING=1`` (set in ``.ci/run``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import itertools
+import logging
+import mmap
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from kvtier.backends import _filestore as fs
+from kvtier.backends.file import FileBackend, FileConfig
+from kvtier.backends.uring import URING_SPEC, UringBackend, UringConfig, validate_uring_plan
+from kvtier.core.errors import (
+    BackendUnavailableError,
+    InvalidFieldError,
+    KvtierError,
+    StorageError,
+)
+from kvtier.core.extents import Extent, extent_of_view
+from kvtier.core.geometry import KVGeometry
+from kvtier.core.layout import Layout
+from kvtier.core.storage import BackendContext
+
+pytestmark = pytest.mark.uring
+
+
+def _require_uring() -> None:
+    reason = URING_SPEC.unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get("KVTIER_REQUIRE_URING") == "1":
+        pytest.fail(f"KVTIER_REQUIRE_URING=1 but the uring backend is unavailable: {reason}")
+    pytest.skip(f"uring backend unavailable here: {reason}")
+
+
+@pytest.fixture
+def uring_ok() -> None:
+    """Skip (or, under KVTIER_REQUIRE_URING=1, fail) where io_uring cannot run."""
+    _require_uring()
+
+
+@pytest.fixture
+def make(uring_ok: None, tmp_path: Path) -> Iterator[Callable[..., UringBackend]]:
+    """Build uring backends on ``tmp_path/root`` (overrides as keyword args); closes them."""
+    built: list[UringBackend] = []
+
+    def build(**overrides: Any) -> UringBackend:
+        options: dict[str, Any] = {"root": tmp_path / "root", "min_free_bytes": 0}
+        options.update(overrides)
+        backend = UringBackend(UringConfig(**options))
+        built.append(backend)
+        return backend
+
+    yield build
+    for backend in built:
+        backend.close()
+
+
+def _page(data: bytes, cuts: tuple[int, ...] = ()) -> list[Extent]:
+    """A page over fresh buffers holding ``data``, cut into regions at ``cuts``."""
+    bounds = [0, *cuts, len(data)]
+    return [extent_of_view(memoryview(bytearray(data[a:b]))) for a, b in itertools.pairwise(bounds)]
+
+
+def _blank(size: int, cuts: tuple[int, ...] = ()) -> list[Extent]:
+    return _page(bytes(size), cuts)
+
+
+def _joined(page: list[Extent]) -> bytes:
+    return b"".join(bytes(e.view) for e in page)
+
+
+def _data(seed: int, size: int) -> bytes:
+    return (bytes([seed % 251]) + os.urandom(15)) * (size // 16) + bytes(size % 16)
+
+
+def _temps(root: Path) -> list[Path]:
+    return [p for p in root.rglob(f"*{fs.TEMP_SUFFIX}")]
+
+
+# --- declaration and availability (no io_uring needed) ---------------------------------
+
+
+def test_declaring_the_plugin_imports_no_liburing() -> None:
+    code = (
+        "import sys, kvtier.backends.uring as u\n"
+        "assert u.URING_SPEC.factory.endswith(':UringBackend.from_config')\n"
+        "assert 'liburing' not in sys.modules, 'liburing imported at declaration'\n"
+        "assert 'kvtier.backends._uring_ring' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_registered_through_the_hook_with_features_and_hint() -> None:
+    from kvtier.plugins.manager import load_registry
+
+    spec = load_registry(autoload=False).backend("uring")
+    assert spec.requires == ("liburing",)
+    assert spec.install_hint == "pip install 'kvtier[uring]'"
+    assert {str(f) for f in spec.features} == {"persistent", "shared_processes", "zero_copy"}
+    assert spec.config_model is UringConfig
+
+
+def test_missing_module_is_reported_with_the_install_hint() -> None:
+    spec = dataclasses.replace(URING_SPEC, requires=("liburing_not_installed_here",))
+    assert "liburing_not_installed_here" in (spec.unavailable_reason() or "")
+    with pytest.raises(BackendUnavailableError, match=r"pip install 'kvtier\[uring\]'"):
+        spec.load_factory()
+
+
+def test_a_failing_probe_makes_resolution_fail_with_its_reason() -> None:
+    spec = dataclasses.replace(URING_SPEC, probe=lambda: "io_uring_setup is forbidden (EPERM)")
+    with pytest.raises(BackendUnavailableError) as info:
+        spec.ensure_available()
+    assert info.value.reason == "io_uring_setup is forbidden (EPERM)"
+    assert "uring" in str(info.value) and "EPERM" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [(errno.EPERM, "forbidden"), (errno.ENOSYS, "no io_uring"), (errno.ENOMEM, "failed")],
+)
+def test_probe_explains_setup_errors(
+    monkeypatch: pytest.MonkeyPatch, code: int, expected: str
+) -> None:
+    liburing = (
+        pytest.importorskip("liburing")
+        if os.environ.get("KVTIER_REQUIRE_URING") != "1"
+        else __import__("liburing")
+    )
+    from kvtier.backends import uring
+
+    def refuse(*args: object) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(liburing, "io_uring_queue_init", refuse)
+    monkeypatch.setattr(liburing, "io_uring_queue_exit", lambda ring: None)
+    monkeypatch.setattr(uring, "_sysctl_disabled", lambda: None)
+    reason = uring._probe_uncached()
+    assert reason is not None and expected in reason
+
+
+def test_config_rejects_unknown_keys_and_bad_queue_depth(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="extra"):
+        UringConfig(root=tmp_path, queue_deph=8)  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="queue_depth"):
+        UringConfig(root=tmp_path, queue_depth=0)
+    with pytest.raises(ValidationError, match="fsync"):
+        UringConfig(root=tmp_path, fsync="always")  # type: ignore[arg-type]
+
+
+def test_config_mirrors_the_file_backend_fields() -> None:
+    shared = set(FileConfig.model_fields) - {"io_threads"}
+    assert shared <= set(UringConfig.model_fields)
+    assert UringConfig().root == FileConfig().root  # same default store, same format
+
+
+def test_o_direct_plan_is_refused_when_extents_cannot_align() -> None:
+    odd = KVGeometry.mha(num_layers=2, num_kv_heads=1, head_dim=6, dtype="float16", page_size=3)
+    context = BackendContext(geometry=odd, layout=Layout.PAGE_FIRST)
+    with pytest.raises(InvalidFieldError, match=r"uring\.o_direct"):
+        validate_uring_plan(UringConfig(o_direct=True), context)
+    validate_uring_plan(UringConfig(o_direct=False), context)
+
+
+# --- the ring engine ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def ring(uring_ok: None) -> Iterator[Any]:
+    from kvtier.backends._uring_ring import Ring
+
+    r = Ring(4)
+    yield r
+    r.close()
+
+
+def test_ring_keeps_at_most_queue_depth_in_flight(uring_ok: None, tmp_path: Path) -> None:
+    from kvtier.backends._uring_ring import IORequest, Op, Ring
+
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    os.write(fd, os.urandom(64 * 1024))
+    for depth in (1, 3, 8):
+        ring = Ring(depth)
+        buffers = [bytearray(1024) for _ in range(40)]
+        requests = [
+            IORequest(Op.READ, fd, [memoryview(b)], offset=i * 1024) for i, b in enumerate(buffers)
+        ]
+        ring.run(requests)
+        ring.close()
+        assert all(r.ok for r in requests)
+        assert ring.peak_inflight == depth  # reached, never exceeded
+    os.close(fd)
+
+
+def test_ring_consumes_requests_lazily(ring: Any, tmp_path: Path) -> None:
+    from kvtier.backends._uring_ring import IORequest, Op
+
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    os.write(fd, b"x" * 4096)
+    outstanding = 0
+    most = 0
+
+    def requests() -> Iterator[IORequest]:
+        nonlocal outstanding, most
+        for _ in range(30):
+            outstanding += 1
+            most = max(most, outstanding)
+            yield IORequest(Op.READ, fd, [memoryview(bytearray(16))])
+
+    def done(request: IORequest) -> None:
+        nonlocal outstanding
+        outstanding -= 1
+
+    ring.run(requests(), done)
+    os.close(fd)
+    assert outstanding == 0
+    assert most <= ring.queue_depth + 1  # the generator runs at most one ahead
+
+
+def test_ring_maps_errors_to_their_request_only(ring: Any, tmp_path: Path) -> None:
+    from kvtier.backends._uring_ring import IORequest, Op
+
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    good = [IORequest(Op.WRITE, fd, [memoryview(b"abcd")], offset=4 * i) for i in range(5)]
+    bad_fd = os.open(tmp_path / "g", os.O_RDONLY | os.O_CREAT, 0o600)  # not writable
+    bad = IORequest(Op.WRITE, bad_fd, [memoryview(b"zz")])
+    closed = IORequest(Op.READ, 987654, [memoryview(bytearray(2))])
+    ring.run([*good[:2], bad, closed, *good[2:]])
+    assert all(r.ok for r in good)
+    assert bad.error == errno.EBADF and closed.error == errno.EBADF
+    assert os.pread(fd, 20, 0) == b"abcd" * 5
+    os.close(fd)
+    os.close(bad_fd)
+
+
+def test_ring_short_read_at_end_of_file_is_not_ok(ring: Any, tmp_path: Path) -> None:
+    from kvtier.backends._uring_ring import IORequest, Op
+
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    os.write(fd, b"12345")
+    out = bytearray(8)
+    request = IORequest(Op.READ, fd, [memoryview(out)[:3], memoryview(out)[3:]])
+    ring.run([request])
+    os.close(fd)
+    assert (request.done, request.error, request.ok) == (5, 0, False)
+    assert bytes(out[:5]) == b"12345"
+
+
+def test_ring_resubmits_the_rest_of_a_short_read(ring: Any) -> None:
+    from kvtier.backends._uring_ring import IORequest, Op
+
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, b"abc")  # available at submission: the first read returns 3 bytes
+    later = threading.Timer(0.05, lambda: os.write(write_fd, b"defghij"))
+    later.start()
+    out = bytearray(10)
+    request = IORequest(Op.READ, read_fd, [memoryview(out)[:4], memoryview(out)[4:]])
+    ring.run([request])
+    later.join()
+    os.close(read_fd)
+    os.close(write_fd)
+    assert request.ok and bytes(out) == b"abcdefghij"
+    assert ring.resubmitted >= 1
+
+
+def test_ring_handles_more_regions_than_iov_max(ring: Any, tmp_path: Path) -> None:
+    from kvtier.backends._uring_ring import IOV_MAX, IORequest, Op
+
+    count = IOV_MAX * 2 + 7
+    src = bytearray(os.urandom(count * 3))
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    write = IORequest(Op.WRITE, fd, [memoryview(src)[i : i + 3] for i in range(0, len(src), 3)])
+    ring.run([write])
+    dst = bytearray(len(src))
+    read = IORequest(Op.READ, fd, [memoryview(dst)[i : i + 3] for i in range(0, len(dst), 3)])
+    ring.run([read])
+    os.close(fd)
+    assert write.ok and read.ok and dst == src
+
+
+def test_waiting_releases_the_gil(ring: Any) -> None:
+    """The read completes only when another Python thread has run 200k iterations."""
+    from kvtier.backends._uring_ring import IORequest, Op
+
+    read_fd, write_fd = os.pipe()
+    # A watchdog outside Python writes 'W' after 20 s, so a held GIL fails instead of hanging.
+    watchdog = subprocess.Popen(
+        ["sh", "-c", f"sleep 20; printf W >&{write_fd}"], pass_fds=[write_fd]
+    )
+    counter = 0
+
+    def spin() -> None:
+        nonlocal counter
+        while counter < 200_000:
+            counter += 1
+        os.write(write_fd, b"C")
+
+    thread = threading.Thread(target=spin)
+    out = bytearray(1)
+    request = IORequest(Op.READ, read_fd, [memoryview(out)])
+    thread.start()
+    try:
+        ring.run([request])
+    finally:
+        watchdog.kill()
+        watchdog.wait()
+        thread.join()
+        os.close(read_fd)
+        os.close(write_fd)
+    assert request.ok
+    assert bytes(out) == b"C", "the other thread could not run while the ring waited"
+
+
+def test_ring_refuses_use_after_close(uring_ok: None) -> None:
+    from kvtier.backends._uring_ring import Ring
+
+    r = Ring(2)
+    r.close()
+    r.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        r.run([])
+
+
+# --- the backend -------------------------------------------------------------------------
+
+
+def test_round_trip_multi_extent_pages(make: Callable[..., UringBackend]) -> None:
+    backend = make(queue_depth=4)
+    cuts = (4096, 4096 + 1000, 4096 + 1000 + 3)
+    datas = [_data(i, 4096 + 5000 + i) for i in range(25)]
+    keys = [f"page-{i}" for i in range(25)]
+    assert backend.put(keys, [_page(d, cuts) for d in datas]) == [True] * 25
+    outs = [_blank(len(d), cuts) for d in datas]
+    assert backend.get(keys, outs) == [True] * 25
+    assert [_joined(o) for o in outs] == datas
+    assert backend.exists([*keys[:2], "absent"]) == [True, True, False]
+    stats = backend.stats()
+    assert stats["hits"] == 25 and stats["pages"] == 25 and stats["bytes"] == sum(map(len, datas))
+
+
+def test_misses_and_wrong_sizes_are_false(make: Callable[..., UringBackend]) -> None:
+    backend = make()
+    assert backend.put(["a"], [_page(b"x" * 100)]) == [True]
+    small, big, right = _blank(50), _blank(200), _blank(100)
+    assert backend.get(["a", "a", "a", "nope"], [small, big, right, _blank(8)]) == [
+        False,
+        False,
+        True,
+        False,
+    ]
+    assert _joined(right) == b"x" * 100
+    assert backend.stats()["get_size_mismatch"] == 2 and backend.stats()["misses"] == 1
+
+
+def test_truncated_page_reads_as_false(make: Callable[..., UringBackend]) -> None:
+    backend = make()
+    assert backend.put(["t"], [_page(b"y" * 9000, (4096,))]) == [True]
+    os.truncate(fs.page_path(backend.store, "t"), 5000)
+    out = _blank(9000, (4096,))
+    assert backend.get(["t"], [out]) == [False]
+
+
+def test_invalid_keys_raise_before_any_io(make: Callable[..., UringBackend]) -> None:
+    backend = make()
+    for bad in ("../escape", "a/b", "", "k" * 500):
+        with pytest.raises(KvtierError, match="key"):
+            backend.put([bad], [_page(b"z")])
+        with pytest.raises(KvtierError, match="key"):
+            backend.get([bad], [_blank(1)])
+        with pytest.raises(KvtierError, match="key"):
+            backend.exists([bad])
+    assert list(backend.store.rglob("*")) == []
+
+
+@pytest.mark.parametrize("fsync", ["none", "page", "batch"])
+def test_each_durability_mode_publishes_whole_pages(
+    make: Callable[..., UringBackend], fsync: str
+) -> None:
+    backend = make(fsync=fsync, queue_depth=3)
+    datas = [_data(i, 7000) for i in range(10)]
+    keys = [f"d{i}" for i in range(10)]
+    assert backend.put(keys, [_page(d, (4096,)) for d in datas]) == [True] * 10
+    assert _temps(backend.store) == []
+    for key, data in zip(keys, datas, strict=True):
+        path = fs.page_path(backend.store, key)
+        assert path.read_bytes() == data
+        assert (path.stat().st_mode & 0o777) == fs.FILE_MODE
+
+
+def test_root_is_private(make: Callable[..., UringBackend], tmp_path: Path) -> None:
+    backend = make()
+    assert backend.put(["p"], [_page(b"1" * 10)]) == [True]
+    for directory in [tmp_path / "root", backend.store, *backend.store.rglob("*")]:
+        if directory.is_dir():
+            assert (directory.stat().st_mode & 0o777) == fs.DIR_MODE
+
+
+@pytest.mark.parametrize("writer", ["file", "uring"])
+def test_a_root_written_by_one_backend_is_read_by_the_other(
+    make: Callable[..., UringBackend], tmp_path: Path, writer: str
+) -> None:
+    root = tmp_path / "root"
+    datas = [_data(i, 4096 + 3000 * (i + 1)) for i in range(12)]
+    keys = [f"x{i}" for i in range(12)]
+    file_backend = FileBackend(FileConfig(root=root, min_free_bytes=0))
+    try:
+        if writer == "file":
+            assert file_backend.put(keys, [_page(d, (4096,)) for d in datas]) == [True] * 12
+            reader: Any = make()  # built afterwards: finds the pages by scanning
+        else:
+            assert make().put(keys, [_page(d, (4096,)) for d in datas]) == [True] * 12
+            reader = FileBackend(FileConfig(root=root, min_free_bytes=0))
+        assert reader.exists(keys) == [True] * 12
+        outs = [_blank(len(d), (4096,)) for d in datas]
+        assert reader.get(keys, outs) == [True] * 12
+        assert [_joined(o) for o in outs] == datas
+        assert reader.stats()["pages"] == 12
+        if writer == "uring":
+            reader.close()
+    finally:
+        file_backend.close()
+
+
+def test_publish_happens_only_after_the_whole_page_is_written(
+    make: Callable[..., UringBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = make(queue_depth=2)
+    datas = {f"w{i}": _data(i, 12000) for i in range(6)}
+    seen: list[tuple[bool, bytes]] = []
+    real = fs.publish
+
+    def checking_publish(tmp: Path, final: Path, *, sync_dir: bool = False) -> None:
+        seen.append((final.exists(), tmp.read_bytes()))
+        real(tmp, final, sync_dir=sync_dir)
+
+    monkeypatch.setattr(fs, "publish", checking_publish)
+    keys = list(datas)
+    assert backend.put(keys, [_page(d, (4096, 5000)) for d in datas.values()]) == [True] * 6
+    assert sorted(body for _, body in seen) == sorted(datas.values())
+    assert not any(existed for existed, _ in seen)
+
+
+def test_overwrite_and_concurrent_writers_leave_one_whole_page(
+    make: Callable[..., UringBackend],
+) -> None:
+    backend = make(queue_depth=4)
+    versions = [bytes([v]) * 50_000 for v in range(8)]
+    errors: list[BaseException] = []
+
+    def writer(version: bytes) -> None:
+        try:
+            for _ in range(5):
+                assert backend.put(["hot"], [_page(version, (4096,))]) == [True]
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def reader() -> None:
+        try:
+            for _ in range(20):
+                out = _blank(50_000, (4096,))
+                if backend.get(["hot"], [out])[0]:
+                    assert _joined(out) in versions
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(v,)) for v in versions]
+    threads += [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    out = _blank(50_000, (4096,))
+    assert backend.get(["hot"], [out]) == [True] and _joined(out) in versions
+    assert _temps(backend.store) == []
+
+
+def test_stale_temps_of_dead_writers_are_never_read_and_are_cleaned(
+    make: Callable[..., UringBackend], tmp_path: Path
+) -> None:
+    first = make()
+    assert first.put(["s"], [_page(b"a" * 100)]) == [True]
+    final = fs.page_path(first.store, "s")
+    stale = final.parent / ".999999999.1.1.tmp"  # a writer that died mid-put
+    stale.write_bytes(b"b" * 40)
+    out = _blank(100)
+    assert first.get(["s"], [out]) == [True] and _joined(out) == b"a" * 100
+    make()  # a restart removes the temp file of the dead process
+    assert not stale.exists()
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(mode=0o700)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+        capture_output=True,
+    )
+    return done.returncode == 0
+
+
+def test_enospc_fails_only_that_page_and_leaves_nothing_partial(
+    make: Callable[..., UringBackend],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    mount = tmp_path / "small"
+    mounted = _mount_tmpfs(mount, "512k")
+    try:
+        if mounted:
+            backend = make(root=mount / "root")
+        else:  # no mount here: writes of the second page land in /dev/full (ENOSPC)
+            backend = make()
+            real_open_temp = fs.open_temp
+
+            def full_for_big(final: Path, *, o_direct: bool = False) -> tuple[int, Path]:
+                fd, tmp = real_open_temp(final, o_direct=o_direct)
+                if final.name.startswith("big"):
+                    os.close(fd)
+                    return os.open("/dev/full", os.O_WRONLY), tmp
+                return fd, tmp
+
+            monkeypatch.setattr(fs, "open_temp", full_for_big)
+        small = _data(1, 100_000)
+        assert backend.put(["small1"], [_page(small, (4096,))]) == [True]
+        with caplog.at_level(logging.WARNING, logger="kvtier.backends.uring"):
+            assert backend.put(["big"], [_page(bytes(2_000_000), (4096,))]) == [False]
+        assert backend.put(["small2"], [_page(small, (4096,))]) == [True]
+        assert backend.exists(["small1", "big", "small2"]) == [True, False, True]
+        assert backend.stats()["put_failed_no_space"] == 1
+        assert _temps(backend.store) == []
+        assert not fs.page_path(backend.store, "big").exists()
+        assert any("full" in r.getMessage() for r in caplog.records)
+        out = _blank(len(small), (4096,))  # still serving
+        assert backend.get(["small1"], [out]) == [True] and _joined(out) == small
+        assert backend.put(["small3"], [_page(small, (4096,))]) == [True]
+        backend.close()
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_capacity_evicts_least_recently_used(make: Callable[..., UringBackend]) -> None:
+    backend = make(capacity_bytes=3000)
+    assert backend.put(["a", "b", "c"], [_page(bytes([i]) * 1000) for i in range(3)]) == [True] * 3
+    assert backend.get(["a"], [_blank(1000)]) == [True]
+    assert backend.put(["d"], [_page(b"d" * 1000)]) == [True]
+    assert backend.exists(["a", "b", "c", "d"]) == [True, False, True, True]
+    assert backend.stats()["evictions"] == 1
+
+
+def test_delete_clear_and_close(make: Callable[..., UringBackend]) -> None:
+    backend = make()
+    assert backend.put(["a", "b"], [_page(b"1" * 10), _page(b"2" * 10)]) == [True, True]
+    assert backend.delete(["a", "a", "zz"]) == [True, False, False]
+    assert backend.exists(["a", "b"]) == [False, True]
+    backend.clear()
+    assert backend.exists(["b"]) == [False] and backend.stats()["pages"] == 0
+    backend.close()
+    backend.close()
+    with pytest.raises(StorageError, match="closed"):
+        backend.get(["b"], [_blank(10)])
+
+
+def test_threads_each_use_their_own_ring(make: Callable[..., UringBackend]) -> None:
+    backend = make(queue_depth=2)
+    errors: list[BaseException] = []
+
+    def work(worker: int) -> None:
+        try:
+            keys = [f"t{worker}-{i}" for i in range(10)]
+            datas = [_data(worker * 10 + i, 5000) for i in range(10)]
+            assert backend.put(keys, [_page(d, (4096,)) for d in datas]) == [True] * 10
+            outs = [_blank(5000, (4096,)) for _ in datas]
+            assert backend.get(keys, outs) == [True] * 10
+            assert [_joined(o) for o in outs] == datas
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(backend._rings._rings) >= 4
+
+
+def _aligned_page(data: bytes, cuts: tuple[int, ...]) -> tuple[list[Extent], mmap.mmap]:
+    """A page over 4096-aligned anonymous memory (mmap is page-aligned)."""
+    area = mmap.mmap(-1, len(data))
+    area[:] = data
+    whole = memoryview(area)
+    bounds = [0, *cuts, len(data)]
+    return [extent_of_view(whole[a:b]) for a, b in itertools.pairwise(bounds)], area
+
+
+def test_o_direct_reads_and_writes_aligned_memory(
+    make: Callable[..., UringBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = make(o_direct=True, queue_depth=4)
+    opened: list[int] = []
+    real_open = os.open
+
+    def recording_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        fd = real_open(path, flags, *args, **kwargs)
+        if str(path).startswith(str(backend.store)):
+            opened.append(flags)  # only opens that succeeded
+        return fd
+
+    monkeypatch.setattr(os, "open", recording_open)
+    cuts = (4096, 4096 + 8192)
+    datas = [_data(i, 4096 + 8192 + 16384) for i in range(6)]
+    keep = []
+    pages = []
+    for d in datas:
+        page, area = _aligned_page(d, cuts)
+        pages.append(page)
+        keep.append(area)
+    keys = [f"o{i}" for i in range(6)]
+    assert backend.put(keys, pages) == [True] * 6
+    outs = []
+    for d in datas:
+        page, area = _aligned_page(bytes(len(d)), cuts)
+        outs.append(page)
+        keep.append(area)
+    assert backend.get(keys, outs) == [True] * 6
+    assert [_joined(o) for o in outs] == datas
+    assert len(opened) == 12 and all(flags & os.O_DIRECT for flags in opened)
+    assert backend.stats().get("o_direct_fallbacks", 0) == 0
+
+
+def test_o_direct_with_unaligned_memory_falls_back_loudly(
+    make: Callable[..., UringBackend], caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = make(o_direct=True)
+    with caplog.at_level(logging.WARNING, logger="kvtier.backends.uring"):
+        assert backend.put(["u"], [_page(b"q" * 5000, (100,))]) == [True]
+        out = _blank(5000, (100,))
+        assert backend.get(["u"], [out]) == [True]
+    assert _joined(out) == b"q" * 5000
+    assert backend.stats()["o_direct_fallbacks"] == 2
+    assert sum("aligned" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_another_thread_keeps_running_during_a_large_batch(
+    make: Callable[..., UringBackend],
+) -> None:
+    backend = make(queue_depth=8, fsync="page")
+    datas = [_data(i, 256 * 1024) for i in range(48)]
+    keys = [f"g{i}" for i in range(48)]
+    stop = threading.Event()
+    counter = 0
+
+    def spin() -> None:
+        nonlocal counter
+        while not stop.is_set():
+            counter += 1
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        before = counter
+        assert backend.put(keys, [_page(d, (4096,)) for d in datas]) == [True] * 48
+        during_put = counter - before
+        outs = [_blank(len(d), (4096,)) for d in datas]
+        before = counter
+        assert backend.get(keys, outs) == [True] * 48
+        during_get = counter - before
+    finally:
+        stop.set()
+        thread.join()
+    assert [_joined(o) for o in outs] == datas
+    assert during_put > 0 and during_get > 0
+
+
+def test_pages_through_the_pagestore_reject_corruption(
+    make: Callable[..., UringBackend],
+) -> None:
+    from kvtier.core.pagestore import PageStore
+
+    class Pool:
+        layout = Layout.PAGE_FIRST
+
+        def __init__(self, pages: int) -> None:
+            self.buffers = [
+                [bytearray(4096), bytearray(6000), bytearray(6000)] for _ in range(pages)
+            ]
+
+        def header_extent(self, page: int) -> Extent:
+            return extent_of_view(memoryview(self.buffers[page][0]))
+
+        def extents(self, page: int) -> list[Extent]:
+            return [extent_of_view(memoryview(b)) for b in self.buffers[page][1:]]
+
+        def page_buffers(self, page: int) -> list[Extent]:
+            return [self.header_extent(page), *self.extents(page)]
+
+    backend = make()
+    source, target = Pool(3), Pool(3)
+    for page in range(3):
+        for buffer in source.buffers[page][1:]:
+            buffer[:] = os.urandom(len(buffer))
+    keys = ["pa", "pb", "pc"]
+    assert PageStore(backend, source, fingerprint="geo1").put(keys, [0, 1, 2]) == [True] * 3
+    flipped = fs.page_path(backend.store, "pb")
+    raw = bytearray(flipped.read_bytes())
+    raw[4096 + 10] ^= 0x01
+    flipped.write_bytes(bytes(raw))
+    os.truncate(fs.page_path(backend.store, "pc"), 4096 + 100)
+    store = PageStore(backend, target, fingerprint="geo1")
+    assert store.get(keys, [0, 1, 2]) == [True, False, False]
+    assert target.buffers[0][1:] == source.buffers[0][1:]
+    assert store.stats()["invalid"] == 1 and store.stats()["misses"] == 1
