@@ -256,3 +256,18 @@ def test_external_keys_never_equal_chained_keys() -> None:
     chained = keyer.keys([1, 2, 3, 4])[0]
     digest = chained.split("-", 1)[1]
     assert keyer.external(digest) != chained
+
+
+def test_tensor_path_without_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6]
+    keyer = PageKeyer(NS, page_size=4)
+    expected = keyer.keys(tokens)
+
+    def no_numpy(self: torch.Tensor) -> None:
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
+    assert keyer.keys(torch.tensor(tokens, dtype=torch.int64)) == expected
+    assert keyer.keys(torch.tensor(tokens, dtype=torch.int32)) == expected
+    with pytest.raises(InvalidKeyError, match="int32"):
+        keyer.keys(torch.tensor([2**40]))

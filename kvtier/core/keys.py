@@ -131,34 +131,48 @@ def _little_endian(data: bytes) -> bytes:
     return swapped.tobytes()
 
 
+def _array_bytes(array_like: Any, tokens: object) -> bytes:
+    """Little-endian int32 bytes of a numpy integer array (numpy is not imported here)."""
+    kind = array_like.dtype.kind
+    if kind not in "iu":
+        raise InvalidKeyError(
+            f"token ids must be an integer array, got dtype {array_like.dtype}", value=tokens
+        )
+    flat = array_like.reshape(-1)
+    if flat.size and not (kind == "i" and flat.dtype.itemsize <= _TOKEN_ITEMSIZE):
+        _check_tokens(int(flat.min()), int(flat.max()))
+    return bytes(flat.astype("<i4", copy=False).tobytes())
+
+
+def _tensor_bytes(tokens: torch.Tensor) -> bytes:
+    """Little-endian int32 bytes of an integer tensor (on any device)."""
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise InvalidKeyError(
+            f"token ids must be an integer tensor, got dtype {tokens.dtype}", value=tokens
+        )
+    flat = tokens.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    try:
+        # numpy's reductions are single-threaded; torch's spin OpenMP threads, which is
+        # slow on a busy host for a vector this small.
+        return _array_bytes(flat.numpy(), tokens)
+    except (RuntimeError, TypeError):  # torch without numpy, or a dtype numpy lacks
+        pass
+    if flat.dtype != torch.int32:
+        if flat.numel():
+            _check_tokens(int(flat.min()), int(flat.max()))
+        flat = flat.to(torch.int32)
+    flat = flat.contiguous()
+    return _little_endian(ctypes.string_at(flat.data_ptr(), flat.numel() * _TOKEN_ITEMSIZE))
+
+
 def token_bytes(tokens: Sequence[int] | torch.Tensor | Any) -> bytes:
     """The token ids as little-endian int32 bytes, converted once for a whole sequence."""
     if isinstance(tokens, torch.Tensor):
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise InvalidKeyError(
-                f"token ids must be an integer tensor, got dtype {tokens.dtype}", value=tokens
-            )
-        flat = tokens.detach().reshape(-1)
-        if flat.device.type != "cpu":
-            flat = flat.cpu()
-        if flat.dtype != torch.int32:
-            if flat.numel():
-                _check_tokens(int(flat.min()), int(flat.max()))
-            flat = flat.to(torch.int32)
-        flat = flat.contiguous()
-        return _little_endian(ctypes.string_at(flat.data_ptr(), flat.numel() * _TOKEN_ITEMSIZE))
+        return _tensor_bytes(tokens)
     if hasattr(tokens, "__array_interface__") and hasattr(tokens, "astype"):
-        array_like: Any = tokens  # a numpy array; numpy itself is not imported here
-        kind = array_like.dtype.kind
-        if kind not in "iu":
-            raise InvalidKeyError(
-                f"token ids must be an integer array, got dtype {array_like.dtype}",
-                value=tokens,
-            )
-        flat = array_like.reshape(-1)
-        if flat.size and not (kind == "i" and flat.dtype.itemsize <= _TOKEN_ITEMSIZE):
-            _check_tokens(int(flat.min()), int(flat.max()))
-        return bytes(flat.astype("<i4", copy=False).tobytes())
+        return _array_bytes(tokens, tokens)
     try:
         packed = array.array("i", tokens)
     except OverflowError as exc:
