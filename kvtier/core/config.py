@@ -402,9 +402,10 @@ def _relocated(error: ConfigError, where: str, loc: tuple[Any, ...]) -> ConfigEr
     """Re-root a path-carrying error raised inside a validator under ``where``/``loc``."""
     if isinstance(error, (InvalidFieldError, MissingFieldError)):
         inner = error.path
-        # A field validator's error sits at the field's location; a model validator's
-        # error carries its own path, relative to the model.
-        path = _join(where, loc) if loc else _join(where, (inner,))
+        # A field validator's error sits at the field's own location (loc ends with its
+        # path); a model validator's error sits at the model and carries a relative path.
+        at_field = bool(loc) and str(loc[-1]) == inner.split(".")[0]
+        path = _join(where, loc) if at_field else _join(where, (*loc, inner))
         if path == inner:
             return error
         detail = str(error)[len(inner) + 2 :] if str(error).startswith(f"{inner}: ") else str(error)
@@ -429,7 +430,7 @@ def _problems(
             problems.append(
                 UnknownKeyError(
                     str(loc[-1]),
-                    where=_join(where, parent) or label,
+                    where=_join(where, parent) if parent else label,
                     allowed=_allowed_keys(model_cls, parent),
                 )
             )

@@ -1,0 +1,381 @@
+"""Capability resolution against small declared specs: errors list what works, auto picks."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ConfigDict
+
+from kvtier.core.capabilities import LAYOUT_PREFERENCE, namespace_for, resolve
+from kvtier.core.config import EngineConfig
+from kvtier.core.errors import (
+    BackendUnavailableError,
+    InvalidFieldError,
+    MissingFieldError,
+    PluginError,
+    UnknownKeyError,
+    UnknownNameError,
+    UnsupportedCombinationError,
+)
+from kvtier.core.geometry import AttentionKind
+from kvtier.core.keys import Namespace
+from kvtier.core.layout import Layout
+from kvtier.core.specs import BackendSpec, Capability, IOBackendSpec, Operation
+from kvtier.core.storage import BackendContext
+
+MHA = AttentionKind.MHA
+MLA = AttentionKind.MLA
+ALL_OPS = tuple(Operation)
+WHOLE = (Operation.BACKUP_ALL, Operation.LOAD_ALL)
+
+
+class MemOpts(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    capacity_bytes: int = 1 << 20
+
+
+def caps(layouts: Any, attentions: Any, ops: Any) -> frozenset[Capability]:
+    return frozenset(
+        Capability(lay, att, op) for lay in layouts for att in attentions for op in ops
+    )
+
+
+def _factory(*args: Any) -> None:
+    return None
+
+
+# fast: whole-page transfers only, for page_first_direct and page_first, high priority.
+FAST = IOBackendSpec(
+    name="fast",
+    factory=_factory,
+    priority=10,
+    capabilities=caps([Layout.PAGE_FIRST_DIRECT, Layout.PAGE_FIRST], [MHA, MLA], WHOLE),
+)
+# slow: everything, low priority.
+SLOW = IOBackendSpec(
+    name="slow", factory=_factory, priority=0, capabilities=caps(list(Layout), [MHA, MLA], ALL_OPS)
+)
+# broken: would do everything, but its dependency is missing.
+BROKEN = IOBackendSpec(
+    name="broken",
+    factory="kvtier_no_such_mod:X",
+    priority=99,
+    requires=("kvtier_no_such_mod",),
+    install_hint="pip install broken-io",
+    capabilities=caps(list(Layout), [MHA, MLA], ALL_OPS),
+)
+
+MEM = BackendSpec(name="mem", factory=_factory, config_model=MemOpts)
+PICKY = BackendSpec(
+    name="picky",
+    factory=_factory,
+    layouts=frozenset({Layout.LAYER_FIRST}),
+    io_backends=frozenset({"slow"}),
+    attention=frozenset({MHA}),
+    operations=frozenset(WHOLE),
+)
+NEEDS = BackendSpec(
+    name="needs",
+    factory="kvtier_no_such_mod:B",
+    requires=("kvtier_no_such_mod",),
+    install_hint="pip install 'kvtier[needs]'",
+)
+
+BACKENDS = {s.name: s for s in (MEM, PICKY, NEEDS)}
+IO = {s.name: s for s in (FAST, SLOW, BROKEN)}
+
+
+def config(**fields: Any) -> EngineConfig:
+    base: dict[str, Any] = {"backend": "mem", "num_layers": 4, "num_kv_heads": 2, "head_dim": 64}
+    if fields.get("attention") == "mla":
+        base = {"backend": "mem", "num_layers": 4, "kv_lora_rank": 16, "qk_rope_head_dim": 8}
+    base.update(fields)
+    return EngineConfig.from_mapping(base)
+
+
+def test_layout_preference_covers_every_layout() -> None:
+    assert sorted(LAYOUT_PREFERENCE) == sorted(Layout)
+
+
+# --- names and availability ------------------------------------------------------------
+
+
+def test_unknown_backend_lists_installed_and_suggests() -> None:
+    with pytest.raises(UnknownNameError) as info:
+        resolve(config(backend="memm"), BACKENDS, IO)
+    assert str(info.value) == (
+        "unknown backend 'memm' (did you mean 'mem'?); available: 'mem', 'needs', 'picky'"
+    )
+    assert info.value.value == "memm"
+
+
+def test_unknown_io_backend() -> None:
+    with pytest.raises(UnknownNameError) as info:
+        resolve(config(io_backend="fsat"), BACKENDS, IO)
+    assert "unknown IO backend 'fsat' (did you mean 'fast'?)" in str(info.value)
+    assert "available: 'broken', 'fast', 'slow'" in str(info.value)
+
+
+def test_unavailable_backend_names_the_install_hint() -> None:
+    with pytest.raises(BackendUnavailableError) as info:
+        resolve(config(backend="needs"), BACKENDS, IO)
+    assert str(info.value) == (
+        "backend 'needs' is unavailable: missing Python module(s) kvtier_no_such_mod; "
+        "pip install 'kvtier[needs]'"
+    )
+
+
+def test_unavailable_io_backend_explicit() -> None:
+    with pytest.raises(
+        BackendUnavailableError, match=r"IO backend 'broken' is unavailable.*pip install broken-io"
+    ):
+        resolve(config(io_backend="broken"), BACKENDS, IO)
+
+
+def test_unavailable_io_backend_is_never_picked_by_auto() -> None:
+    plan = resolve(config(operations=list(ALL_OPS)), BACKENDS, IO)
+    assert plan.io_backend is SLOW  # BROKEN has the highest priority but cannot run here
+
+
+# --- auto --------------------------------------------------------------------------------
+
+
+def test_auto_picks_priority_then_layout(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="kvtier"):
+        plan = resolve(config(), BACKENDS, IO)
+    assert plan.io_backend is FAST
+    assert plan.layout is Layout.PAGE_FIRST_DIRECT
+    assert plan.notes == [
+        "auto picked io_backend=fast (priority 10) layout=page_first_direct for backend 'mem' "
+        "with attention 'mha' and operations backup_all, load_all; 5 other working "
+        "combinations"
+    ]
+    assert plan.notes[0] in caplog.text
+    assert any(r.levelno == logging.INFO for r in caplog.records)
+
+
+def test_auto_respects_requested_operations() -> None:
+    plan = resolve(config(operations=["backup_all", "load_all", "load_layer"]), BACKENDS, IO)
+    assert (plan.io_backend, plan.layout) == (SLOW, Layout.PAGE_FIRST_DIRECT)
+    assert plan.operations == frozenset(
+        {Operation.BACKUP_ALL, Operation.LOAD_ALL, Operation.LOAD_LAYER}
+    )
+
+
+def test_auto_layout_with_explicit_io_backend() -> None:
+    plan = resolve(config(io_backend="slow"), BACKENDS, IO)
+    assert plan.layout is Layout.PAGE_FIRST_DIRECT
+    assert plan.notes[0].startswith("auto picked layout=page_first_direct for")
+
+
+def test_auto_io_backend_with_explicit_layout() -> None:
+    plan = resolve(config(layout="layer_first"), BACKENDS, IO)
+    assert plan.io_backend is SLOW
+    assert plan.notes[0].startswith("auto picked io_backend=slow (priority 0) for")
+
+
+def test_auto_is_deterministic_regardless_of_registration_order() -> None:
+    twin = IOBackendSpec(
+        name="afast", factory=_factory, priority=10, capabilities=FAST.capabilities
+    )
+    forward = {s.name: s for s in (FAST, twin, SLOW)}
+    backward = dict(reversed(list(forward.items())))
+    assert resolve(config(), BACKENDS, forward).io_backend is twin
+    assert resolve(config(), BACKENDS, backward).io_backend is twin
+
+
+def test_explicit_everything_has_no_notes() -> None:
+    plan = resolve(config(io_backend="fast", layout="page_first"), BACKENDS, IO)
+    assert (plan.io_backend, plan.layout, plan.notes) == (FAST, Layout.PAGE_FIRST, [])
+
+
+def test_mla_auto() -> None:
+    plan = resolve(config(attention="mla"), BACKENDS, IO)
+    assert plan.geometry.attention is MLA
+    assert plan.layout is Layout.PAGE_FIRST_DIRECT
+
+
+# --- unsupported combinations ------------------------------------------------------------
+
+
+def test_io_backend_cannot_run_an_operation_lists_what_works() -> None:
+    with pytest.raises(UnsupportedCombinationError) as info:
+        resolve(
+            config(io_backend="fast", layout="page_first", operations=["backup_all", "load_layer"]),
+            BACKENDS,
+            IO,
+        )
+    err = info.value
+    assert str(err).startswith(
+        "IO backend 'fast' cannot run load_layer with layout 'page_first' for MHA\n"
+        "Combinations that would work:\n"
+        "  io_backend=slow layout=page_first_direct\n"
+    )
+    assert err.supported == (
+        "io_backend=slow layout=page_first_direct",
+        "io_backend=slow layout=page_first",
+        "io_backend=slow layout=page_head",
+        "io_backend=slow layout=layer_first",
+    )
+
+
+def test_io_backend_without_the_layout() -> None:
+    with pytest.raises(UnsupportedCombinationError) as info:
+        resolve(config(io_backend="fast", layout="layer_first"), BACKENDS, IO)
+    assert "IO backend 'fast' cannot run backup_all, load_all with layout 'layer_first'" in str(
+        info.value
+    )
+    assert "io_backend=fast layout=page_first_direct" in info.value.supported
+    assert "io_backend=slow layout=layer_first" in info.value.supported
+
+
+def test_explicit_io_backend_with_no_working_layout() -> None:
+    with pytest.raises(UnsupportedCombinationError) as info:
+        resolve(config(io_backend="fast", operations=["load_layer"]), BACKENDS, IO)
+    assert str(info.value).startswith(
+        "IO backend 'fast' has no layout that runs backend 'mem' "
+        "with attention 'mha' and operations load_layer"
+    )
+    assert info.value.supported[0] == "io_backend=slow layout=page_first_direct"
+
+
+def test_layout_that_does_not_exist_for_mla() -> None:
+    with pytest.raises(UnsupportedCombinationError) as info:
+        resolve(config(attention="mla", layout="page_head"), BACKENDS, IO)
+    assert str(info.value).startswith(
+        "layout 'page_head' does not exist for MLA (its layouts: layer_first, page_first, "
+        "page_first_direct)"
+    )
+    assert "io_backend=fast layout=page_first_direct" in info.value.supported
+    assert not any("page_head" in s for s in info.value.supported)
+
+
+def test_backend_layouts_and_io_backends_restrict() -> None:
+    plan = resolve(config(backend="picky"), BACKENDS, IO)
+    assert (plan.io_backend, plan.layout) == (SLOW, Layout.LAYER_FIRST)
+    with pytest.raises(UnsupportedCombinationError) as info:
+        resolve(config(backend="picky", io_backend="fast"), BACKENDS, IO)
+    assert "backend 'picky' does not work with IO backend 'fast' (it works with: slow)" in str(
+        info.value
+    )
+    assert info.value.supported == ("io_backend=slow layout=layer_first",)
+    with pytest.raises(
+        UnsupportedCombinationError, match="backend 'picky' does not support layout 'page_first'"
+    ):
+        resolve(config(backend="picky", io_backend="slow", layout="page_first"), BACKENDS, IO)
+
+
+def test_backend_attention_restricts() -> None:
+    with pytest.raises(UnsupportedCombinationError) as info:
+        resolve(config(backend="picky", attention="mla"), BACKENDS, IO)
+    assert str(info.value).startswith(
+        "backend 'picky' does not support attention 'mla' (it supports: mha)"
+    )
+    assert info.value.supported == ()
+    assert "Combinations that would work:\n  (none)" in str(info.value)
+
+
+def test_backend_operations_restrict() -> None:
+    with pytest.raises(UnsupportedCombinationError) as info:
+        resolve(config(backend="picky", operations=["backup_all", "backup_layer"]), BACKENDS, IO)
+    assert (
+        "backend 'picky' does not support operation(s) backup_layer (it supports: "
+        "backup_all, load_all)"
+    ) in str(info.value)
+
+
+def test_no_io_backends_installed() -> None:
+    with pytest.raises(UnsupportedCombinationError, match="no IO backend is installed"):
+        resolve(config(), BACKENDS, {})
+
+
+# --- extra-config, geometry, validate_plan ------------------------------------------------
+
+
+def test_extra_config_validated_with_field_path() -> None:
+    with pytest.raises(InvalidFieldError) as info:
+        resolve(config(extra_config='{"capacity_bytes": "big"}'), BACKENDS, IO)
+    assert info.value.path == "extra_config.capacity_bytes"
+    assert "got 'big'" in str(info.value)
+
+
+def test_extra_config_unknown_key() -> None:
+    with pytest.raises(UnknownKeyError) as info:
+        resolve(config(extra_config={"capacity": 1}), BACKENDS, IO)
+    assert str(info.value) == (
+        "unknown key 'capacity' in extra_config of backend 'mem' (did you mean "
+        "'capacity_bytes'?); allowed keys: 'capacity_bytes'"
+    )
+
+
+def test_backend_config_is_the_validated_model() -> None:
+    plan = resolve(config(extra_config={"capacity_bytes": 5}), BACKENDS, IO)
+    assert isinstance(plan.backend_config, MemOpts)
+    assert plan.backend_config.capacity_bytes == 5
+
+
+def test_missing_geometry() -> None:
+    with pytest.raises(MissingFieldError, match="head_dim: required field is missing"):
+        resolve(EngineConfig(backend="mem", num_layers=2, num_kv_heads=1), BACKENDS, IO)
+
+
+def test_validate_plan_sees_config_and_context() -> None:
+    seen: list[tuple[Any, BackendContext]] = []
+
+    def check(cfg: Any, context: BackendContext) -> None:
+        seen.append((cfg, context))
+        if context.layout is not Layout.LAYER_FIRST:
+            raise InvalidFieldError("extra_config.o_direct", "needs layout layer_first")
+
+    spec = BackendSpec(name="checked", factory=_factory, config_model=MemOpts, validate_plan=check)
+    with pytest.raises(InvalidFieldError, match="needs layout layer_first"):
+        resolve(config(backend="checked"), {"checked": spec}, IO)
+    plan = resolve(config(backend="checked", layout="layer_first"), {"checked": spec}, IO)
+    cfg, context = seen[-1]
+    assert cfg is plan.backend_config and context is plan.context
+
+
+def test_validate_plan_raising_a_bug_is_a_plugin_error() -> None:
+    def check(cfg: Any, context: BackendContext) -> None:
+        raise TypeError("oops")
+
+    spec = BackendSpec(name="buggy", factory=_factory, validate_plan=check)
+    with pytest.raises(PluginError, match="backend 'buggy': validate_plan raised TypeError"):
+        resolve(config(backend="buggy"), {"buggy": spec}, IO)
+
+
+# --- the plan ----------------------------------------------------------------------------
+
+
+def test_context_and_namespace() -> None:
+    plan = resolve(config(tp_rank=1, tp_size=4, model="llama", tenant="t1"), BACKENDS, IO)
+    ctx = plan.context
+    assert (ctx.tp_rank, ctx.tp_size, ctx.layout, ctx.geometry) == (
+        1,
+        4,
+        plan.layout,
+        plan.geometry,
+    )
+    assert ctx.namespace == Namespace("llama", plan.geometry.fingerprint, "t1").id
+    assert ctx.namespace == namespace_for("llama", plan.geometry.fingerprint, "t1")
+    other = resolve(config(tp_rank=1, tp_size=4, model="llama", tenant="t2"), BACKENDS, IO)
+    assert other.context.namespace != ctx.namespace
+
+
+def test_summary_and_json() -> None:
+    plan = resolve(config(extra_config={"capacity_bytes": 5}), BACKENDS, IO)
+    summary = plan.summary()
+    assert "backend        mem" in summary
+    assert "io_backend     fast (auto)" in summary
+    assert "layout         page_first_direct (auto)" in summary
+    assert "operations     backup_all, load_all" in summary
+    assert "backend config capacity_bytes=5" in summary
+    assert f"namespace      {plan.context.namespace}" in summary
+    assert "note: auto picked" in summary
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["io_backend"] == "fast" and data["layout"] == "page_first_direct"
+    assert data["backend_config"] == {"capacity_bytes": 5}
+    assert data["geometry"]["bytes_per_page"] == plan.geometry.bytes_per_page
