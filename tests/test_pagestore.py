@@ -384,3 +384,32 @@ def test_header_slot_of_a_rejected_page_is_not_left_valid() -> None:
     stored(backend)[0] ^= 1
     assert store.get(KEYS[:1], [1]) == [False]
     assert bytes(pool.headers[1][:8]) != b"KVTIERPG"
+
+
+def test_checksum_threads_give_the_same_answers() -> None:
+    backend = DictBackend()
+    pool = FakePool()
+    store = PageStore(backend, pool, fingerprint=FP, checksum_workers=3)
+    data = [pool.fill_random(p) for p in range(4)]
+    assert store.put(KEYS[:4], [0, 1, 2, 3]) == [True] * 4
+    single = PageStore(backend, FakePool(), fingerprint=FP)
+    assert single.get(KEYS[:4], [0, 1, 2, 3]) == [True] * 4  # envelopes written by threads
+    backend.objects[KEYS[1]][ENVELOPE_BYTES + 3] ^= 0x20
+    backend.objects[KEYS[3]][20] ^= 0x01
+    for p in range(4):
+        pool.wipe(p)
+    assert store.get(KEYS[:5], [0, 1, 2, 3, 4]) == [True, False, True, False, False]
+    assert pool.payload(0) == data[0] and pool.payload(2) == data[2]
+    stats = store.stats()
+    assert stats["invalid_corrupt_checksum"] == 1 and stats["invalid_corrupt_header"] == 1
+    assert stats["misses"] == 1 and stats["hits"] == 2
+    store.close()
+    store.close()
+    assert store.get(KEYS[:1], [0]) == [True]  # usable again after close
+    store.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5])
+def test_bad_checksum_workers_are_rejected(bad: object) -> None:
+    with pytest.raises(InvalidFieldError, match="checksum_workers"):
+        PageStore(DictBackend(), FakePool(), fingerprint=FP, checksum_workers=bad)  # type: ignore[arg-type]

@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal, Protocol, TypeVar
 
-from kvtier.core.envelope import HEADER, verify_envelope, write_envelope
+from kvtier.core.envelope import HEADER, Rejection, verify_envelope, write_envelope
 from kvtier.core.errors import InvalidFieldError, PageError, StorageError
 from kvtier.core.extents import Extent
 from kvtier.core.keys import validate_key
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 VerifyMode = Literal["full", "header"]
 _VERIFY_MODES = ("full", "header")
+_R = TypeVar("_R")
 
 
 class PagePool(Protocol):
@@ -53,6 +55,7 @@ class PageStore:
         *,
         fingerprint: str,
         verify: VerifyMode = "full",
+        checksum_workers: int = 1,
     ) -> None:
         if verify not in _VERIFY_MODES:
             raise InvalidFieldError(
@@ -64,13 +67,28 @@ class PageStore:
             raise InvalidFieldError(
                 "fingerprint", f"must be a non-empty str, got {fingerprint!r}", value=fingerprint
             )
+        if (
+            isinstance(checksum_workers, bool)
+            or not isinstance(checksum_workers, int)
+            or checksum_workers < 1
+        ):
+            raise InvalidFieldError(
+                "checksum_workers",
+                f"must be a positive integer (1 checksums in the calling thread), "
+                f"got {checksum_workers!r}",
+                value=checksum_workers,
+            )
         self.backend = backend
         self.pool = pool
+        #: Threads that checksum the pages of one batch in parallel (xxhash releases the
+        #: GIL); 1 checksums in the calling thread. Started on first use.
+        self.checksum_workers = checksum_workers
+        self._executor: ThreadPoolExecutor | None = None
         self.fingerprint = fingerprint
         self.verify: VerifyMode = verify
         self._counters = Counters()
         self._warned: set[type[BaseException]] = set()
-        self._warn_lock = threading.Lock()
+        self._lock = threading.Lock()
 
     # --- public API ---------------------------------------------------------------------
 
@@ -99,14 +117,17 @@ class PageStore:
             return []
         buffers = [self.pool.page_buffers(page) for page in pages]
         layout = self.pool.layout
-        for key, regions in zip(keys, buffers, strict=True):
+
+        def envelope(i: int) -> None:
             write_envelope(
-                regions[0],
-                key=key,
+                buffers[i][0],
+                key=keys[i],
                 fingerprint=self.fingerprint,
                 layout=layout,
-                payload=regions[1:],
+                payload=buffers[i][1:],
             )
+
+        self._each(envelope, range(len(keys)))
         results = self._call("put", len(keys), lambda: self.backend.put(keys, buffers))
         for ok, regions in zip(results, buffers, strict=True):
             if ok:
@@ -129,18 +150,22 @@ class PageStore:
         results = self._call("get", len(keys), lambda: self.backend.get(keys, buffers))
         full = self.verify == "full"
         layout = self.pool.layout
-        for i, (key, regions) in enumerate(zip(keys, buffers, strict=True)):
-            if not results[i]:
-                self._counters.add("misses")
-                continue
-            reason = verify_envelope(
-                regions[0],
-                key=key,
+
+        def check(i: int) -> Rejection | None:
+            return verify_envelope(
+                buffers[i][0],
+                key=keys[i],
                 fingerprint=self.fingerprint,
                 layout=layout,
-                payload=regions[1:],
+                payload=buffers[i][1:],
                 full=full,
             )
+
+        filled = [i for i, ok in enumerate(results) if ok]
+        self._counters.add("misses", len(keys) - len(filled))
+        reasons = self._each(check, filled) if full else [check(i) for i in filled]
+        for i, reason in zip(filled, reasons, strict=True):
+            key, regions = keys[i], buffers[i]
             if reason is not None:
                 results[i] = False
                 self._counters.add("invalid")
@@ -172,7 +197,26 @@ class PageStore:
         }
         return {**base, **self._counters.snapshot()}
 
+    def close(self) -> None:
+        """Stop the checksum threads, if any were started. The backend is not closed."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
     # --- internals ----------------------------------------------------------------------
+
+    def _each(self, fn: Callable[[int], _R], items: Sequence[int]) -> list[_R]:
+        """``[fn(i) for i in items]``, on the checksum threads when there are several."""
+        if self.checksum_workers == 1 or len(items) < 2:
+            return [fn(i) for i in items]
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    self.checksum_workers, thread_name_prefix="kvtier-checksum"
+                )
+            executor = self._executor
+        return list(executor.map(fn, items))
 
     @staticmethod
     def _checked_keys(keys: Sequence[str], pages: Sequence[int] | None = None) -> list[str]:
@@ -199,7 +243,7 @@ class PageStore:
             self._counters.add("backend_errors")
             self._counters.add(f"backend_errors_{op}")
             kind = type(exc)
-            with self._warn_lock:
+            with self._lock:
                 first = kind not in self._warned
                 self._warned.add(kind)
             if first:
