@@ -454,39 +454,51 @@ def _print_error(exc: BaseException) -> None:
 
 
 def _add_bench(sub: Any) -> None:
-    """Delegate ``kvtier bench`` to :mod:`kvtier.bench`, or say it is not available yet."""
+    """Delegate ``kvtier bench`` to :mod:`kvtier.bench`, or say why it cannot run.
+
+    A missing or broken benchmark module only disables ``kvtier bench``; every other
+    command keeps working.
+    """
+    bench: Any = None
+    reason = ""
     try:
         # importlib rather than "from kvtier import bench": mypy passes with or without it.
-        _bench = importlib.import_module("kvtier.bench")
-    except Exception as exc:  # not written yet, or a dependency missing: other commands work
+        bench = importlib.import_module("kvtier.bench")
+        if not (
+            callable(getattr(bench, "add_arguments", None))
+            and callable(getattr(bench, "run", None))
+        ):
+            raise AttributeError("kvtier.bench must define add_arguments(parser) and run(args)")
+    except Exception as exc:
         missing = isinstance(exc, ImportError) and exc.name in ("kvtier", "kvtier.bench")
         reason = (
             "kvtier bench is not available yet in this build (there is no kvtier.bench module)"
             if missing
             else f"kvtier bench cannot start: importing kvtier.bench failed: {exc!r}"
         )
-        parser = sub.add_parser(
-            "bench",
-            help="run benchmarks (not available in this build)",
-            description=reason,
-            formatter_class=_Formatter,
-        )
-        parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-
-        def unavailable(args: argparse.Namespace) -> int:
-            sys.stderr.write(f"kvtier: error: {reason}\n")
-            return EXIT_ERROR
-
-        parser.set_defaults(_kvtier_run=unavailable)
-        return
+        bench = None
+    doc = (getattr(bench, "__doc__", None) or "Run kvtier benchmarks.").strip()
     parser = sub.add_parser(
         "bench",
-        help="run benchmarks",
-        description=(_bench.__doc__ or "Run kvtier benchmarks.").strip(),
+        help="run benchmarks" if bench is not None else "run benchmarks (not available)",
+        description=doc if bench is not None else reason,
         formatter_class=_Formatter,
     )
-    _bench.add_arguments(parser)
-    parser.set_defaults(_kvtier_run=_bench.run)
+    if bench is not None:
+        try:
+            bench.add_arguments(parser)
+        except Exception as exc:
+            reason = f"kvtier bench cannot start: kvtier.bench.add_arguments failed: {exc!r}"
+        else:
+            parser.set_defaults(_kvtier_run=bench.run)
+            return
+
+    def unavailable(args: argparse.Namespace) -> int:
+        sys.stderr.write(f"kvtier: error: {reason}\n")
+        return EXIT_ERROR
+
+    # Whatever arguments were meant for the benchmarks are accepted and ignored.
+    parser.set_defaults(_kvtier_run=unavailable, _kvtier_any_args=True)
 
 
 # --- entry point -----------------------------------------------------------------------
@@ -545,7 +557,9 @@ def main(argv: Sequence[str] | None = None, *, registry: Registry | None = None)
     """
     parser = build_parser()
     try:
-        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+        if extra and not getattr(args, "_kvtier_any_args", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # --help, --version, or a usage error argparse printed
         return exc.code if isinstance(exc.code, int) else EXIT_ERROR
     handler = logging.StreamHandler(sys.stderr)
