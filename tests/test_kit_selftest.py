@@ -1,0 +1,201 @@
+"""The kit itself: it fails broken backends, skips only undeclared features; FaultyBackend."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.backends.memory import MemoryBackend, MemoryConfig
+from kvtier.core.errors import InvalidFieldError
+from kvtier.core.extents import extent_of_view
+from kvtier.core.specs import BackendSpec, Feature
+from kvtier.core.storage import PageBuffers
+from kvtier.testing import (
+    ConcurrencyTests,
+    DeleteClearTests,
+    FaultyBackend,
+    InjectedFault,
+    IntegrityTests,
+    KitEnv,
+    PersistenceTests,
+    RoundTripTests,
+    SharedProcessesTests,
+    faults,
+)
+
+
+def env_for(
+    tmp_path: Path, factory: Callable[..., Any], features: frozenset[Feature] = frozenset()
+) -> KitEnv:
+    spec = BackendSpec(name="broken", factory=factory, config_model=MemoryConfig, features=features)
+    return KitEnv(spec, {}, (), tmp_path)
+
+
+@pytest.fixture
+def closing() -> Iterator[list[KitEnv]]:
+    envs: list[KitEnv] = []
+    yield envs
+    for env in envs:
+        env.close_all()
+
+
+class LyingGet(MemoryBackend):
+    """Says a get succeeded without filling anything."""
+
+    def get(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
+        return [key in self._pages for key in keys]
+
+
+class TornPut(MemoryBackend):
+    """Overwrites a stored page region by region, in place: readers can see a mix."""
+
+    def put(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
+        for key, page in zip(keys, pages, strict=True):
+            size = sum(e.length for e in page)
+            with self._lock:
+                blob = self._pages.setdefault(key, bytearray(size))
+            offset = 0
+            for extent in page:
+                blob[offset : offset + extent.length] = extent.view
+                offset += extent.length
+                time.sleep(0.0005)
+        return [True] * len(keys)
+
+
+class ForgetfulClear(MemoryBackend):
+    """``clear`` that does nothing."""
+
+    def clear(self) -> None:
+        pass
+
+
+def test_kit_fails_a_backend_that_lies_about_gets(tmp_path: Path, closing: list[KitEnv]) -> None:
+    env = env_for(tmp_path, lambda config, context: LyingGet(config, context))
+    closing.append(env)
+    with pytest.raises(AssertionError):
+        RoundTripTests().test_kit_round_trip(env)
+
+
+def test_kit_fails_a_backend_with_torn_puts(tmp_path: Path, closing: list[KitEnv]) -> None:
+    env = env_for(tmp_path, lambda config, context: TornPut(config, context))
+    closing.append(env)
+    with pytest.raises(AssertionError, match="torn"):
+        ConcurrencyTests().test_kit_readers_never_see_torn_pages(env)
+
+
+def test_kit_fails_a_clear_that_keeps_pages(tmp_path: Path, closing: list[KitEnv]) -> None:
+    env = env_for(tmp_path, lambda config, context: ForgetfulClear(config, context))
+    closing.append(env)
+    with pytest.raises(AssertionError):
+        DeleteClearTests().test_kit_clear(env)
+
+
+def test_kit_fails_a_false_persistence_claim(tmp_path: Path, closing: list[KitEnv]) -> None:
+    env = env_for(tmp_path, MemoryBackend.from_config, frozenset({Feature.PERSISTENT}))
+    closing.append(env)
+    with pytest.raises(AssertionError):
+        PersistenceTests().test_kit_survives_reopen(env)
+
+
+def test_kit_skips_only_undeclared_features(tmp_path: Path, closing: list[KitEnv]) -> None:
+    env = env_for(tmp_path, MemoryBackend.from_config)
+    closing.append(env)
+    with pytest.raises(pytest.skip.Exception, match="persistent"):
+        PersistenceTests().test_kit_survives_reopen(env)
+    with pytest.raises(pytest.skip.Exception, match="shared_processes"):
+        SharedProcessesTests().test_kit_pages_from_another_process(env)
+    IntegrityTests().test_kit_truncated_pages_are_misses(env)  # no feature needed: runs
+
+
+def test_kit_rejects_a_factory_that_builds_no_backend(
+    tmp_path: Path, closing: list[KitEnv]
+) -> None:
+    env = env_for(tmp_path, lambda config, context: object())
+    closing.append(env)
+    with pytest.raises(AssertionError, match=r"not a kvtier\.StorageBackend"):
+        env.open()
+
+
+# --- FaultyBackend --------------------------------------------------------------------
+
+
+def page(fill: int, size: int = 4096, regions: int = 2) -> list[Any]:
+    return [extent_of_view(memoryview(bytearray([fill]) * size)) for _ in range(regions)]
+
+
+def flat(p: list[Any]) -> bytes:
+    return b"".join(bytes(e.view) for e in p)
+
+
+def test_faulty_rates_are_checked() -> None:
+    with pytest.raises(InvalidFieldError, match="fail_rate"):
+        FaultyBackend(MemoryBackend(), fail_rate=1.5)
+    with pytest.raises(InvalidFieldError, match="delay"):
+        FaultyBackend(MemoryBackend(), delay=-1)
+    with pytest.raises(InvalidFieldError, match="flip_in"):
+        FaultyBackend(MemoryBackend(), flip_in="middle")  # type: ignore[arg-type]
+
+
+def test_faulty_passes_through_when_quiet() -> None:
+    faulty = FaultyBackend(MemoryBackend())
+    assert faulty.put(["a"], [page(1)]) == [True]
+    out = page(0)
+    assert faulty.get(["a"], [out]) == [True] and flat(out) == flat(page(1))
+    assert faulty.exists(["a", "b"]) == [True, False]
+    assert faulty.delete(["a"]) == [True]
+    assert faulty.injected == {}
+
+
+def test_faulty_flips_exactly_one_bit_in_the_chosen_region() -> None:
+    inner = MemoryBackend()
+    inner.put(["a"], [page(0)])
+    for where, region in (("header", 0), ("payload", 1)):
+        faulty = FaultyBackend(inner, seed=7, bit_flip_rate=1.0, flip_in=where)  # type: ignore[arg-type]
+        out = page(0)
+        assert faulty.get(["a"], [out]) == [True]
+        changed = [sum(bin(b).count("1") for b in bytes(e.view)) for e in out]
+        assert sum(changed) == 1 and changed[region] == 1
+        if where == "header":
+            assert any(bytes(out[0].view)[:104])  # inside the header proper
+
+
+def test_faulty_truncates_what_it_stores() -> None:
+    inner = MemoryBackend()
+    faulty = FaultyBackend(inner, seed=3, truncate_rate=1.0)
+    assert faulty.put(["a"], [page(5)]) == [True]
+    assert inner.stats()["bytes"] < 2 * 4096
+    assert inner.get(["a"], [page(0)]) == [False]  # a short object is a miss
+
+
+def test_faulty_failures_are_seeded_and_replayable() -> None:
+    def run() -> list[bool]:
+        faulty = FaultyBackend(MemoryBackend(), seed=42, fail_rate=0.5)
+        return faulty.put([f"k{i}" for i in range(32)], [page(i, size=16) for i in range(32)])
+
+    first = run()
+    assert first == run()
+    assert 0 < first.count(True) < 32
+
+
+def test_faulty_failed_put_stores_nothing() -> None:
+    inner = MemoryBackend()
+    faulty = FaultyBackend(inner, seed=1, fail_rate=1.0)
+    assert faulty.put(["a", "b"], [page(1), page(2)]) == [False, False]
+    assert inner.exists(["a", "b"]) == [False, False]
+    assert faulty.stats()["injected_put_failures"] == 2
+
+
+def test_faulty_errors_and_delays(monkeypatch: pytest.MonkeyPatch) -> None:
+    faulty = FaultyBackend(MemoryBackend(), error_rate=1.0)
+    with pytest.raises(InjectedFault, match="exists"):
+        faulty.exists(["a"])
+    slept: list[float] = []
+    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    slow = FaultyBackend(MemoryBackend(), delay=0.25)
+    slow.put(["a"], [page(1)])
+    slow.get(["a"], [page(0)])
+    assert slept == [0.25, 0.25]
