@@ -449,7 +449,7 @@ def _problems(
     return problems
 
 
-def _raise_all(problems: list[ConfigError], label: str) -> typing.NoReturn:
+def _raise_all(problems: list[ConfigError], label: str, footer: str = "") -> typing.NoReturn:
     """Raise the first problem, its message listing every problem, all kept in ``.problems``.
 
     The exception's class is that of the first problem, so ``except UnknownKeyError``
@@ -458,7 +458,7 @@ def _raise_all(problems: list[ConfigError], label: str) -> typing.NoReturn:
     first = problems[0]
     if len(problems) > 1:
         listing = "\n".join(f"  - {str(p).replace(chr(10), chr(10) + '    ')}" for p in problems)
-        first.args = (f"{len(problems)} problems in {label}:\n{listing}",)
+        first.args = (f"{len(problems)} problems in {label}:\n{listing}{footer}",)
     setattr(first, "problems", tuple(problems))  # noqa: B010 - not declared on ConfigError
     raise first
 
@@ -644,13 +644,11 @@ class EngineConfig(BaseModel):
         missing = self.missing_geometry()
         if missing:
             needed = ", ".join(_GEOMETRY_FIELDS[self.attention])
-            problems: list[ConfigError] = [
-                MissingFieldError(
-                    name, hint=f" (an {self.attention.value.upper()} geometry needs {needed})"
-                )
-                for name in missing
-            ]
-            _raise_all(problems, "engine config")
+            hint = f"an {self.attention.value.upper()} geometry needs {needed}"
+            if len(missing) == 1:
+                raise MissingFieldError(missing[0], hint=f" ({hint})")
+            problems: list[ConfigError] = [MissingFieldError(name) for name in missing]
+            _raise_all(problems, "engine config", footer=f"\n({hint})")
         if self.attention is AttentionKind.MLA:
             return KVGeometry.mla(
                 num_layers=self.num_layers or 0,
