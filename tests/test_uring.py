@@ -440,20 +440,21 @@ def test_a_root_written_by_one_backend_is_read_by_the_other(
 def test_publish_happens_only_after_the_whole_page_is_written(
     make: Callable[..., UringBackend], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend = make(queue_depth=2)
+    backend = make(queue_depth=2, fsync="page")
     datas = {f"w{i}": _data(i, 12000) for i in range(6)}
     seen: list[tuple[bool, bytes]] = []
-    real = fs.publish
+    real = UringBackend._rename
 
-    def checking_publish(tmp: Path, final: Path, *, sync_dir: bool = False) -> None:
-        seen.append((final.exists(), tmp.read_bytes()))
-        real(tmp, final, sync_dir=sync_dir)
+    def checking_rename(put: Any) -> Any:  # the rename is queued only now
+        seen.append((put.final.exists(), put.tmp.read_bytes()))
+        return real(put)
 
-    monkeypatch.setattr(fs, "publish", checking_publish)
+    monkeypatch.setattr(UringBackend, "_rename", staticmethod(checking_rename))
     keys = list(datas)
     assert backend.put(keys, [_page(d, (4096, 5000)) for d in datas.values()]) == [True] * 6
     assert sorted(body for _, body in seen) == sorted(datas.values())
     assert not any(existed for existed, _ in seen)
+    assert [fs.page_path(backend.store, k).read_bytes() for k in keys] == list(datas.values())
 
 
 def test_overwrite_and_concurrent_writers_leave_one_whole_page(
@@ -659,12 +660,14 @@ def test_o_direct_with_unaligned_memory_falls_back_loudly(
     assert sum("aligned" in r.getMessage() for r in caplog.records) == 1
 
 
+@pytest.mark.parametrize("submit_async", [False, True])
 def test_another_thread_keeps_running_during_a_large_batch(
-    make: Callable[..., UringBackend],
+    make: Callable[..., UringBackend], submit_async: bool
 ) -> None:
-    backend = make(queue_depth=8, fsync="page")
-    datas = [_data(i, 256 * 1024) for i in range(48)]
-    keys = [f"g{i}" for i in range(48)]
+    """While a batch waits on the disk, the GIL is free: a counting thread advances."""
+    backend = make(queue_depth=8, fsync="page", submit_async=submit_async)
+    datas = [_data(i, 1024 * 1024) for i in range(32)]
+    keys = [f"g{i}" for i in range(32)]
     stop = threading.Event()
     counter = 0
 
@@ -677,11 +680,15 @@ def test_another_thread_keeps_running_during_a_large_batch(
     thread.start()
     try:
         before = counter
-        assert backend.put(keys, [_page(d, (4096,)) for d in datas]) == [True] * 48
+        assert backend.put(keys, [_page(d, (4096,)) for d in datas]) == [True] * 32
         during_put = counter - before
+        for key in keys:  # synced pages: drop them so the reads wait on the disk
+            fd = os.open(fs.page_path(backend.store, key), os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
         outs = [_blank(len(d), (4096,)) for d in datas]
         before = counter
-        assert backend.get(keys, outs) == [True] * 48
+        assert backend.get(keys, outs) == [True] * 32
         during_get = counter - before
     finally:
         stop.set()

@@ -1,7 +1,8 @@
 """The io_uring engine of the ``uring`` backend: batches of vectored I/O with a bounded queue.
 
 A :class:`Ring` owns one io_uring instance and one eventfd registered with it. ``run``
-takes a batch of :class:`IORequest` (vectored reads and writes over memoryviews, fsyncs),
+takes a batch of :class:`IORequest` (vectored reads and writes over memoryviews, fsyncs,
+renames),
 keeps at most ``queue_depth`` of them in flight, refills the submission queue as
 completions arrive and resubmits the remainder of short transfers. Completions are reaped
 through liburing's cqe iterator (indexing a ``Cqe`` past its first entry ignores ring
@@ -40,6 +41,7 @@ class Op(enum.IntEnum):
     WRITE = 1
     FSYNC = 2
     FDATASYNC = 3
+    RENAME = 4
 
 
 @dataclass(eq=False)
@@ -56,6 +58,10 @@ class IORequest:
     offset: int = 0
     #: The caller's own bookkeeping (which key this request serves); the ring ignores it.
     tag: Any = None
+    #: For RENAME: (old, new) as str objects. The bindings keep a pointer into each str's
+    #: UTF-8 buffer until submission, so they must be str (not Path, whose conversion
+    #: makes a temporary) and stay alive: the request holds them until it completes.
+    paths: tuple[str, str] | None = None
     done: int = 0
     error: int = 0
     nbytes: int = field(init=False)
@@ -231,6 +237,10 @@ class Ring:
                 liburing.io_uring_prep_readv(sqe, request.fd, iovec, offset)
             else:
                 liburing.io_uring_prep_writev(sqe, request.fd, iovec, offset)
+        elif request.op == Op.RENAME:
+            if request.paths is None or not all(type(p) is str for p in request.paths):
+                raise TypeError("a RENAME request needs paths=(old, new) as two str objects")
+            liburing.io_uring_prep_rename(sqe, request.paths[0], request.paths[1])
         else:
             flags = liburing.IORING_FSYNC_DATASYNC if request.op == Op.FDATASYNC else 0
             liburing.io_uring_prep_fsync(sqe, request.fd, flags)
