@@ -121,16 +121,18 @@ class HostIndex:
         pins: int = 1,
         pin_existing: bool = False,
         wait_s: float = 0.0,
-    ) -> tuple[list[tuple[Entry, bool]], list[Entry]]:
+        wait_on_pins: bool = True,
+        on_victims: Callable[[list[Entry]], None],
+    ) -> list[tuple[Entry, bool]]:
         """Make pending entries for ``keys``, allocating (and evicting) host pages.
 
-        Returns ``(entries, dirty_victims)``. ``entries`` aligns with ``keys`` as
-        ``(entry, is_new)``: a fresh pending entry pinned ``pins`` times, or the entry the
-        key already had (its hit count bumped; pinned once if ``pin_existing``). It stops
-        at the first key no page could be found for, so it may be shorter than ``keys``.
-        ``dirty_victims`` must be written by the caller (each is pinned once for that)
-        and handed back through :meth:`finish_write`. Waits at most ``wait_s`` for pages
-        that in-flight work will release; never longer.
+        Returns ``(entry, is_new)`` aligned with ``keys``: a fresh pending entry pinned
+        ``pins`` times, or the entry the key already had (its hit count bumped; pinned once
+        if ``pin_existing``). It stops at the first key no page could be found for, so it
+        may be shorter than ``keys``. Dirty pages that eviction picks (write_back) go to
+        ``on_victims``, outside the lock, each pinned once; the writer hands them back
+        through :meth:`finish_write`. Waits at most ``wait_s`` for pages that in-flight
+        writes (and, with ``wait_on_pins``, other pins) will release; never longer.
         """
         deadline = time.monotonic() + wait_s
         out: list[tuple[Entry, bool]] = []
@@ -144,8 +146,17 @@ class HostIndex:
                     wanted += 1
             pages = self._allocate_locked(wanted, victims)
             while len(pages) < wanted and wait_s > 0:
+                if victims:  # hand them to a writer now: their pages are what we wait for
+                    batch, victims = victims, []
+                    self._lock.release()
+                    try:
+                        on_victims(batch)
+                    finally:
+                        self._lock.acquire()
+                    pages += self._allocate_locked(wanted - len(pages), victims)
+                    continue
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._waitable_locked():
+                if remaining <= 0 or not self._waitable_locked(wait_on_pins):
                     break
                 self._freed.wait(remaining)
                 pages += self._allocate_locked(wanted - len(pages), victims)
@@ -167,11 +178,16 @@ class HostIndex:
             leftover = list(supply)
             if leftover:
                 self._free_locked(leftover)
-        return out, victims
+        if victims:
+            on_victims(victims)
+        return out
 
-    def _waitable_locked(self) -> bool:
-        """Whether some pinned page may become evictable (a transfer, write or handle ends)."""
-        return any(e.pins for e in self._entries.values())
+    def _waitable_locked(self, on_pins: bool) -> bool:
+        """Whether a page may be freed soon: a write-back in flight, or (``on_pins``) a pin."""
+        return any(
+            (e.writing and e.evict_after_write) or (on_pins and e.pins)
+            for e in self._entries.values()
+        )
 
     def _allocate_locked(self, n: int, victims: list[Entry]) -> list[int]:
         """Up to ``n`` pages: free ones first, then LRU evictions of unpinned, settled pages."""

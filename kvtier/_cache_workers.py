@@ -20,7 +20,11 @@ log = logging.getLogger("kvtier.cache")
 
 
 class Job:
-    """A unit of work: ``run()`` on a worker, or ``cancel()`` if it never gets to run."""
+    """A unit of work: ``run()`` on a worker, or ``cancel()`` if it never gets to run.
+
+    ``run`` must release what it holds even when it raises; ``cancel`` is called only for
+    jobs that never started.
+    """
 
     def __init__(self, run: Callable[[], None], cancel: Callable[[], None]) -> None:
         self._run = run
@@ -85,13 +89,9 @@ class WorkerGroup:
                     return
                 assert isinstance(item, Job)
                 try:
-                    item.run()
+                    item.run()  # a job cleans up after itself, even when it raises
                 except BaseException as exc:  # a worker never dies of a job
                     self._on_error(self.name, exc)
-                    try:
-                        item.cancel()
-                    except BaseException as again:
-                        self._on_error(self.name, again)
             finally:
                 self._queue.task_done()
 

@@ -473,10 +473,22 @@ class TieredCache:
     def _run_backup(
         self, handle: BackupHandle, keys: list[str], slots: torch.Tensor, started: float
     ) -> None:
+        try:
+            self._backup_pages(handle, keys, slots, started)
+        except BaseException as exc:
+            if not handle.finished.is_set():
+                handle._fail(len(keys) - handle.pages_copied - handle.pages_cached, exc)
+                handle._finish()
+            raise
+
+    def _backup_pages(
+        self, handle: BackupHandle, keys: list[str], slots: torch.Tensor, started: float
+    ) -> None:
         opts = self.options
         ps = self.geometry.page_size
-        placed, victims = self._index.insert(keys, pins=1, wait_s=opts.alloc_wait_s)
-        self._write_victims(victims)
+        placed = self._index.insert(
+            keys, pins=1, wait_s=opts.alloc_wait_s, on_victims=self._write_victims
+        )
         if len(placed) < len(keys):
             missing = len(keys) - len(placed)
             counts = self._index.counts()
@@ -606,7 +618,6 @@ class TieredCache:
         started = time.monotonic()
         keys = [validate_key(k) for k in keys]
         host = self._index.acquire_prefix(keys)
-        self._stats.add("host_hits", len(host))
         rest = keys[len(host) :]
         if self.writes_storage and self.options.write_policy == "write_through_selective":
             hot = [e for e in host if e.hits >= self.options.write_threshold]
@@ -616,13 +627,23 @@ class TieredCache:
         entries = list(host)
         fresh: list[Entry] = []
         if rest:
-            self._stats.add("host_misses", len(rest))
-            found = self.page_store.prefix_hits(rest)
-            self._stats.add("storage_hits", found)
-            self._stats.add("storage_misses", len(rest) - found)
+            # Walk host and storage together: write_back keeps the newest pages of a
+            # prefix only on the host while older ones were evicted to storage.
+            in_storage = self.page_store.exists(rest)
+            found = 0
+            for key, stored in zip(rest, in_storage, strict=True):
+                if not (stored or self._index.contains(key)):
+                    break
+                found += 1
             if found:
-                placed, victims = self._index.insert(rest[:found], pins=2, pin_existing=True)
-                self._write_victims(victims)
+                placed = self._index.insert(
+                    rest[:found],
+                    pins=2,
+                    pin_existing=True,
+                    wait_s=self.options.alloc_wait_s,
+                    wait_on_pins=False,  # the caller's thread waits for write-backs only
+                    on_victims=self._write_victims,
+                )
                 if len(placed) < found:
                     missing = found - len(placed)
                     counts = self._index.counts()
@@ -633,7 +654,12 @@ class TieredCache:
                     )
                 entries += [entry for entry, _ in placed]
                 fresh = [entry for entry, new in placed if new]
-        handle = PrefetchHandle(self, keys, entries, len(host), started)
+        from_host = len(entries) - len(fresh)
+        self._stats.add("host_hits", from_host)
+        self._stats.add("host_misses", len(keys) - from_host)
+        self._stats.add("storage_hits", len(fresh))
+        self._stats.add("storage_misses", len(keys) - len(entries))
+        handle = PrefetchHandle(self, keys, entries, from_host, started)
         if not fresh:
             handle.finished.set()
             self._stats.latency["prefetch"].observe(time.monotonic() - started)
@@ -897,7 +923,7 @@ class TieredCache:
             )
 
     def _worker_error(self, group: str, exc: BaseException) -> None:
-        self._fail(f"{group}_worker_error", 0, f"{type(exc).__name__}: {exc}")
+        self._fail(f"{group}_worker_error", 1, f"{type(exc).__name__}: {exc}")
 
     def _exhausted(self, pages: int) -> PoolExhaustedError:
         counts = self._index.counts()
