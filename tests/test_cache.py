@@ -186,11 +186,11 @@ def test_open_refuses_bad_config_before_allocating(
     monkeypatch.setattr(host_pool_module.HostPool, "__init__", no_alloc)
     engine = load_engine_config(GEOMETRY)
     device = TorchDevicePool(engine.geometry(), 16)
-    with pytest.raises(UnknownNameError, match="memroy.*did you mean 'memory'"):
+    with pytest.raises(UnknownNameError, match=r"memroy.*did you mean 'memory'"):
         TieredCache.open({**GEOMETRY, "backend": "memroy"}, device, registry=registry)
     with pytest.raises(UnknownKeyError, match="capacity_byte"):
         open_cache({**GEOMETRY, "extra_config": '{"capacity_byte": 1}'}, device, registry)
-    with pytest.raises(UnknownKeyError, match="write_polcy.*did you mean 'write_policy'"):
+    with pytest.raises(UnknownKeyError, match=r"write_polcy.*did you mean 'write_policy'"):
         open_cache(GEOMETRY, device, registry, options={"write_polcy": "write_back"})
     with pytest.raises(ConfigError, match="write_policy"):
         open_cache(GEOMETRY, device, registry, options={"write_policy": "sometimes"})
