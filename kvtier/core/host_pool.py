@@ -1,0 +1,253 @@
+"""The host pool (L2): aligned, optionally pinned host memory in one layout, plus a page allocator.
+
+Memory is two slabs, each starting on a 4096-byte boundary: the payload slab holding the
+pool tensor (one region per kv, each aligned; see :mod:`kvtier.core.layout` for when every
+extent is aligned too) and a header slab with one :data:`ENVELOPE_BYTES` slot per page for
+the integrity envelope. Storage backends see a page as
+``[header_extent(page), *extents(page)]``; the extent lists are built once and cached.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections.abc import Iterable
+
+import torch
+
+from kvtier.core.envelope import ENVELOPE_BYTES
+from kvtier.core.errors import InvalidFieldError, PageError, PoolExhaustedError
+from kvtier.core.extents import Extent, extent_of_tensor
+from kvtier.core.geometry import KVGeometry
+from kvtier.core.layout import (
+    ALIGNMENT,
+    Layout,
+    align_up,
+    check_layout,
+    has_page_axis,
+    pool_shape,
+    region_stride_bytes,
+)
+
+__all__ = ["HostPool", "aligned_empty"]
+
+
+def aligned_empty(nbytes: int, *, pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(backing, slab)``: a uint8 slab of ``nbytes`` starting on a 4096 boundary.
+
+    torch only aligns CPU tensors to 64 bytes, so we over-allocate and slice; keep
+    ``backing`` alive as long as ``slab`` is used (the slab's storage does that already).
+    """
+    backing = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin_memory)
+    offset = (-backing.data_ptr()) % ALIGNMENT
+    slab = backing[offset : offset + nbytes]
+    return backing, slab
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidFieldError(name, f"must be a positive integer, got {value!r}", value=value)
+    return value
+
+
+class HostPool:
+    """Host memory for ``num_pages`` KV pages in ``layout``, with a thread-safe page allocator.
+
+    Size it with exactly one of ``num_pages`` or ``size_bytes`` (the budget for payload,
+    page padding and envelope headers together). ``pin_memory=None`` pins when CUDA is
+    available, so device copies can run asynchronously through DMA.
+    """
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        layout: Layout | str,
+        *,
+        num_pages: int | None = None,
+        size_bytes: int | None = None,
+        pin_memory: bool | None = None,
+    ) -> None:
+        self.geometry = geometry
+        self.layout = check_layout(geometry, layout)
+        self.page_bytes = geometry.bytes_per_page
+        kv = geometry.kv_count
+        self._stride = region_stride_bytes(geometry, self.layout)  # bytes per page per kv
+        footprint = kv * self._stride + ENVELOPE_BYTES
+        if (num_pages is None) == (size_bytes is None):
+            raise InvalidFieldError(
+                "host_pool",
+                "give exactly one of num_pages or size_bytes "
+                f"(got num_pages={num_pages!r}, size_bytes={size_bytes!r}); "
+                f"one page takes {footprint} bytes with its envelope header",
+                value=(num_pages, size_bytes),
+            )
+        if num_pages is not None:
+            self.num_pages = _positive_int("num_pages", num_pages)
+        else:
+            size = _positive_int("size_bytes", size_bytes)
+            if size < footprint:
+                raise InvalidFieldError(
+                    "size_bytes",
+                    f"{size} bytes hold no page: one page of {geometry.describe()} in "
+                    f"{self.layout.value} takes {footprint} bytes with its envelope header",
+                    value=size,
+                )
+            self.num_pages = size // footprint
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        elif pin_memory and not torch.cuda.is_available():
+            raise InvalidFieldError(
+                "pin_memory",
+                "pinned memory needs CUDA, which is not available here; "
+                "pass pin_memory=None (auto) or False",
+                value=pin_memory,
+            )
+        self.pin_memory = bool(pin_memory)
+        self._build_memory(kv)
+        self._lock = threading.Lock()
+        self._free_heap = list(range(self.num_pages))  # already a valid min-heap
+        self._free_set = set(self._free_heap)
+        self._extent_cache: dict[int, tuple[Extent, ...]] = {}
+        self._buffer_cache: dict[int, tuple[Extent, ...]] = {}
+
+    # --- memory ---------------------------------------------------------------------
+
+    def _build_memory(self, kv: int) -> None:
+        g, n = self.geometry, self.num_pages
+        itemsize = g.itemsize
+        dense = not has_page_axis(self.layout)
+        region = align_up(n * self._stride) if dense else n * self._stride
+        self._region_bytes = region
+        self._backing, self._payload = aligned_empty(kv * region, pin_memory=self.pin_memory)
+        self._header_backing, self._headers = aligned_empty(
+            n * ENVELOPE_BYTES, pin_memory=self.pin_memory
+        )
+        self._headers.zero_()
+        shape = pool_shape(g, self.layout, n)
+        per_kv_shape = shape[1:] if kv == 2 else shape
+        per_page = g.bytes_per_page // kv
+        kv_tensors = []
+        for c in range(kv):
+            raw = self._payload[c * region : (c + 1) * region]
+            if has_page_axis(self.layout):
+                rows = raw.view(n, self._stride)[:, :per_page]
+                typed = rows.view(g.dtype).view(per_kv_shape)
+            else:
+                typed = raw[: n * per_page].view(g.dtype).view(per_kv_shape)
+            kv_tensors.append(typed)
+        self.kv_buffers: tuple[torch.Tensor, ...] = tuple(kv_tensors)
+        if kv == 2:
+            k = kv_tensors[0]
+            # one tensor over both regions: the kv axis strides by the (aligned) region size
+            self.buffer = k.as_strided(
+                (2, *k.shape), (region // itemsize, *k.stride()), k.storage_offset()
+            )
+        else:
+            self.buffer = kv_tensors[0]
+
+    def _page_blocks(self, page: int) -> list[torch.Tensor]:
+        g = self.geometry
+        ps = g.page_size
+        blocks: list[torch.Tensor] = []
+        for tensor in self.kv_buffers:
+            if self.layout is Layout.LAYER_FIRST:
+                blocks.extend(
+                    tensor[layer, page * ps : (page + 1) * ps] for layer in range(g.num_layers)
+                )
+            elif self.layout is Layout.PAGE_FIRST:
+                blocks.append(tensor[page * ps : (page + 1) * ps])
+            else:
+                blocks.append(tensor[page])
+        return blocks
+
+    def _check_page(self, page: object) -> int:
+        if isinstance(page, bool) or not isinstance(page, int):
+            raise PageError(f"page id must be an int, got {page!r}", value=page)
+        if not 0 <= page < self.num_pages:
+            raise PageError(
+                f"page {page} is out of range: this pool has pages 0..{self.num_pages - 1}",
+                value=page,
+            )
+        return page
+
+    def extents(self, page: int) -> list[Extent]:
+        """The page's memory regions in canonical order, zero-copy over the pool's memory."""
+        page = self._check_page(page)
+        cached = self._extent_cache.get(page)
+        if cached is None:
+            cached = tuple(extent_of_tensor(block) for block in self._page_blocks(page))
+            self._extent_cache[page] = cached
+        return list(cached)
+
+    def header_extent(self, page: int) -> Extent:
+        """The page's envelope slot: ``ENVELOPE_BYTES`` bytes, 4096-aligned."""
+        page = self._check_page(page)
+        return self.page_buffers(page)[0]
+
+    def page_buffers(self, page: int) -> list[Extent]:
+        """``[header_extent(page), *extents(page)]``: what a storage backend stores."""
+        page = self._check_page(page)
+        cached = self._buffer_cache.get(page)
+        if cached is None:
+            header = self._headers[page * ENVELOPE_BYTES : (page + 1) * ENVELOPE_BYTES]
+            cached = (extent_of_tensor(header), *self.extents(page))
+            self._buffer_cache[page] = cached
+        return list(cached)
+
+    def memory_regions(self) -> list[Extent]:
+        """The payload slab and the header slab, for backends that register memory once."""
+        return [extent_of_tensor(self._payload), extent_of_tensor(self._headers)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of host memory the pool holds (payload slab, padding and headers)."""
+        return int(self._payload.numel() + self._headers.numel())
+
+    # --- allocator ------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        """Pages not currently allocated."""
+        with self._lock:
+            return len(self._free_heap)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free pages (lowest ids first, so neighbours tend to stay adjacent)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise PageError(f"allocate() needs a non-negative int, got {n!r}", value=n)
+        with self._lock:
+            free = len(self._free_heap)
+            if n > free:
+                raise PoolExhaustedError(
+                    f"host pool exhausted: asked for {n} pages, {free} of {self.num_pages} "
+                    f"are free; free pages first or grow the pool (num_pages / size_bytes; "
+                    f"one page is {self.page_bytes} bytes)",
+                    value=n,
+                )
+            pages = [heapq.heappop(self._free_heap) for _ in range(n)]
+            self._free_set.difference_update(pages)
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Return pages to the pool; all are checked before any is freed."""
+        pages = list(pages)
+        for page in pages:
+            self._check_page(page)
+        with self._lock:
+            seen: set[int] = set()
+            for page in pages:
+                if page in self._free_set or page in seen:
+                    raise PageError(
+                        f"page {page} is not allocated (double free?); nothing was freed",
+                        value=page,
+                    )
+                seen.add(page)
+            for page in pages:
+                heapq.heappush(self._free_heap, page)
+            self._free_set.update(pages)
+
+    def __repr__(self) -> str:
+        return (
+            f"HostPool({self.geometry.describe()}, layout={self.layout.value}, "
+            f"num_pages={self.num_pages}, pinned={self.pin_memory})"
+        )

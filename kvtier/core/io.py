@@ -1,0 +1,544 @@
+"""IO backends: how KV pages move between a device pool (L1) and a host pool (L2).
+
+The contract is :class:`IOBackend`: ``backup`` (device -> host) and ``load`` (host ->
+device), all layers (``layer=None``) or one layer. Every call is validated in full before a
+byte moves, and raises :class:`TransferError` naming the bad value otherwise. Data moves as
+raw bytes, so float8 and bfloat16 pages round-trip bit-exactly.
+
+Built-ins (declared in :data:`DIRECT_SPEC` and :data:`KERNEL_SPEC`):
+
+- ``direct``: page-granular. Each device page (``page_size`` consecutive slots starting at
+  a multiple of ``page_size``) is copied with strided ``copy_`` calls, one per run of
+  consecutive pages per kv (all layers at once when the device pool's layer buffers are
+  views of one tensor, else one per layer). Token-granular slots are refused.
+- ``kernel``: token-granular. Any slots; each host page is gathered with
+  ``index_select(..., out=host_page)`` or scattered with ``index_copy_``, one call per page
+  per kv covering all layers (or one layer).
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtier.core.device_pool import DevicePool, layer_buffers
+from kvtier.core.errors import TransferError, UnsupportedCombinationError
+from kvtier.core.geometry import AttentionKind, KVGeometry
+from kvtier.core.host_pool import HostPool
+from kvtier.core.layout import Layout, check_layout, layouts_for
+from kvtier.core.specs import Capability, EmptyConfig, IOBackendSpec, Operation
+
+__all__ = [
+    "DIRECT_SPEC",
+    "KERNEL_SPEC",
+    "DirectIOBackend",
+    "IOBackend",
+    "KernelIOBackend",
+    "capability_table",
+    "full_matrix",
+]
+
+#: Axis order of one page of one kv in the host pool, per layout (the page axis leads).
+_NATIVE_AXES: dict[Layout, tuple[str, ...]] = {
+    Layout.LAYER_FIRST: ("layer", "token", "head", "dim"),
+    Layout.PAGE_FIRST: ("token", "layer", "head", "dim"),
+    Layout.PAGE_FIRST_DIRECT: ("layer", "token", "head", "dim"),
+    Layout.PAGE_HEAD: ("head", "token", "layer", "dim"),
+}
+_DEVICE_AXES = ("layer", "token", "head", "dim")
+
+
+def full_matrix(operations: Iterable[Operation] = tuple(Operation)) -> frozenset[Capability]:
+    """Every (layout, attention, operation) a host pool can take, for ``operations``."""
+    ops = tuple(operations)
+    return frozenset(
+        Capability(layout, attention, op)
+        for attention in AttentionKind
+        for layout in layouts_for(attention)
+        for op in ops
+    )
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The same memory viewed as the widest integer type its last dim allows (bit-exact)."""
+    raw = tensor.view(torch.uint8) if tensor.element_size() > 1 else tensor
+    if raw.dtype != torch.uint8:
+        raw = raw.view(torch.uint8)
+    width = raw.shape[-1]
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if width % size == 0:
+            try:
+                return raw.view(dtype)
+            except RuntimeError:  # strides or offset not divisible: try a narrower type
+                continue
+    return raw
+
+
+def _permutation(source: Sequence[str], target: Sequence[str]) -> list[int]:
+    return [list(source).index(axis) for axis in target]
+
+
+def _stack_layers(buffers: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``[layers, ...]`` over per-layer buffers that are equally spaced views of one storage."""
+    first = buffers[0]
+    if len(buffers) == 1:
+        return first.unsqueeze(0)
+    size = first.element_size()
+    step_bytes = buffers[1].data_ptr() - first.data_ptr()
+    if step_bytes <= 0 or step_bytes % size:
+        return None
+    storage = first.untyped_storage().data_ptr()
+    for index, buffer in enumerate(buffers):
+        if (
+            buffer.shape != first.shape
+            or buffer.stride() != first.stride()
+            or buffer.dtype != first.dtype
+            or buffer.device != first.device
+            or buffer.untyped_storage().data_ptr() != storage
+            or buffer.data_ptr() - first.data_ptr() != index * step_bytes
+        ):
+            return None
+    return first.as_strided(
+        (len(buffers), *first.shape),
+        (step_bytes // size, *first.stride()),
+        first.storage_offset(),
+    )
+
+
+@dataclass
+class _Plan:
+    """A validated transfer: everything the executors need, nothing left to check."""
+
+    device: DevicePool
+    host: HostPool
+    slots: torch.Tensor  # int64, on the device pool's device
+    pages: list[int]
+    layer: int | None
+    device_pages: list[int] | None = None  # set by ``direct``: the device page of each page
+
+
+class IOBackend(ABC):
+    """Moves KV pages between a device pool and a host pool of one geometry and layout.
+
+    ``device_slots`` are int64 token slot indices, ``len(host_pages) * page_size`` of
+    them: page ``i`` of ``host_pages`` holds ``device_slots[i*ps:(i+1)*ps]``. A call
+    returns when the data is in place.
+    """
+
+    name = "io"
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        layout: Layout | str,
+        capabilities: Iterable[Capability] = (),
+    ) -> None:
+        self.geometry = geometry
+        self.layout = check_layout(geometry, layout)
+        self.capabilities = frozenset(capabilities)
+        ops = [c for c in self.capabilities if c[:2] == (self.layout, geometry.attention)]
+        if not ops:
+            raise UnsupportedCombinationError(
+                f"IO backend {self.name!r} does not execute layout {self.layout.value!r} "
+                f"with {geometry.attention.value.upper()}",
+                value=(self.layout, geometry.attention),
+                supported=sorted(str(c) for c in self.capabilities),
+            )
+
+    # --- public API -----------------------------------------------------------------
+
+    def backup(
+        self,
+        device: DevicePool,
+        host: HostPool,
+        device_slots: torch.Tensor,
+        host_pages: Sequence[int],
+        *,
+        layer: int | None = None,
+    ) -> None:
+        """Copy the KV of ``device_slots`` into ``host_pages`` (one layer, or all)."""
+        op = Operation.BACKUP_ALL if layer is None else Operation.BACKUP_LAYER
+        plan = self._validate(op, device, host, device_slots, host_pages, layer)
+        if plan is not None:
+            self._backup(plan)
+
+    def load(
+        self,
+        host: HostPool,
+        device: DevicePool,
+        host_pages: Sequence[int],
+        device_slots: torch.Tensor,
+        *,
+        layer: int | None = None,
+    ) -> None:
+        """Copy ``host_pages`` into the device pool at ``device_slots`` (one layer, or all)."""
+        op = Operation.LOAD_ALL if layer is None else Operation.LOAD_LAYER
+        plan = self._validate(op, device, host, device_slots, host_pages, layer)
+        if plan is not None:
+            self._load(plan)
+
+    def supports(self, operation: Operation) -> bool:
+        """Whether this backend executes ``operation`` for its layout and attention kind."""
+        return Capability(self.layout, self.geometry.attention, operation) in self.capabilities
+
+    # --- for implementations --------------------------------------------------------
+
+    @abstractmethod
+    def _backup(self, plan: _Plan) -> None:
+        """Device -> host for a validated, non-empty plan."""
+
+    @abstractmethod
+    def _load(self, plan: _Plan) -> None:
+        """Host -> device for a validated, non-empty plan."""
+
+    def _check_slots(self, plan: _Plan, operation: Operation) -> None:  # noqa: B027
+        """Backend-specific slot rules (``direct`` wants whole device pages)."""
+
+    # --- validation -----------------------------------------------------------------
+
+    def _validate(
+        self,
+        operation: Operation,
+        device: DevicePool,
+        host: HostPool,
+        device_slots: Any,
+        host_pages: Any,
+        layer: Any,
+    ) -> _Plan | None:
+        g = self.geometry
+        if not self.supports(operation):
+            raise TransferError(
+                f"IO backend {self.name!r} does not execute {operation.value} for "
+                f"{self.layout.value}/{g.attention.value}; it executes: "
+                f"{', '.join(sorted(str(c) for c in self.capabilities))}",
+                value=operation,
+            )
+        if layer is not None and (
+            isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < g.num_layers
+        ):
+            raise TransferError(
+                f"layer {layer!r} is out of range: the geometry has layers 0..{g.num_layers - 1}",
+                value=layer,
+            )
+        for what, geometry in (("device pool", device.geometry), ("host pool", host.geometry)):
+            if geometry != g:
+                raise TransferError(
+                    f"{what} geometry {geometry.describe()} differs from the IO backend's "
+                    f"{g.describe()}",
+                    value=geometry,
+                )
+        if host.layout is not self.layout:
+            raise TransferError(
+                f"host pool layout {host.layout.value!r} differs from the IO backend's "
+                f"{self.layout.value!r}; build the IO backend for the pool's layout",
+                value=host.layout,
+            )
+        pages = self._pages(host, host_pages)
+        slots = self._slots(device, device_slots, len(pages))
+        if not pages:
+            return None
+        if operation in (Operation.BACKUP_ALL, Operation.BACKUP_LAYER):
+            if len(set(pages)) != len(pages):
+                duplicate = next(p for p, n in _counts(pages).items() if n > 1)
+                raise TransferError(
+                    f"host page {duplicate} appears twice in one backup; each destination "
+                    "page must be written once",
+                    value=duplicate,
+                )
+        else:
+            ordered = torch.sort(slots).values
+            repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+            if repeated.numel():
+                value = int(repeated[0])
+                raise TransferError(
+                    f"device slot {value} appears twice in one load; each destination slot "
+                    "must be written once",
+                    value=value,
+                )
+        plan = _Plan(device, host, slots.to(device.device), pages, layer)
+        self._check_slots(plan, operation)
+        return plan
+
+    @staticmethod
+    def _pages(host: HostPool, host_pages: Any) -> list[int]:
+        if isinstance(host_pages, torch.Tensor):
+            if host_pages.dtype.is_floating_point or host_pages.dtype == torch.bool:
+                raise TransferError(
+                    f"host_pages must hold integers, got a {host_pages.dtype} tensor",
+                    value=host_pages.dtype,
+                )
+            host_pages = host_pages.reshape(-1).tolist()
+        try:
+            pages = list(host_pages)
+        except TypeError:
+            raise TransferError(
+                f"host_pages must be a sequence of page ids, got {type(host_pages).__name__}",
+                value=host_pages,
+            ) from None
+        for page in pages:
+            if isinstance(page, bool) or not isinstance(page, int):
+                raise TransferError(f"host page id {page!r} is not an int", value=page)
+            if not 0 <= page < host.num_pages:
+                raise TransferError(
+                    f"host page {page} is out of range: the pool has pages 0..{host.num_pages - 1}",
+                    value=page,
+                )
+        return pages
+
+    def _slots(self, device: DevicePool, device_slots: Any, num_pages: int) -> torch.Tensor:
+        if not isinstance(device_slots, torch.Tensor):
+            raise TransferError(
+                f"device_slots must be an int64 torch.Tensor, got {type(device_slots).__name__}",
+                value=device_slots,
+            )
+        if device_slots.dtype.is_floating_point or device_slots.dtype in (
+            torch.bool,
+            torch.complex64,
+            torch.complex128,
+        ):
+            raise TransferError(
+                f"device_slots must hold integers, got {device_slots.dtype}",
+                value=device_slots.dtype,
+            )
+        if device_slots.dim() != 1:
+            raise TransferError(
+                f"device_slots must be 1-D, got shape {tuple(device_slots.shape)}",
+                value=tuple(device_slots.shape),
+            )
+        expected = num_pages * self.geometry.page_size
+        if device_slots.numel() != expected:
+            raise TransferError(
+                f"{device_slots.numel()} device slots for {num_pages} host pages; expected "
+                f"{expected} (= pages x page_size {self.geometry.page_size})",
+                value=device_slots.numel(),
+            )
+        slots = device_slots.to(torch.int64)
+        if slots.numel():
+            low, high = int(slots.min()), int(slots.max())
+            if low < 0 or high >= device.num_slots:
+                bad = low if low < 0 else high
+                position = int((slots == bad).nonzero()[0, 0])
+                raise TransferError(
+                    f"device slot {bad} (position {position}) is out of range: the device "
+                    f"pool has slots 0..{device.num_slots - 1}",
+                    value=bad,
+                )
+        return slots
+
+    # --- views shared by implementations --------------------------------------------
+
+    def _host_pages(self, host: HostPool, kv: int, layer: int | None) -> torch.Tensor:
+        """Host memory of one kv as ``[page, *native axes]`` (layer axis dropped if given)."""
+        g = self.geometry
+        t = _raw(host.kv_buffers[kv])
+        n, ps, width = host.num_pages, g.page_size, t.shape[-1]
+        if self.layout is Layout.LAYER_FIRST:
+            view = t.view(g.num_layers, n, ps, g.num_kv_heads, width).movedim(1, 0)
+        elif self.layout is Layout.PAGE_FIRST:
+            view = t.view(n, ps, g.num_layers, g.num_kv_heads, width)
+        else:
+            view = t
+        if layer is not None:
+            view = view.select(1 + _NATIVE_AXES[self.layout].index("layer"), layer)
+        return view
+
+    def _native_axes(self, layer: int | None) -> tuple[str, ...]:
+        axes = _NATIVE_AXES[self.layout]
+        return axes if layer is None else tuple(a for a in axes if a != "layer")
+
+    def _device_views(self, plan: _Plan) -> list[tuple[int | None, list[torch.Tensor]]]:
+        """Device memory per kv in host-native axis order, as (layer, [tensor per kv]).
+
+        One entry covering all layers when the pool's layer buffers stack, else one per layer.
+        """
+        g = self.geometry
+        layers = range(g.num_layers) if plan.layer is None else [plan.layer]
+        per_layer = [layer_buffers(plan.device, layer) for layer in layers]
+        if plan.layer is None:
+            stacked = [_stack_layers([bufs[kv] for bufs in per_layer]) for kv in range(g.kv_count)]
+            if all(s is not None for s in stacked):
+                perm = _permutation(_DEVICE_AXES, self._native_axes(None))
+                return [(None, [_raw(s).permute(perm) for s in stacked if s is not None])]
+        axes = self._native_axes(0)
+        perm = _permutation(_DEVICE_AXES[1:], axes)
+        return [
+            (layer, [_raw(buf).permute(perm) for buf in bufs])
+            for layer, bufs in zip(layers, per_layer, strict=True)
+        ]
+
+
+def _counts(values: Iterable[int]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for value in values:
+        counts[value] = counts.get(value, 0) + 1
+    return counts
+
+
+def _runs(host_pages: Sequence[int], device_pages: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Coalesce pairs into (host_start, device_start, length) runs of consecutive pages."""
+    runs: list[tuple[int, int, int]] = []
+    for h, d in zip(host_pages, device_pages, strict=True):
+        if runs:
+            h0, d0, n = runs[-1]
+            if h == h0 + n and d == d0 + n:
+                runs[-1] = (h0, d0, n + 1)
+                continue
+        runs.append((h, d, 1))
+    return runs
+
+
+class DirectIOBackend(IOBackend):
+    """Page-granular copies: each page's slots must be one whole, aligned device page."""
+
+    name = "direct"
+
+    def _check_slots(self, plan: _Plan, operation: Operation) -> None:
+        ps = self.geometry.page_size
+        rows = plan.slots.view(-1, ps)
+        starts = rows[:, 0]
+        good = (starts % ps == 0) & (
+            rows == starts[:, None] + torch.arange(ps, device=rows.device)
+        ).all(1)
+        if not bool(good.all()):
+            index = int((~good).nonzero()[0, 0])
+            got = rows[index].tolist()
+            raise TransferError(
+                f"IO backend 'direct' moves whole device pages, but page {index} of the batch "
+                f"has slots {got[:8]}{'...' if ps > 8 else ''}; each page needs page_size "
+                f"({ps}) consecutive slots starting at a multiple of {ps}. Use the 'kernel' "
+                "IO backend for token-granular slots",
+                value=got,
+            )
+        plan.device_pages = (starts // ps).tolist()
+
+    def _copy(self, plan: _Plan, to_host: bool) -> None:
+        ps = self.geometry.page_size
+        assert plan.device_pages is not None
+        runs = _runs(plan.pages, plan.device_pages)
+        axis = self._native_axes(plan.layer).index("token")
+        for layer, device_views in self._device_views(plan):
+            host_layer = plan.layer if layer is None else layer
+            for kv, dev in enumerate(device_views):
+                host_view = self._host_pages(plan.host, kv, host_layer)
+                usable = (dev.shape[axis] // ps) * ps
+                shape = list(dev.shape)
+                shape[axis : axis + 1] = [usable // ps, ps]
+                dev_pages = dev.narrow(axis, 0, usable).view(shape).movedim(axis, 0)
+                for h0, d0, n in runs:
+                    if to_host:
+                        host_view[h0 : h0 + n].copy_(dev_pages[d0 : d0 + n])
+                    else:
+                        dev_pages[d0 : d0 + n].copy_(host_view[h0 : h0 + n])
+
+    def _backup(self, plan: _Plan) -> None:
+        self._copy(plan, to_host=True)
+
+    def _load(self, plan: _Plan) -> None:
+        self._copy(plan, to_host=False)
+
+
+class KernelIOBackend(IOBackend):
+    """Token-granular gather/scatter with ``index_select`` / ``index_copy_``; any slots.
+
+    Backup gathers each host page straight into host memory (``index_select(out=page)``)
+    where the page block is contiguous; ``layer_first`` gathers layer by layer (its page
+    is contiguous per layer) and ``page_head`` gathers in device order into a small
+    scratch tensor first (a strided ``index_select`` into its head-major order is ~50x
+    slower on CPU). Load scatters each host page with one ``index_copy_``.
+    """
+
+    name = "kernel"
+
+    def _backup(self, plan: _Plan) -> None:
+        ps = self.geometry.page_size
+        axes = self._native_axes(plan.layer)
+        token_axis = axes.index("token")
+        chunks = plan.slots.view(-1, ps).unbind(0)
+        for layer, device_views in self._device_views(plan):
+            host_layer = plan.layer if layer is None else layer
+            for kv, dev in enumerate(device_views):
+                host_view = self._host_pages(plan.host, kv, host_layer)
+                same_device = dev.device == host_view.device
+                if self.layout is Layout.PAGE_HEAD:
+                    # gather in the device's own axis order, then permute into head-major
+                    natural_axes = [a for a in _DEVICE_AXES if a in axes]
+                    natural = dev.permute(_permutation(axes, natural_axes))
+                    back = _permutation(natural_axes, axes)
+                    natural_token = natural_axes.index("token")
+                    for page, index in zip(plan.pages, chunks, strict=True):
+                        gathered = natural.index_select(natural_token, index)
+                        host_view[page].copy_(gathered.permute(back))
+                    continue
+                per_layer = layer is None and self.layout is Layout.LAYER_FIRST and same_device
+                for page, index in zip(plan.pages, chunks, strict=True):
+                    target = host_view[page]
+                    if per_layer:
+                        for sub_target, sub_dev in zip(target, dev, strict=True):
+                            torch.index_select(sub_dev, 0, index, out=sub_target)
+                    elif same_device and target.is_contiguous():
+                        torch.index_select(dev, token_axis, index, out=target)
+                    else:
+                        target.copy_(dev.index_select(token_axis, index))
+
+    def _load(self, plan: _Plan) -> None:
+        ps = self.geometry.page_size
+        token_axis = self._native_axes(plan.layer).index("token")
+        chunks = plan.slots.view(-1, ps).unbind(0)
+        for layer, device_views in self._device_views(plan):
+            host_layer = plan.layer if layer is None else layer
+            for kv, dev in enumerate(device_views):
+                host_view = self._host_pages(plan.host, kv, host_layer)
+                for page, index in zip(plan.pages, chunks, strict=True):
+                    source = host_view[page]
+                    if source.device != dev.device:
+                        source = source.to(dev.device)
+                    dev.index_copy_(token_axis, index, source)
+
+
+def _make_direct(config: Any, geometry: KVGeometry, layout: Layout | str) -> DirectIOBackend:
+    return DirectIOBackend(geometry, layout, DIRECT_SPEC.capabilities)
+
+
+def _make_kernel(config: Any, geometry: KVGeometry, layout: Layout | str) -> KernelIOBackend:
+    return KernelIOBackend(geometry, layout, KERNEL_SPEC.capabilities)
+
+
+DIRECT_SPEC = IOBackendSpec(
+    name="direct",
+    factory=_make_direct,
+    config_model=EmptyConfig,
+    description="page-granular strided copies; each page's slots must be one aligned device page",
+    capabilities=full_matrix(),
+    priority=10,
+)
+
+KERNEL_SPEC = IOBackendSpec(
+    name="kernel",
+    factory=_make_kernel,
+    config_model=EmptyConfig,
+    description="token-granular gather/scatter (index_select / index_copy_); any slots",
+    capabilities=full_matrix(),
+    priority=20,
+)
+
+
+def capability_table(specs: Iterable[IOBackendSpec]) -> str:
+    """A Markdown table: which IO backends execute each (layout, attention, operation)."""
+    specs = sorted(specs, key=lambda s: s.name)
+    ops = list(Operation)
+    lines = [
+        "| layout | attention | " + " | ".join(op.value for op in ops) + " |",
+        "|---|---|" + "---|" * len(ops),
+    ]
+    for layout, attention in itertools.product(Layout, AttentionKind):
+        cells = []
+        for op in ops:
+            names = [s.name for s in specs if s.supports(layout, attention, op)]
+            cells.append(", ".join(names) if names else "—")
+        lines.append(f"| {layout.value} | {attention.value} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
