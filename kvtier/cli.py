@@ -17,7 +17,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier.core.capabilities import ResolvedPlan, resolve
-from kvtier.core.config import AUTO, DEFAULT_BACKEND, describe_fields, load_engine_config
+from kvtier.core.config import (
+    AUTO,
+    DEFAULT_BACKEND,
+    describe_fields,
+    load_engine_config,
+    parse_extra_config,
+)
 from kvtier.core.errors import KvtierError
 from kvtier.core.geometry import AttentionKind
 from kvtier.core.layout import Layout
@@ -415,7 +421,9 @@ def check_config(args: argparse.Namespace, registry: Registry) -> tuple[Resolved
     overrides = {
         name: getattr(args, name) for name in _CHECK_FIELDS if getattr(args, name) is not None
     }
-    config = load_engine_config(args.config, overrides=overrides)
+    if args.extra_config is not None:  # parsed here so that errors name the flag
+        overrides["extra_config"] = parse_extra_config(args.extra_config, source="--extra-config")
+    config = load_engine_config(args.config, overrides=overrides, source="--config")
     notes: list[str] = []
     if not args.strict_geometry:
         config, notes = config.with_geometry_defaults()

@@ -271,7 +271,7 @@ def test_check_bad_extra_config(capsys: pytest.CaptureFixture[str], registry: Re
     assert code == 2
     lines = err.splitlines()
     assert lines[0] == (
-        "kvtier: error: extra_config: invalid JSON at line 1, column 2: "
+        "kvtier: error: --extra-config: invalid JSON at line 1, column 2: "
         "Expecting property name enclosed in double quotes"
     )
     assert lines[1:3] == ["    {capacity_bytes: 1}", "     ^"]
@@ -359,7 +359,7 @@ def test_check_bad_config_file(
         capsys, ["check", "--config", f"@{tmp_path}/missing.toml"], registry=registry
     )
     assert code == 2
-    assert "config: file" in err and "missing.toml' does not exist" in err
+    assert "--config: file" in err and "missing.toml' does not exist" in err
 
 
 def test_check_json_error(capsys: pytest.CaptureFixture[str], registry: Registry) -> None:

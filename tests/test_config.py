@@ -586,3 +586,22 @@ def test_docs_contain_the_generated_reference() -> None:
     assert config_reference_markdown() in DOCS.read_text(encoding="utf-8"), (
         "docs/configuration.md is out of date: paste config_reference_markdown() into it"
     )
+
+
+def test_load_engine_config_from_a_config_with_overrides() -> None:
+    base = EngineConfig(
+        backend="file",
+        attention=AttentionKind.MLA,
+        num_layers=2,
+        kv_lora_rank=8,
+        qk_rope_head_dim=4,
+        extra_config={"root": "/x"},
+        operations=(Operation.LOAD_LAYER,),
+    )
+    copy = load_engine_config(base, overrides={"tp_size": 2})
+    assert copy == base.model_copy(update={"tp_size": 2})
+
+
+def test_load_engine_config_source_names_the_text() -> None:
+    with pytest.raises(ExtraConfigSyntaxError, match=r"^--config: invalid JSON at line 1"):
+        load_engine_config("{oops", source="--config")

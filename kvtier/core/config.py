@@ -681,15 +681,17 @@ def load_engine_config(
     value: str | Mapping[str, Any] | EngineConfig | None = None,
     *,
     overrides: Mapping[str, Any] | None = None,
+    source: str = "config",
 ) -> EngineConfig:
     """Build an EngineConfig from JSON text, ``@file``, a mapping or None, plus overrides.
 
-    ``overrides`` replace top-level keys (the CLI's flags over ``--config``).
+    ``overrides`` replace top-level keys (the CLI's flags over ``--config``); ``source``
+    names the text in syntax errors.
     """
     if isinstance(value, EngineConfig):
         data: dict[str, Any] = value.model_dump(exclude_defaults=True)
     else:
-        data = parse_extra_config(value, source="config")
+        data = parse_extra_config(value, source=source)
     data.update(overrides or {})
     return EngineConfig.from_mapping(data)
 
