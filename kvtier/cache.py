@@ -439,9 +439,12 @@ class TieredCache:
             lambda: self._cancel_backup(handle, len(keys)),
         )
         if not self._transfer.submit(job):
-            self._fail("queue_full", len(keys), "the transfer queue is full")
-            handle._fail(len(keys), _busy("transfer", self.options.queue_size))
-            handle._finish()
+            if self._closed:
+                self._cancel_backup(handle, len(keys))
+            else:
+                self._fail("queue_full", len(keys), "the transfer queue is full")
+                handle._fail(len(keys), _busy("transfer", self.options.queue_size))
+                handle._finish()
         return handle
 
     def _checked_slots(self, device_slots: Any, pages: int) -> torch.Tensor:
@@ -669,7 +672,8 @@ class TieredCache:
             lambda: self._abandon_fetch(handle, fresh, "closed"),
         )
         if not self._reads.submit(job):
-            self._fail("queue_full", len(fresh), "the read queue is full")
+            if not self._closed:
+                self._fail("queue_full", len(fresh), "the read queue is full")
             self._abandon_fetch(handle, fresh, None)
         return handle
 
