@@ -457,3 +457,18 @@ def test_bench_delegates(
     assert calls[0].quick is True
     code, out, _ = run(capsys, ["bench", "--help"])
     assert code == 0 and "Fake benchmarks." in out and "--quick" in out
+
+
+def test_console_exit_status_and_no_traceback() -> None:
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "check", "--extra-config", "{'a': 1}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("kvtier: error: --extra-config: invalid JSON at line 1")
+    assert "Traceback" not in proc.stderr

@@ -605,3 +605,24 @@ def test_load_engine_config_from_a_config_with_overrides() -> None:
 def test_load_engine_config_source_names_the_text() -> None:
     with pytest.raises(ExtraConfigSyntaxError, match=r"^--config: invalid JSON at line 1"):
         load_engine_config("{oops", source="--config")
+
+
+_FIELD_NAMES = st.sampled_from([*EngineConfig.model_fields, "bakend", "extra"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(
+        _FIELD_NAMES,
+        _JSON_VALUES
+        | st.sampled_from(["mla", "auto", "page_first", "{'a': 1}", "[1]", "@x.json", "bf16"]),
+        max_size=6,
+    )
+)
+def test_any_json_engine_config_loads_or_raises_config_error(data: dict[str, Any]) -> None:
+    try:
+        config = load_engine_config(json.dumps(data))
+    except ConfigError as exc:
+        assert str(exc)
+        return
+    assert isinstance(config, EngineConfig)
