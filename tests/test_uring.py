@@ -660,9 +660,9 @@ def test_o_direct_with_unaligned_memory_falls_back_loudly(
     assert sum("aligned" in r.getMessage() for r in caplog.records) == 1
 
 
-@pytest.mark.parametrize("submit_async", [False, True])
+@pytest.mark.parametrize("submit_async", ["auto", "always", "never"])
 def test_another_thread_keeps_running_during_a_large_batch(
-    make: Callable[..., UringBackend], submit_async: bool
+    make: Callable[..., UringBackend], submit_async: str
 ) -> None:
     """While a batch waits on the disk, the GIL is free: a counting thread advances."""
     backend = make(queue_depth=8, fsync="page", submit_async=submit_async)

@@ -17,6 +17,7 @@ at import time; ``kvtier.backends.uring`` imports it only when a backend is buil
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import errno
 import os
@@ -62,6 +63,11 @@ class IORequest:
     #: UTF-8 buffer until submission, so they must be str (not Path, whose conversion
     #: makes a temporary) and stay alive: the request holds them until it completes.
     paths: tuple[str, str] | None = None
+    #: Hand this request to the kernel's io_uring workers (IOSQE_ASYNC) instead of trying
+    #: it inline in io_uring_submit, which holds the GIL. Right for buffered I/O (inline
+    #: page-cache copies hold the GIL; cold buffered reads inline retry readahead in small
+    #: steps); wrong for O_DIRECT, which is issued without blocking anyway.
+    punt: bool = False
     done: int = 0
     error: int = 0
     nbytes: int = field(init=False)
@@ -87,6 +93,32 @@ def ring_entries(queue_depth: int) -> int:
     while entries < queue_depth:
         entries *= 2
     return entries
+
+
+_IORING_REGISTER_IOWQ_MAX_WORKERS = 19
+_SYS_IO_URING_REGISTER = 427  # the same number on every architecture
+
+
+def _set_max_workers(ring_fd: int, bounded: int) -> bool:
+    """Let the kernel run up to ``bounded`` blocking requests of this thread at once.
+
+    io-wq's default for regular-file work is a few workers per CPU, fewer than a deep
+    queue of punted requests needs. The bindings do not wrap this registration, so it
+    goes through libc's syscall(2). Best effort: False where it is refused.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        values = (ctypes.c_uint32 * 2)(bounded, 0)  # 0 leaves the unbounded limit alone
+        done = libc.syscall(
+            _SYS_IO_URING_REGISTER,
+            ring_fd,
+            _IORING_REGISTER_IOWQ_MAX_WORKERS,
+            ctypes.byref(values),
+            2,
+        )
+    except (OSError, AttributeError):
+        return False
+    return bool(done == 0)
 
 
 class _Inflight:
@@ -145,6 +177,7 @@ class Ring:
         except BaseException:
             self.close()
             raise
+        self.workers_set = _set_max_workers(self._ring.ring_fd, queue_depth)
         self._inflight: dict[int, _Inflight] = {}
         self._next_tag = 1
         #: Requests submitted, remainders of short transfers resubmitted, most in flight.
@@ -244,7 +277,7 @@ class Ring:
         else:
             flags = liburing.IORING_FSYNC_DATASYNC if request.op == Op.FDATASYNC else 0
             liburing.io_uring_prep_fsync(sqe, request.fd, flags)
-        if self.force_async:
+        if self.force_async or request.punt:
             liburing.io_uring_sqe_set_flags(sqe, liburing.IOSQE_ASYNC)
         liburing.io_uring_sqe_set_data64(sqe, tag)
         self._inflight[tag] = _Inflight(request, views, unsent, iovec, wanted)

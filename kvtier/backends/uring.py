@@ -93,10 +93,11 @@ class UringConfig(BaseModel):
         description="On an index miss, exists() stats the file once, so pages written by "
         "other processes sharing the root are found.",
     )
-    submit_async: bool = Field(
-        default=False,
-        description="Hand every request to the kernel's io_uring workers (IOSQE_ASYNC) "
-        "instead of trying it inline at submission first.",
+    submit_async: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="Whether reads and writes go to the kernel's io_uring workers "
+        "(IOSQE_ASYNC) instead of being tried inline at submission, where page-cache "
+        "copies hold the GIL. 'auto': buffered I/O goes to the workers, O_DIRECT inline.",
     )
 
 
@@ -232,7 +233,7 @@ class UringBackend(StorageBackend):
             check_disk_on_miss=self.config.check_disk_on_miss,
         )
         self._counters.set("pages_found_at_start", self.index.rebuild())
-        self._rings = RingPool(self.config.queue_depth, force_async=self.config.submit_async)
+        self._rings = RingPool(self.config.queue_depth)
         self._warned: set[str] = set()
         self._closed = False
 
@@ -278,6 +279,11 @@ class UringBackend(StorageBackend):
             DIRECT_ALIGN,
         )
         return False
+
+    def _punt(self, open_flags: int) -> bool:
+        """Whether a read or write on a file opened with ``open_flags`` goes to io-wq."""
+        mode = self.config.submit_async
+        return mode == "always" or (mode == "auto" and not open_flags & os.O_DIRECT)
 
     def _warn_once(self, what: str, message: str, *args: object) -> None:
         """Count ``what`` and log its first occurrence at WARNING."""
@@ -345,7 +351,9 @@ class UringBackend(StorageBackend):
                     os.close(fd)
                     self._counters.add("get_size_mismatch")
                     continue
-                yield IORequest(Op.READ, fd, [e.view for e in page], tag=index)
+                yield IORequest(
+                    Op.READ, fd, [e.view for e in page], tag=index, punt=self._punt(flags)
+                )
 
         def on_done(request: IORequest) -> None:
             open_fds.discard(request.fd)
@@ -397,15 +405,17 @@ class UringBackend(StorageBackend):
                 if reason is not None:
                     self._counters.add(f"put_failed_{reason}")
                     continue
+                direct = self._direct(page)
                 try:
-                    fd, tmp = fs.open_temp(finals[index], o_direct=self._direct(page))
+                    fd, tmp = fs.open_temp(finals[index], o_direct=direct)
                 except OSError as exc:
                     self.index.release(nbytes)
                     self._fail_cause(exc.errno or errno.EIO, finals[index])
                     continue
                 put = _Put(index, key, finals[index], tmp, nbytes, fd)
                 live[index] = put
-                yield IORequest(Op.WRITE, fd, [e.view for e in page], tag=put)
+                punt = self._punt(os.O_DIRECT if direct else 0)
+                yield IORequest(Op.WRITE, fd, [e.view for e in page], tag=put, punt=punt)
 
         def on_done(request: IORequest) -> IORequest | None:
             put: _Put = request.tag
