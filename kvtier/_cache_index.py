@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 __all__ = ["Entry", "EntryState", "HostIndex", "PagePool"]
@@ -46,7 +46,7 @@ class EntryState(enum.Enum):
 
 @dataclass(eq=False)
 class Entry:
-    """One keyed host page. Fields other than ``event`` are guarded by the index lock."""
+    """One keyed host page. Every field is guarded by the index lock."""
 
     key: str
     page: int
@@ -63,7 +63,6 @@ class Entry:
     detached: bool = False
     #: evict as soon as the pending write finishes (write_back)
     evict_after_write: bool = False
-    event: threading.Event = field(default_factory=threading.Event)
 
     @property
     def ready(self) -> bool:
@@ -85,6 +84,7 @@ class HostIndex:
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # LRU first
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)
+        self._settled = threading.Condition(self._lock)
         self._on_evicted = on_evicted
 
     # --- lookups --------------------------------------------------------------------
@@ -228,8 +228,7 @@ class HostIndex:
                 if entry.state is EntryState.PENDING:
                     entry.state = EntryState.READY
                     entry.stored = entry.stored or stored
-        for entry in entries:
-            entry.event.set()
+            self._settled.notify_all()
 
     def mark_dirty(self, entries: Sequence[Entry]) -> None:
         """write_back owes these pages a storage write (at eviction or close)."""
@@ -253,8 +252,27 @@ class HostIndex:
                 if entry.pins == 0:
                     free.append(entry.page)
             self._free_locked(free)
-        for entry in entries:
-            entry.event.set()
+            self._settled.notify_all()
+
+    def wait_settled(self, entries: Sequence[Entry], timeout: float | None) -> None:
+        """Wait until the leading entries are filled, up to the first that failed.
+
+        Returns when every entry is READY, at the first FAILED one, or after ``timeout``
+        seconds (None: no limit), whichever comes first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._settled:
+            for entry in entries:
+                while entry.state is EntryState.PENDING:
+                    if deadline is None:
+                        self._settled.wait()
+                        continue
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return
+                    self._settled.wait(remaining)
+                if entry.state is not EntryState.READY:
+                    return
 
     def release(self, entries: Sequence[Entry]) -> None:
         """Drop one pin from each entry; a detached entry's page is freed at its last pin."""

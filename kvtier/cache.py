@@ -221,14 +221,7 @@ class PrefetchHandle:
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait until the prefetch is done or ``timeout`` passes; return the ready pages."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for entry in self._entries:
-            if deadline is None:
-                entry.event.wait()
-            elif not entry.event.wait(max(0.0, deadline - time.monotonic())):
-                break
-            if entry.state is not EntryState.READY:
-                break
+        self._cache._index.wait_settled(list(self._entries), timeout)
         return self.ready_pages
 
     def cancel(self) -> int:
@@ -508,13 +501,15 @@ class TieredCache:
         written: list[Entry] = []
         if fresh:
             entries = [entry for _, entry in fresh]
-            index = torch.cat(
-                [torch.arange(i * ps, (i + 1) * ps, dtype=torch.int64) for i, _ in fresh]
-            )
+            if len(fresh) == len(keys):
+                source = slots
+            else:  # only the pages not cached yet: their slots, page by page
+                positions = torch.tensor([i for i, _ in fresh], dtype=torch.int64)
+                source = slots.view(-1, ps)[positions].reshape(-1)
             t0 = time.monotonic()
             try:
                 self.io_backend.backup(
-                    self.device_pool, self.host_pool, slots[index], [e.page for e in entries]
+                    self.device_pool, self.host_pool, source, [e.page for e in entries]
                 )
             except Exception as exc:
                 self._index.mark_failed(entries)
