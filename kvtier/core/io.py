@@ -420,11 +420,10 @@ class DirectIOBackend(IOBackend):
         ps = self.geometry.page_size
         assert plan.device_pages is not None
         runs = _runs(plan.pages, plan.device_pages)
-        axis = self._native_axes(plan.layer).index("token")
         for layer, device_views in self._device_views(plan):
-            host_layer = plan.layer if layer is None else layer
+            axis = self._native_axes(layer).index("token")
             for kv, dev in enumerate(device_views):
-                host_view = self._host_pages(plan.host, kv, host_layer)
+                host_view = self._host_pages(plan.host, kv, layer)
                 usable = (dev.shape[axis] // ps) * ps
                 shape = list(dev.shape)
                 shape[axis : axis + 1] = [usable // ps, ps]
@@ -456,13 +455,12 @@ class KernelIOBackend(IOBackend):
 
     def _backup(self, plan: _Plan) -> None:
         ps = self.geometry.page_size
-        axes = self._native_axes(plan.layer)
-        token_axis = axes.index("token")
         chunks = plan.slots.view(-1, ps).unbind(0)
         for layer, device_views in self._device_views(plan):
-            host_layer = plan.layer if layer is None else layer
+            axes = self._native_axes(layer)
+            token_axis = axes.index("token")
             for kv, dev in enumerate(device_views):
-                host_view = self._host_pages(plan.host, kv, host_layer)
+                host_view = self._host_pages(plan.host, kv, layer)
                 same_device = dev.device == host_view.device
                 if self.layout is Layout.PAGE_HEAD:
                     # gather in the device's own axis order, then permute into head-major
@@ -487,12 +485,11 @@ class KernelIOBackend(IOBackend):
 
     def _load(self, plan: _Plan) -> None:
         ps = self.geometry.page_size
-        token_axis = self._native_axes(plan.layer).index("token")
         chunks = plan.slots.view(-1, ps).unbind(0)
         for layer, device_views in self._device_views(plan):
-            host_layer = plan.layer if layer is None else layer
+            token_axis = self._native_axes(layer).index("token")
             for kv, dev in enumerate(device_views):
-                host_view = self._host_pages(plan.host, kv, host_layer)
+                host_view = self._host_pages(plan.host, kv, layer)
                 for page, index in zip(plan.pages, chunks, strict=True):
                     source = host_view[page]
                     if source.device != dev.device:
