@@ -12,8 +12,10 @@ from kvtier.backends.memory import MemoryBackend
 from kvtier.core.envelope import ENVELOPE_BYTES
 from kvtier.core.errors import InvalidFieldError, InvalidKeyError, PageError
 from kvtier.core.extents import Extent, extent_of_view
+from kvtier.core.geometry import KVGeometry
+from kvtier.core.host_pool import HostPool
 from kvtier.core.keys import Namespace, PageKeyer
-from kvtier.core.layout import Layout
+from kvtier.core.layout import Layout, layouts_for
 from kvtier.core.pagestore import PageStore
 from kvtier.core.storage import PageBuffers, StorageBackend
 
@@ -413,3 +415,70 @@ def test_checksum_threads_give_the_same_answers() -> None:
 def test_bad_checksum_workers_are_rejected(bad: object) -> None:
     with pytest.raises(InvalidFieldError, match="checksum_workers"):
         PageStore(DictBackend(), FakePool(), fingerprint=FP, checksum_workers=bad)  # type: ignore[arg-type]
+
+
+GEOMETRIES = {
+    "mha": KVGeometry.mha(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=4),
+    "mla": KVGeometry.mla(
+        num_layers=2, kv_lora_rank=16, qk_rope_head_dim=8, dtype="float16", page_size=4
+    ),
+}
+REAL_CASES = [
+    (name, layout)
+    for name, geometry in GEOMETRIES.items()
+    for layout in layouts_for(geometry.attention)
+]
+
+
+def randomize(pool: HostPool, page: int) -> bytes:
+    for extent in pool.extents(page):
+        extent.view[:] = os.urandom(extent.length)
+    return b"".join(bytes(e.view) for e in pool.extents(page))
+
+
+@pytest.mark.parametrize(("geometry_name", "layout"), REAL_CASES)
+def test_real_host_pool_round_trip(geometry_name: str, layout: Layout) -> None:
+    geometry = GEOMETRIES[geometry_name]
+    pool = HostPool(geometry, layout, num_pages=4, pin_memory=False)
+    keyer = PageKeyer(Namespace("m", geometry.fingerprint), geometry.page_size, geometry.attention)
+    keys = keyer.keys(list(range(3 * geometry.page_size)))
+    store = PageStore(MemoryBackend(), pool, fingerprint=geometry.fingerprint)
+    data = [randomize(pool, p) for p in range(3)]
+    assert store.put(keys, [0, 1, 2]) == [True] * 3
+    assert store.prefix_hits(keys) == 3
+    assert store.get(keys, [3, 2, 1]) == [True] * 3
+    got = [b"".join(bytes(e.view) for e in pool.extents(p)) for p in (3, 2, 1)]
+    assert got == data
+    page_bytes = ENVELOPE_BYTES + geometry.bytes_per_page
+    assert store.stats()["bytes_read"] == 3 * page_bytes
+
+
+def test_real_pools_in_other_layouts_do_not_read_each_other() -> None:
+    geometry = GEOMETRIES["mha"]
+    backend = MemoryBackend()
+    keys = PageKeyer(Namespace("m", geometry.fingerprint), 4).keys(list(range(4)))
+    writer = HostPool(geometry, Layout.PAGE_FIRST, num_pages=2, pin_memory=False)
+    randomize(writer, 0)
+    PageStore(backend, writer, fingerprint=geometry.fingerprint).put(keys, [0])
+    for layout in (Layout.PAGE_FIRST_DIRECT, Layout.LAYER_FIRST, Layout.PAGE_HEAD):
+        reader = HostPool(geometry, layout, num_pages=2, pin_memory=False)
+        store = PageStore(backend, reader, fingerprint=geometry.fingerprint, verify="header")
+        assert store.get(keys, [1]) == [False]
+        assert store.stats()["invalid_layout_mismatch"] == 1
+
+
+def test_real_pool_foreign_geometry_is_rejected() -> None:
+    mha, other = (
+        GEOMETRIES["mha"],
+        KVGeometry.mha(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16", page_size=4),
+    )
+    assert mha.bytes_per_page == other.bytes_per_page  # same size, different dtype
+    backend = MemoryBackend()
+    keys = PageKeyer(Namespace("m", "shared"), 4).keys(list(range(4)))
+    writer = HostPool(mha, Layout.PAGE_FIRST, num_pages=1, pin_memory=False)
+    randomize(writer, 0)
+    PageStore(backend, writer, fingerprint=mha.fingerprint).put(keys, [0])
+    reader = HostPool(other, Layout.PAGE_FIRST, num_pages=1, pin_memory=False)
+    store = PageStore(backend, reader, fingerprint=other.fingerprint)
+    assert store.get(keys, [0]) == [False]
+    assert store.stats()["invalid_wrong_geometry"] == 1
