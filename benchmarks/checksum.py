@@ -30,15 +30,19 @@ from typing import Any
 import xxhash
 
 from kvtier.backends.memory import MemoryBackend, MemoryConfig
-from kvtier.core.envelope import ENVELOPE_BYTES, payload_checksum
-from kvtier.core.extents import Extent, extent_of_view
+from kvtier.core.envelope import payload_checksum
+from kvtier.core.geometry import KVGeometry
+from kvtier.core.host_pool import HostPool
 from kvtier.core.keys import Namespace, PageKeyer
 from kvtier.core.layout import Layout
 from kvtier.core.pagestore import PageStore
 
-PAGE_BYTES = 8 << 20
-EXTENTS_PER_PAGE = 64  # layer_first-like: 2 x 32 layers
-FP = "0123456789abcdef"
+GEOMETRY = KVGeometry.mha(
+    num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=64
+)
+PAGE_BYTES = GEOMETRY.bytes_per_page  # 8 MiB
+EXTENTS_PER_PAGE = 2 * GEOMETRY.num_layers  # layer_first: K and V of every layer
+FP = GEOMETRY.fingerprint
 
 
 def median_rate(fn: Callable[[], Any], nbytes: int) -> Callable[[], float]:
@@ -74,32 +78,6 @@ def line(case: str, ours: float, base: float, base_name: str, target: float | No
     }
 
 
-class FlatPool:
-    """A host pool stand-in: header slots and payload extents carved from one bytearray."""
-
-    layout = Layout.LAYER_FIRST
-
-    def __init__(self, pages: int) -> None:
-        self.slot = ENVELOPE_BYTES + PAGE_BYTES
-        self.memory = bytearray(os.urandom(1 << 20)) * ((pages * self.slot >> 20) + 1)
-        self.view = memoryview(self.memory)
-
-    def header_extent(self, page: int) -> Extent:
-        start = page * self.slot
-        return extent_of_view(self.view[start : start + ENVELOPE_BYTES])
-
-    def extents(self, page: int) -> list[Extent]:
-        start = page * self.slot + ENVELOPE_BYTES
-        step = PAGE_BYTES // EXTENTS_PER_PAGE
-        return [
-            extent_of_view(self.view[start + i * step : start + (i + 1) * step])
-            for i in range(EXTENTS_PER_PAGE)
-        ]
-
-    def page_buffers(self, page: int) -> list[Extent]:
-        return [self.header_extent(page), *self.extents(page)]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer pages and repetitions")
@@ -108,10 +86,16 @@ def main() -> None:
     reps = 5 if args.quick else 9
     total = pages * PAGE_BYTES
 
-    # Buffers are allocated and touched once, then reused by every case.
-    pool = FlatPool(pages)
+    # Buffers are allocated and touched once, then reused by every case. The host pool
+    # holds an 8B-class geometry (32 layers, 8 KV heads of 128, bf16, 64-token pages:
+    # 8 MiB per page) in layer_first, i.e. 64 extents of 128 KiB per page.
+    pool = HostPool(GEOMETRY, Layout.LAYER_FIRST, num_pages=pages, pin_memory=False)
     payloads = [pool.extents(p) for p in range(pages)]
-    flat = [pool.view[p * pool.slot + ENVELOPE_BYTES : (p + 1) * pool.slot] for p in range(pages)]
+    for extents in payloads:
+        for extent in extents:
+            extent.view[:] = os.urandom(extent.length)
+    memory = memoryview(bytearray(os.urandom(1 << 20)) * (total >> 20))
+    flat = [memory[p * PAGE_BYTES : (p + 1) * PAGE_BYTES] for p in range(pages)]
     scratch = memoryview(bytearray(PAGE_BYTES))
     scratch[:] = flat[0]
 
