@@ -8,8 +8,9 @@ Usage: ``python benchmarks/checksum.py [--quick]``. One JSON object per line on 
 - "get + full verify": raw ``os.preadv`` of warm-page-cache 8 MiB pages into the page's
   extents plus the envelope's payload checksum, against the same ``os.preadv`` alone,
   target 0.9 (full verification costs at most 10 % of get throughput);
-- the same through :class:`~kvtier.core.pagestore.PageStore` and the memory backend,
-  full against header-only verification, target 0.9.
+- the same through :class:`~kvtier.core.pagestore.PageStore` over the memory and file
+  backends, full verification (inline, and on 2 checksum threads) against header-only
+  verification, target 0.9.
 
 A table goes to stderr.
 """
@@ -25,10 +26,12 @@ import tempfile
 import time
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import xxhash
 
+from kvtier.backends.file import FileBackend, FileConfig
 from kvtier.backends.memory import MemoryBackend, MemoryConfig
 from kvtier.core.envelope import payload_checksum
 from kvtier.core.geometry import KVGeometry
@@ -36,6 +39,7 @@ from kvtier.core.host_pool import HostPool
 from kvtier.core.keys import Namespace, PageKeyer
 from kvtier.core.layout import Layout
 from kvtier.core.pagestore import PageStore
+from kvtier.core.storage import StorageBackend
 
 GEOMETRY = KVGeometry.mha(
     num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=64
@@ -179,44 +183,41 @@ def main() -> None:
         )
     )
 
-    # The whole core path: PageStore over the memory backend, full vs header-only.
+    # The whole core path: PageStore over the memory and file backends (warm page
+    # cache), full verification (inline and on 2 threads) against header-only.
     keys = PageKeyer(Namespace("bench", FP), 64).keys(list(range(64 * pages)))
-    backend = MemoryBackend(MemoryConfig(capacity_bytes=4 * total))
-    full = PageStore(backend, pool, fingerprint=FP, verify="full")
-    header = PageStore(backend, pool, fingerprint=FP, verify="header")
-    threaded = PageStore(backend, pool, fingerprint=FP, verify="full", checksum_workers=2)
     order = list(range(pages))
-    assert all(full.put(keys, order))
-    store_rates = interleaved(
-        {
-            "full": median_rate(lambda: full.get(keys, order), total),
-            "header": median_rate(lambda: header.get(keys, order), total),
-            "full2": median_rate(lambda: threaded.get(keys, order), total),
-        },
-        reps,
-    )
-    assert full.stats()["invalid"] == 0 and full.stats()["hits"] > 0
-    out.append(
-        line(
-            f"PageStore.get memory backend, full vs header verify, {pages}x8MiB",
-            store_rates["full"],
-            store_rates["header"],
-            "PageStore.get verify=header",
-            0.9,
-        )
-    )
-
-    out.append(
-        line(
-            f"PageStore.get memory backend, full (2 checksum threads) vs header verify, "
-            f"{pages}x8MiB",
-            store_rates["full2"],
-            store_rates["header"],
-            "PageStore.get verify=header",
-            0.9,
-        )
-    )
-    threaded.close()
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
+        backends: dict[str, StorageBackend] = {
+            "memory": MemoryBackend(MemoryConfig(capacity_bytes=4 * total)),
+            "file": FileBackend(FileConfig(root=Path(tmp) / "root", min_free_bytes=0)),
+        }
+        for name, backend in backends.items():
+            full = PageStore(backend, pool, fingerprint=FP, verify="full")
+            header = PageStore(backend, pool, fingerprint=FP, verify="header")
+            threaded = PageStore(backend, pool, fingerprint=FP, checksum_workers=2)
+            assert all(full.put(keys, order))
+            rates = interleaved(
+                {
+                    "full": median_rate(lambda s=full: s.get(keys, order), total),
+                    "header": median_rate(lambda s=header: s.get(keys, order), total),
+                    "full2": median_rate(lambda s=threaded: s.get(keys, order), total),
+                },
+                reps,
+            )
+            assert full.stats()["invalid"] == 0 and full.stats()["hits"] > 0
+            for case, label in (("full", "full"), ("full2", "full on 2 checksum threads")):
+                out.append(
+                    line(
+                        f"PageStore.get {name} backend, {label} vs header verify, {pages}x8MiB",
+                        rates[case],
+                        rates["header"],
+                        "PageStore.get verify=header",
+                        0.9,
+                    )
+                )
+            threaded.close()
+            backend.close()
 
     print(f"{'case':<84} {'ours':>7} {'base':>7} {'ratio':>6}  (GB/s)", file=sys.stderr)
     for entry in out:
