@@ -482,3 +482,23 @@ def test_real_pool_foreign_geometry_is_rejected() -> None:
     store = PageStore(backend, reader, fingerprint=other.fingerprint)
     assert store.get(keys, [0]) == [False]
     assert store.stats()["invalid_wrong_geometry"] == 1
+
+
+def test_close_racing_a_batch_falls_back_to_the_calling_thread() -> None:
+    backend = DictBackend()
+    pool = FakePool()
+    store = PageStore(backend, pool, fingerprint=FP, checksum_workers=2)
+    data = [pool.fill_random(p) for p in range(3)]
+    store.put(KEYS[:3], [0, 1, 2])  # starts the checksum threads
+    executor = store._executor
+    assert executor is not None
+    original_map = executor.map
+
+    def map_after_close(fn, *iterables, **kwargs):  # type: ignore[no-untyped-def]
+        store.close()  # another thread closes the store between lookup and submit
+        return original_map(fn, *iterables, **kwargs)
+
+    executor.map = map_after_close  # type: ignore[method-assign]
+    assert store.get(KEYS[:3], [3, 4, 5]) == [True] * 3
+    assert store._executor is None
+    assert [pool.payload(p) for p in (3, 4, 5)] == data

@@ -216,7 +216,13 @@ class PageStore:
                     self.checksum_workers, thread_name_prefix="kvtier-checksum"
                 )
             executor = self._executor
-        return list(executor.map(fn, items))
+        try:
+            return list(executor.map(fn, items))
+        except RuntimeError:
+            if self._executor is executor:
+                raise
+            # close() shut the threads down under us; both callers are idempotent.
+            return [fn(i) for i in items]
 
     @staticmethod
     def _checked_keys(keys: Sequence[str], pages: Sequence[int] | None = None) -> list[str]:
