@@ -82,11 +82,19 @@ class MooncakeMaster:
     """One ``mooncake_master`` process on 127.0.0.1; every port it opens is a free one.
 
     ``lease_ttl_ms`` sets how long a get protects an object from ``remove`` (Mooncake's
-    default is 10 s). The master's log goes to a temporary file whose tail is quoted in
-    any start-up error.
+    default is 10 s). ``storage_node_bytes`` also starts a ``mooncake_client`` storage node
+    contributing that much memory, so pages outlive the processes that put them (kvtier
+    clients can then run with ``global_segment_size=0``). Logs go to a temporary
+    directory whose tail is quoted in any start-up error.
     """
 
-    def __init__(self, *, lease_ttl_ms: int | None = None, binary: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        lease_ttl_ms: int | None = None,
+        storage_node_bytes: int = 0,
+        binary: str | None = None,
+    ) -> None:
         found = binary or find_master_binary()
         if found is None:
             raise StorageError(
@@ -100,6 +108,9 @@ class MooncakeMaster:
         self._metrics_port = free_port()
         self._http_port = free_port()
         self._proc: subprocess.Popen[bytes] | None = None
+        self.storage_node_bytes = int(storage_node_bytes)
+        self._node: subprocess.Popen[bytes] | None = None
+        self._node_port = free_port()
         self._log_dir = Path(tempfile.mkdtemp(prefix="kvtier-mooncake-master-"))
         self.log_path = self._log_dir / "master.log"
 
@@ -155,13 +166,56 @@ class MooncakeMaster:
                     f"(port {self.port} taken?); its log ends with:\n{self._log_tail()}"
                 )
             if port_open(self.host, self.port):
+                if self.storage_node_bytes and self._node is None:
+                    self._start_node(deadline)
                 return self
             time.sleep(0.05)
         self.kill()
+        self._stop_node()
         raise StorageError(
             f"mooncake_master did not accept connections on {self.address} within "
             f"{timeout:g} s; its log ends with:\n{self._log_tail()}"
         )
+
+    def _start_node(self, deadline: float) -> None:
+        binary = shutil.which("mooncake_client")
+        if binary is None:
+            raise StorageError("'mooncake_client' (the storage node) is not on PATH")
+        log_path = self._log_dir / "storage-node.log"
+        with log_path.open("ab") as log:
+            self._node = subprocess.Popen(
+                [
+                    binary,
+                    f"--master_server_address={self.address}",
+                    "--metadata_server=P2PHANDSHAKE",
+                    f"--global_segment_size={self.storage_node_bytes}",
+                    f"--host={self.host}",
+                    f"--port={self._node_port}",
+                    "--protocol=tcp",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **_CLIENT_ENV},
+            )
+        while time.monotonic() < deadline:
+            if self._node.poll() is not None:
+                raise StorageError(
+                    f"the Mooncake storage node exited with status {self._node.returncode}; "
+                    f"its log ends with:\n{log_path.read_text(errors='replace')[-2000:]}"
+                )
+            if port_open(self.host, self._node_port):
+                return
+            time.sleep(0.05)
+        raise StorageError(f"the Mooncake storage node did not start; see {log_path}")
+
+    def _stop_node(self) -> None:
+        if self._node is not None and self._node.poll() is None:
+            self._node.kill()
+        if self._node is not None:
+            self._node.wait()
+        self._node = None
 
     def kill(self) -> None:
         """Kill the master abruptly (SIGKILL), as a crash would, and reap it."""
@@ -190,7 +244,8 @@ class MooncakeMaster:
         return self.start(max(1.0, deadline - time.monotonic()))
 
     def close(self) -> None:
-        """Stop the master and remove its log directory."""
+        """Stop the storage node and the master, and remove the log directory."""
+        self._stop_node()
         self.stop()
         shutil.rmtree(self._log_dir, ignore_errors=True)
 
