@@ -271,3 +271,8 @@ def test_tensor_path_without_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
     assert keyer.keys(torch.tensor(tokens, dtype=torch.int32)) == expected
     with pytest.raises(InvalidKeyError, match="int32"):
         keyer.keys(torch.tensor([2**40]))
+
+
+def test_tenant_salt_stays_out_of_repr() -> None:
+    ns = Namespace("m", "f", tenant="s3cret-salt")
+    assert "s3cret" not in repr(ns) and "m" in repr(ns)

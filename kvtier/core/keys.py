@@ -20,7 +20,7 @@ import json
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -81,7 +81,7 @@ class Namespace:
 
     model: str
     geometry_fingerprint: str
-    tenant: str | None = None
+    tenant: str | None = field(default=None, repr=False)  # a salt: kept out of logs
 
     def __post_init__(self) -> None:
         for name in ("model", "geometry_fingerprint"):
