@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -581,3 +582,39 @@ def test_factory_builds_from_validated_config(root: Path) -> None:
     assert isinstance(b, FileBackend)
     assert b.store == root / "default"
     b.close()
+
+
+# --- publishing -----------------------------------------------------------------------
+
+
+def test_publish_exchanges_over_an_existing_page(tmp_path: Path) -> None:
+    final = tmp_path / "page.kv"
+    for content in (b"old", b"new", b"newer"):
+        fd, tmp = fs.open_temp(final)
+        os.write(fd, content)
+        os.close(fd)
+        fs.publish(tmp, final)
+        assert final.read_bytes() == content
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["page.kv"]
+
+
+def test_publish_falls_back_to_rename_without_exchange(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+
+    def no_exchange(*args: object) -> int:
+        calls.append(1)
+        ctypes.set_errno(errno.EINVAL)
+        return -1
+
+    monkeypatch.setattr(fs, "_renameat2", no_exchange)
+    final = tmp_path / "page.kv"
+    final.write_bytes(b"old")
+    fd, tmp = fs.open_temp(final)
+    os.write(fd, b"new")
+    os.close(fd)
+    fs.publish(tmp, final)
+    assert final.read_bytes() == b"new" and calls == [1]
+    assert fs._renameat2 is None  # not tried again
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["page.kv"]

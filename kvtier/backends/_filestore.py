@@ -56,16 +56,18 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import errno
 import hashlib
 import logging
 import os
 import stat
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from kvtier.core.errors import ConfigError, InvalidKeyError
 from kvtier.core.keys import MAX_KEY_LENGTH, validate_key
@@ -159,9 +161,62 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _load_renameat2() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    function.restype = ctypes.c_int
+    return function
+
+
+_renameat2: Any = _load_renameat2() if sys.platform.startswith("linux") else None
+
+
+def _exchange(tmp: Path, final: Path) -> bool:
+    """Swap ``tmp`` and ``final`` atomically (renameat2 RENAME_EXCHANGE); False if unusable."""
+    global _renameat2
+    if _renameat2 is None:
+        return False
+    if (
+        _renameat2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(final), _RENAME_EXCHANGE)
+        == 0
+    ):
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        _renameat2 = None  # this kernel or filesystem has no exchange: plain renames from now on
+    elif err != errno.ENOENT:  # ENOENT: no page yet under ``final``, a plain rename will do
+        raise OSError(err, os.strerror(err), str(final))
+    return False
+
+
 def publish(tmp: Path, final: Path, *, sync_dir: bool = False) -> None:
-    """Atomically replace ``final`` with the fully written ``tmp`` (same directory)."""
-    os.replace(tmp, final)
+    """Atomically replace ``final`` with the fully written ``tmp`` (same directory).
+
+    Where a page already exists, the two names are exchanged (``renameat2`` with
+    ``RENAME_EXCHANGE``) and the old page, now under the temp name, is unlinked: readers
+    still see the whole old or the whole new page, and ext4 does not start writeback of
+    the new page as it does for a rename over an existing file (``auto_da_alloc``), which
+    made overwrites several times slower. Elsewhere it is a plain ``rename``.
+    """
+    if _exchange(tmp, final):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    else:
+        os.replace(tmp, final)
     if sync_dir:
         fsync_dir(final.parent)
 
