@@ -65,7 +65,7 @@ def sglang_or_skip() -> types.ModuleType:
     except ImportError as exc:
         if os.environ.get("KVTIER_REQUIRE_SGLANG") == "1":
             pytest.fail(f"KVTIER_REQUIRE_SGLANG=1 but SGLang cannot be imported: {exc}")
-        pytest.skip(f"SGLang unavailable: {exc}")
+        pytest.skip(f"SGLang unavailable: {exc}", allow_module_level=True)
 
 
 # --- stand-in host pools --------------------------------------------------------------------

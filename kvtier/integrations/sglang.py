@@ -486,15 +486,22 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> None:
         self.storage_config = storage_config
         extra = storage_config.extra_config
-        self.settings = validate_model(SGLangSection, _section(extra), where=SECTION, label=_LABEL)
+        section = _section(extra)
         registry = default_registry()
+        if "backend" not in section:
+            names = ", ".join(repr(name) for name in sorted(registry.backends))
+            raise MissingFieldError(
+                f"{SECTION}.backend",
+                hint=f"; name the kvtier storage backend, one of {names} (see {_DOCS})",
+            )
+        self.settings = validate_model(SGLangSection, section, where=SECTION, label=_LABEL)
         self.spec = registry.backend(self.settings.backend)
         self.spec.ensure_available()
         self.backend_config = validate_model(
             self.spec.config_model,
             self.settings.extra_config,
             where=f"{SECTION}.extra_config",
-            label=f"options of kvtier backend {self.spec.name!r}",
+            label=f"kvtier.extra_config (the options of backend {self.spec.name!r})",
         )
         self.attention = AttentionKind.MLA if storage_config.is_mla_model else AttentionKind.MHA
         self._check_parallelism(storage_config)

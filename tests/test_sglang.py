@@ -1,0 +1,512 @@
+"""kvtier behind SGLang's HiCache ``dynamic`` storage backend, against the real SGLang module.
+
+SGLang's ``HiCacheStorage``, ``HiCacheStorageConfig`` and ``StorageBackendFactory`` (the
+``dynamic`` loader) are the installed release's own (see ``tests/sglang_host_pool.py`` for
+how they are imported on CPU). The host pool is a stand-in with the attributes and page
+methods of SGLang's ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost``, which need GPU
+dependencies to import. Every data-path test drives the storage through the calls SGLang's
+cache controller makes, in its order (:class:`sglang_host_pool.Controller`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sglang_host_pool import (
+    CLASS_NAME,
+    MODULE_PATH,
+    Controller,
+    MHAHostPool,
+    MLAHostPool,
+    page_hashes,
+    sglang_or_skip,
+    storage_config,
+)
+
+from kvtier.core.errors import (
+    BackendUnavailableError,
+    ExtraConfigSyntaxError,
+    InvalidFieldError,
+    InvalidKeyError,
+    MissingFieldError,
+    PageError,
+    UnknownKeyError,
+    UnknownNameError,
+    UnsupportedCombinationError,
+)
+
+hs = sglang_or_skip()
+
+from kvtier.integrations.sglang import KvtierHiCacheStorage  # noqa: E402
+
+BACKENDS = ["memory", "file", "uring"]
+
+
+def _uring_or_skip() -> None:
+    from kvtier.backends.uring import URING_SPEC
+
+    reason = URING_SPEC.unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get("KVTIER_REQUIRE_URING") == "1":
+        pytest.fail(f"KVTIER_REQUIRE_URING=1 but the uring backend is unavailable: {reason}")
+    pytest.skip(f"uring backend unavailable here: {reason}")
+
+
+def extra_config(backend: str, root: Path | None, **section: Any) -> dict[str, Any]:
+    """SGLang's extra-config dict for kvtier, as its controller hands it to the loader."""
+    options: dict[str, Any] = {}
+    if backend in ("file", "uring"):
+        assert root is not None
+        options["root"] = str(root)
+    kvtier = {"backend": backend, "extra_config": options, **section}
+    return {
+        "backend_name": "kvtier",
+        "module_path": MODULE_PATH,
+        "class_name": CLASS_NAME,
+        "interface_v1": 1,
+        "kvtier": kvtier,
+    }
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "uring":
+        _uring_or_skip()
+    return str(request.param)
+
+
+@pytest.fixture
+def attach(tmp_path: Path) -> Any:
+    """Attach kvtier to a host pool the way SGLang does; everything is closed afterwards."""
+    made: list[Controller] = []
+
+    def make(
+        backend: str,
+        pool: Any,
+        *,
+        root: Path | None = None,
+        extra: dict[str, Any] | None = None,
+        **config: Any,
+    ) -> Controller:
+        extra = extra or extra_config(backend, root or tmp_path / "store")
+        is_mla = isinstance(pool, MLAHostPool)
+        cfg = storage_config(extra_config=extra, is_mla=is_mla, layout=pool.layout, **config)
+        controller = Controller.attach(cfg, pool)
+        made.append(controller)
+        return controller
+
+    yield make
+    for controller in made:
+        controller.storage.close()
+
+
+def _fill(pool: Any, count: int, seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Allocate ``count`` host pages and fill them with random bytes."""
+    indices = pool.alloc(count * pool.page_size)
+    assert indices is not None
+    data = [pool.fill_random(int(indices[i * pool.page_size]), seed + i) for i in range(count)]
+    return indices, data
+
+
+def _starts(pool: Any, indices: torch.Tensor) -> list[int]:
+    return [int(i) for i in indices[:: pool.page_size]]
+
+
+def _hashes(count: int, page_size: int, salt: int = 0) -> list[str]:
+    return page_hashes(list(range(salt, salt + count * page_size)), page_size)
+
+
+def _stored_pages(storage: KvtierHiCacheStorage) -> Callable[[], list[Any]]:
+    """Where the backend keeps its page objects (files, or the memory backend's buffers)."""
+    backend = storage._require().store.backend
+    if hasattr(backend, "store"):
+        return lambda: sorted(Path(backend.store).rglob("*.kv"))
+    return lambda: list(backend._pages.values())
+
+
+# --- the loader and the data path ------------------------------------------------------------
+
+
+def test_sglang_dynamic_loader_accepts_the_class(attach: Any) -> None:
+    controller = attach("memory", MHAHostPool())
+    assert isinstance(controller.storage, hs.HiCacheStorage)
+    assert isinstance(controller.storage, KvtierHiCacheStorage)
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct", "page_head"])
+def test_round_trip_mha(backend: str, layout: str, attach: Any) -> None:
+    pool = MHAHostPool(layout=layout)
+    controller = attach(backend, pool)
+    indices, data = _fill(pool, 5)
+    hashes = _hashes(5, pool.page_size)
+    assert controller.backup(hashes, indices) == 5 * pool.page_size
+    assert controller.hit_query(hashes) == hashes
+    for start in _starts(pool, indices):
+        pool.zero_page(start)
+    # SGLang loads into freshly allocated host pages, not the ones it backed up from
+    target = pool.alloc(5 * pool.page_size)
+    assert controller.prefetch(hashes, target) == 5
+    for start, expected in zip(_starts(pool, target), data, strict=True):
+        assert torch.equal(pool.page_content(start), expected)
+    stats = controller.storage.kvtier_stats()
+    assert stats["hits"] == 5 and stats["puts"] == 5 and stats["invalid"] == 0
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct"])
+def test_round_trip_mla(backend: str, layout: str, attach: Any) -> None:
+    pool = MLAHostPool(layout=layout)
+    controller = attach(backend, pool)
+    indices, data = _fill(pool, 3, seed=10)
+    hashes = _hashes(3, pool.page_size, salt=7)
+    assert controller.backup(hashes, indices) == 3 * pool.page_size
+    target = pool.alloc(3 * pool.page_size)
+    assert controller.prefetch(controller.hit_query(hashes), target) == 3
+    for start, expected in zip(_starts(pool, target), data, strict=True):
+        assert torch.equal(pool.page_content(start), expected)
+
+
+def test_prefix_hits(backend: str, attach: Any) -> None:
+    pool = MHAHostPool()
+    controller = attach(backend, pool)
+    hashes = _hashes(6, pool.page_size)
+    indices, _ = _fill(pool, 6)
+    ps = pool.page_size
+    assert controller.hit_query(hashes) == []
+    # store pages 0, 1, 2 and 4: the prefix stops at the gap
+    assert all(controller.storage.batch_set_v1(hashes[:3], indices[: 3 * ps]))
+    assert all(controller.storage.batch_set_v1([hashes[4]], indices[4 * ps : 5 * ps]))
+    assert controller.hit_query(hashes) == hashes[:3]
+    assert controller.storage.batch_exists(hashes[4:5]) == 1
+    assert controller.storage.exists(hashes[4]) and not controller.storage.exists(hashes[3])
+
+
+def test_prefix_hits_span_sglang_batches(attach: Any) -> None:
+    pool = MHAHostPool(page_size=1, head_dim=8, layer_num=2, pages=400)
+    controller = attach("memory", pool)
+    hashes = _hashes(300, 1)  # more than STORAGE_BATCH_SIZE (128): three batch_exists calls
+    indices, _ = _fill(pool, 300)
+    assert controller.backup(hashes[:200], indices[:200]) == 200
+    assert controller.hit_query(hashes) == hashes[:200]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_page_reads_as_a_miss(backend: str, damage: str, attach: Any) -> None:
+    pool = MHAHostPool()
+    controller = attach(backend, pool)
+    indices, data = _fill(pool, 3)
+    hashes = _hashes(3, pool.page_size)
+    ps = pool.page_size
+    storage = controller.storage
+    # page 1 goes in first, so it is the one stored object to damage
+    assert storage.batch_set_v1(hashes[1:2], indices[ps : 2 * ps]) == [True]
+    (victim,) = _stored_pages(storage)()
+    assert storage.batch_set_v1(hashes[::2], torch.cat([indices[:ps], indices[2 * ps :]]))
+    if isinstance(victim, Path):
+        raw = bytearray(victim.read_bytes())
+        raw = raw[: len(raw) - 100] if damage == "truncate" else raw
+        if damage == "flip":
+            raw[len(raw) // 2] ^= 0x40
+        victim.write_bytes(bytes(raw))
+    elif damage == "flip":
+        victim[len(victim) // 2] ^= 0x40
+    else:
+        del victim[len(victim) - 100 :]
+    assert controller.hit_query(hashes) == hashes  # it exists; only reading finds it bad
+    target = pool.alloc(3 * ps)
+    assert controller.prefetch(hashes, target) == 1  # page 0 loads; the prefix ends at 1
+    assert torch.equal(pool.page_content(int(target[0])), data[0])
+    stats = storage.kvtier_stats()
+    assert stats["hits"] == 2  # pages 0 and 2 were read in the same batch
+    assert stats["invalid"] + stats["misses"] == 1
+    if damage == "flip":
+        assert stats["invalid_corrupt_checksum"] == 1
+
+
+def test_path_like_key_is_rejected(backend: str, attach: Any, tmp_path: Path) -> None:
+    pool = MHAHostPool()
+    controller = attach(backend, pool, root=tmp_path / "store")
+    indices, _ = _fill(pool, 1)
+    storage = controller.storage
+    for key in ("../x", "../../etc/passwd", "a/b", "", ".hidden", "X" * 10):
+        with pytest.raises(InvalidKeyError):
+            storage.batch_set_v1([key], indices)
+        with pytest.raises(InvalidKeyError):
+            storage.batch_get_v1([key], indices)
+        with pytest.raises(InvalidKeyError):
+            storage.batch_exists([key])
+        with pytest.raises(InvalidKeyError):
+            storage.set(key, pool.get_data_page(int(indices[0])))
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["store"] if backend != "memory" else [])
+    assert storage.kvtier_stats()["puts"] == 0
+
+
+def test_mla_single_writer(backend: str, attach: Any, tmp_path: Path) -> None:
+    root = tmp_path / "shared"
+    pools = [MLAHostPool(), MLAHostPool()]
+    ranks = [attach(backend, pools[rank], root=root, tp_rank=rank, tp_size=2) for rank in range(2)]
+    assert ranks[0].config.is_storage_writer and not ranks[1].config.is_storage_writer
+    hashes = _hashes(2, 16)
+    indices1, _ = _fill(pools[1], 2, seed=5)
+    # rank 1 is not the writer: its batch_set_v1 stores nothing and says so in its stats
+    assert ranks[1].storage.batch_set_v1(hashes, indices1) == [True, True]
+    assert ranks[1].storage.kvtier_stats()["skipped_not_writer"] == 2
+    assert ranks[1].storage.kvtier_stats()["puts"] == 0
+    assert ranks[0].hit_query(hashes) == []
+    ranks[1].storage.clear()  # a reader never clears the shared pages
+    indices0, data = _fill(pools[0], 2, seed=9)
+    assert ranks[0].backup(hashes, indices0) == 32
+    assert ranks[1].backup(hashes, indices1) == 0  # the controller skips non-writers
+    if backend == "memory":
+        return  # the memory backend is private to one process' instance
+    # both ranks read the one shared copy rank 0 wrote
+    target = pools[1].alloc(32)
+    assert ranks[1].prefetch(ranks[1].hit_query(hashes), target) == 2
+    for start, expected in zip(_starts(pools[1], target), data, strict=True):
+        assert torch.equal(pools[1].page_content(start), expected)
+
+
+def test_mha_ranks_keep_their_own_pages(attach: Any, tmp_path: Path) -> None:
+    root = tmp_path / "shared"
+    pools = [MHAHostPool(), MHAHostPool()]
+    ranks = [attach("file", pools[r], root=root, tp_rank=r, tp_size=2) for r in range(2)]
+    hashes = _hashes(2, 16)  # the same tokens on both ranks, different heads
+    written = []
+    for rank, pool in enumerate(pools):
+        indices, data = _fill(pool, 2, seed=rank * 100)
+        written.append(data)
+        assert ranks[rank].backup(hashes, indices) == 32
+    for rank, pool in enumerate(pools):
+        target = pool.alloc(32)
+        assert ranks[rank].prefetch(hashes, target) == 2
+        for start, expected in zip(_starts(pool, target), written[rank], strict=True):
+            assert torch.equal(pool.page_content(start), expected)
+    ranks[0].storage.clear()
+    assert ranks[0].hit_query(hashes) == []
+    assert ranks[1].hit_query(hashes) == hashes
+
+
+def test_clear_removes_only_this_model(attach: Any, tmp_path: Path) -> None:
+    root = tmp_path / "shared"
+    pool_a, pool_b = MHAHostPool(), MHAHostPool()
+    a = attach("file", pool_a, root=root, model_name="org/model-a")
+    b = attach("file", pool_b, root=root, model_name="org/model-b")
+    hashes = _hashes(2, 16)
+    assert a.backup(hashes, _fill(pool_a, 2)[0]) == 32
+    assert b.backup(hashes, _fill(pool_b, 2)[0]) == 32
+    a.storage.clear()
+    assert a.hit_query(hashes) == []
+    assert b.hit_query(hashes) == hashes
+
+
+def test_generic_path_interoperates_with_v1(
+    backend: str, attach: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "store"
+    generic_extra = extra_config(backend, root)
+    del generic_extra["interface_v1"]
+    pool = MHAHostPool(layout="layer_first")
+    with caplog.at_level(logging.WARNING, logger="kvtier.integrations.sglang"):
+        generic = attach(backend, pool, extra=generic_extra)
+    assert "interface_v1" in caplog.text
+    indices, data = _fill(pool, 3)
+    hashes = _hashes(3, pool.page_size)
+    assert generic.backup(hashes, indices) == 48
+    assert generic.storage.kvtier_stats()["generic_path_pages"] == 3
+    target = pool.alloc(48)
+    assert generic.prefetch(hashes, target) == 3
+    for start, expected in zip(_starts(pool, target), data, strict=True):
+        assert torch.equal(pool.page_content(start), expected)
+    if backend == "memory":
+        return
+    # a zero-copy instance over another pool reads what the generic path wrote
+    other = MHAHostPool(layout="layer_first")
+    v1 = attach(backend, other, root=root)
+    target = other.alloc(48)
+    assert v1.prefetch(v1.hit_query(hashes), target) == 3
+    for start, expected in zip(_starts(other, target), data, strict=True):
+        assert torch.equal(other.page_content(start), expected)
+
+
+def test_legacy_get_of_a_missing_page_is_none(attach: Any) -> None:
+    pool = MHAHostPool()
+    storage = attach("memory", pool).storage
+    page = pool.get_dummy_flat_data_page()
+    assert storage.get(_hashes(1, 16)[0], page) is None
+    assert storage.batch_get(_hashes(2, 16), [page, page.clone()]) == [None, None]
+
+
+def test_get_stats_in_sglang_metrics_shape(attach: Any) -> None:
+    pool = MHAHostPool()
+    controller = attach("memory", pool)
+    indices, _ = _fill(pool, 4)
+    hashes = _hashes(4, 16)
+    controller.backup(hashes, indices)
+    controller.prefetch(hashes, pool.alloc(64))
+    stats = controller.storage.get_stats()
+    assert stats.backup_pgs == [4] and stats.prefetch_pgs == [4]
+    assert len(stats.backup_bandwidth) == 1 and stats.backup_bandwidth[0] > 0
+    assert len(stats.prefetch_bandwidth) == 1 and stats.prefetch_bandwidth[0] > 0
+    again = controller.storage.get_stats()
+    assert again.backup_pgs == [] and again.prefetch_pgs == []
+
+
+def test_host_indices_must_be_whole_pages(attach: Any) -> None:
+    pool = MHAHostPool()
+    storage = attach("memory", pool).storage
+    hashes = _hashes(2, 16)
+    with pytest.raises(PageError, match="host indices"):
+        storage.batch_set_v1(hashes, torch.arange(16))  # one page for two keys
+    with pytest.raises(PageError, match="whole"):
+        storage.batch_set_v1(hashes[:1], torch.arange(3, 19))  # not page-aligned
+    with pytest.raises(PageError, match="whole"):
+        storage.batch_get_v1(hashes[:1], torch.arange(pool.size, pool.size + 16))
+
+
+def test_backend_failure_is_a_counted_false(attach: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = MHAHostPool()
+    controller = attach("memory", pool)
+    indices, _ = _fill(pool, 2)
+    hashes = _hashes(2, 16)
+    backend = controller.storage._require().store.backend
+
+    def broken(*args: Any) -> Any:
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(backend, "put", broken)
+    monkeypatch.setattr(backend, "exists", broken)
+    assert controller.storage.batch_set_v1(hashes, indices) == [False, False]
+    assert controller.backup(hashes, indices) == 0
+    assert controller.storage.batch_exists(hashes) == 0
+    assert controller.storage.kvtier_stats()["backend_errors"] == 3
+
+
+# --- configuration errors, at construction or host-pool registration --------------------------
+
+
+def _create(extra: dict[str, Any], **config: Any) -> Any:
+    """SGLang's factory call; the loader re-raises what the class raised."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    cfg = storage_config(extra_config=extra, **config)
+    return StorageBackendFactory.create_backend("dynamic", cfg, None)
+
+
+def _with_section(section: Any) -> dict[str, Any]:
+    extra = extra_config("memory", None)
+    extra["kvtier"] = section
+    return extra
+
+
+def test_missing_section_names_the_fix() -> None:
+    extra = extra_config("memory", None)
+    extra["kvteir"] = extra.pop("kvtier")
+    with pytest.raises(MissingFieldError, match=r"did you mean 'kvtier'") as info:
+        _create(extra)
+    assert info.value.path == "extra-config.kvtier"
+    del extra["kvteir"]
+    with pytest.raises(MissingFieldError, match=r"docs/sglang\.md"):
+        _create(extra)
+
+
+def test_unknown_section_key_lists_the_allowed_ones() -> None:
+    with pytest.raises(UnknownKeyError, match=r"did you mean 'verify'") as info:
+        _create(_with_section({"backend": "memory", "verfy": "full"}))
+    assert info.value.where == "extra-config 'kvtier' section"
+    assert "checksum_workers" in info.value.allowed
+
+
+def test_missing_backend_and_wrong_types() -> None:
+    with pytest.raises(MissingFieldError, match=r"kvtier\.backend"):
+        _create(_with_section({}))
+    with pytest.raises(InvalidFieldError, match=r"kvtier\.checksum_workers") as info:
+        _create(_with_section({"backend": "memory", "checksum_workers": "2"}))
+    assert info.value.path == "kvtier.checksum_workers"
+    with pytest.raises(InvalidFieldError, match=r"kvtier\.verify"):
+        _create(_with_section({"backend": "memory", "verify": "sometimes"}))
+
+
+def test_unknown_backend_says_did_you_mean() -> None:
+    with pytest.raises(UnknownNameError, match=r"did you mean 'file'"):
+        _create(_with_section({"backend": "fiel"}))
+
+
+def test_backend_options_are_validated_by_the_backend_model(tmp_path: Path) -> None:
+    section = {"backend": "file", "extra_config": {"rooot": str(tmp_path)}}
+    with pytest.raises(UnknownKeyError, match=r"did you mean 'root'") as info:
+        _create(_with_section(section))
+    assert info.value.where.startswith("kvtier.extra_config")
+    section = {"backend": "file", "extra_config": {"io_threads": "many"}}
+    with pytest.raises(InvalidFieldError, match=r"kvtier\.extra_config\.io_threads"):
+        _create(_with_section(section))
+    assert not (tmp_path / "kvtier").exists()
+
+
+def test_section_as_json_text_and_toml_file(tmp_path: Path) -> None:
+    with pytest.raises(ExtraConfigSyntaxError, match="line 1, column"):
+        _create(_with_section("{'backend': 'memory'}"))
+    storage = _create(_with_section(json.dumps({"backend": "memory", "verify": "header"})))
+    assert storage.settings.verify == "header"
+    toml = tmp_path / "kvtier.toml"
+    toml.write_text('backend = "memory"\ntenant = "team-a"\n')
+    assert _create(_with_section(f"@{toml}")).settings.tenant == "team-a"
+
+
+def test_split_heads_is_refused_at_construction() -> None:
+    load_config = storage_config(extra_config=extra_config("memory", None))
+    load_config.should_split_heads = True
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    with pytest.raises(UnsupportedCombinationError, match="tp_lcm_size"):
+        StorageBackendFactory.create_backend("dynamic", load_config, None)
+
+
+def test_unavailable_backend_gives_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.core.specs import BackendSpec
+
+    monkeypatch.setattr(BackendSpec, "unavailable_reason", lambda self: "no io_uring here")
+    with pytest.raises(BackendUnavailableError, match="no io_uring here"):
+        _create(_with_section({"backend": "uring"}))
+
+
+def test_unsupported_host_pool_layout_is_refused_at_registration(attach: Any) -> None:
+    pool = MHAHostPool()
+    pool.layout = "page_unified"
+    with pytest.raises(UnsupportedCombinationError, match="page_unified") as info:
+        attach("memory", pool)
+    assert "--hicache-mem-layout page_first" in str(info.value)
+
+
+def test_raw_byte_pool_needs_the_kv_dtype(attach: Any, tmp_path: Path) -> None:
+    pool = MHAHostPool(dtype=torch.uint8)
+    with pytest.raises(InvalidFieldError, match="float8_e4m3fn"):
+        attach("memory", pool)
+    extra = extra_config("memory", None, dtype="fp8")
+    controller = attach("memory", pool, extra=extra)
+    indices, data = _fill(pool, 1)
+    hashes = _hashes(1, 16)
+    assert controller.backup(hashes, indices) == 16
+    target = pool.alloc(16)
+    assert controller.prefetch(hashes, target) == 1
+    assert torch.equal(pool.page_content(int(target[0])), data[0])
+
+
+def test_o_direct_plan_is_checked_at_registration(attach: Any, tmp_path: Path) -> None:
+    extra = extra_config("file", tmp_path / "store")
+    extra["kvtier"]["extra_config"]["o_direct"] = True
+    pool = MHAHostPool(layout="layer_first", head_dim=8)  # 16 x 2 x 8 x 2 = 512-byte extents
+    with pytest.raises(InvalidFieldError, match="O_DIRECT"):
+        attach("file", pool, extra=extra)
+
+
+def test_sidecar_host_pools_are_refused(attach: Any) -> None:
+    storage = attach("memory", MHAHostPool()).storage
+    with pytest.raises(UnsupportedCombinationError, match="mamba"):
+        storage.register_mem_host_pool_v2(object(), "mamba")
