@@ -1,0 +1,419 @@
+"""``kvtier bench --workload multiturn``: simulated conversations through TieredCache.
+
+Several conversations share a system prompt and take turns, the way a chat server
+interleaves them. Each turn is one engine step over the conversation's whole history:
+prefetch the cached prefix (host pool, then storage), load it into device slots, check
+every loaded byte against what its page key stands for, "compute" the pages that were
+not cached (deterministic KV per key) and back them up (device -> host -> storage). The
+host pool is smaller than the working set, so older turns come back from storage.
+
+The report gives the hit rate per tier (host, storage, recomputed), bytes moved per
+direction, throughput, and the cache's failure counters; ``--json`` prints it as one JSON
+object, ``--plot FILE.png`` draws throughput and hit rates over the run (matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import torch
+
+from kvtier._cache_sim import check_pages, fill_pages
+from kvtier.cache import TieredCache
+from kvtier.core.config import load_engine_config, parse_extra_config
+from kvtier.core.device_pool import TorchDevicePool
+from kvtier.core.errors import ConfigError, InvalidFieldError
+from kvtier.core.geometry import AttentionKind
+
+if TYPE_CHECKING:
+    from kvtier.plugins.registry import Registry
+
+__all__ = ["MultiturnResult", "add_arguments", "run", "run_multiturn"]
+
+GB = 1e9
+_MHA_DEFAULTS = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128}
+_MLA_DEFAULTS = {"num_layers": 32, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+PLOT_HINT = "pip install 'kvtier[plot]' (or pip install matplotlib)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the multiturn workload's own options (``kvtier bench`` adds the shared ones)."""
+    group = parser.add_argument_group("multiturn workload (--workload multiturn)")
+    group.add_argument("--conversations", type=int, default=8, help="default 8")
+    group.add_argument("--turns", type=int, default=4, help="turns per conversation; default 4")
+    group.add_argument(
+        "--system-tokens", type=int, default=256, help="shared system prompt; default 256"
+    )
+    group.add_argument(
+        "--turn-tokens", type=int, default=256, help="tokens each turn adds; default 256"
+    )
+    group.add_argument(
+        "--host-pages",
+        type=int,
+        default=None,
+        help="host pool pages (default: a quarter of the working set, so storage is used)",
+    )
+    group.add_argument(
+        "--write-policy",
+        choices=("write_through", "write_through_selective", "write_back"),
+        default="write_through",
+    )
+    group.add_argument(
+        "--prefetch-policy",
+        choices=("best_effort", "wait_complete", "timeout"),
+        default="wait_complete",
+    )
+    group.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help=f"draw throughput and hit rates over the run (needs matplotlib: {PLOT_HINT})",
+    )
+
+
+def _arg(args: argparse.Namespace, name: str, default: Any) -> Any:
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+@dataclass
+class Step:
+    """One turn of one conversation."""
+
+    seconds: float
+    pages: int
+    host: int
+    storage: int
+    computed: int
+    bytes_moved: int
+
+
+@dataclass
+class MultiturnResult:
+    """What the run measured; ``ok`` is False if any loaded page differed."""
+
+    plan: dict[str, Any]
+    steps: list[Step] = field(default_factory=list)
+    mismatched_pages: int = 0
+    #: wall time of the whole run, simulation (KV fill, byte checks) included
+    seconds: float = 0.0
+    #: waiting for writes still queued after the last turn
+    flush_seconds: float = 0.0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatched_pages == 0
+
+    @property
+    def cache_seconds(self) -> float:
+        """Time spent in cache calls (prefetch, load, backup to host) plus the final flush."""
+        return sum(s.seconds for s in self.steps) + self.flush_seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON report."""
+        pages = sum(s.pages for s in self.steps)
+        host = sum(s.host for s in self.steps)
+        storage = sum(s.storage for s in self.steps)
+        computed = sum(s.computed for s in self.steps)
+        moved = self.stats.get("bytes", {})
+        total = sum(moved.values())
+        return {
+            "workload": "multiturn",
+            "ok": self.ok,
+            "plan": self.plan,
+            "turns": len(self.steps),
+            "pages": pages,
+            "hit_rate": {
+                "host": round(host / pages, 4) if pages else 0.0,
+                "storage": round(storage / pages, 4) if pages else 0.0,
+                "recomputed": round(computed / pages, 4) if pages else 0.0,
+            },
+            "bytes": moved,
+            "seconds": round(self.seconds, 3),
+            "cache_seconds": round(self.cache_seconds, 3),
+            "throughput_gbps": round(total / self.cache_seconds / GB, 3)
+            if self.cache_seconds
+            else 0.0,
+            "pages_per_s": round(pages / self.cache_seconds, 1) if self.cache_seconds else 0.0,
+            "mismatched_pages": self.mismatched_pages,
+            "failures": self.stats.get("failures", {}),
+            "latency_p50_ms": {
+                op: None if h["p50"] is None else round(h["p50"] * 1e3, 3)
+                for op, h in self.stats.get("latency_seconds", {}).items()
+            },
+        }
+
+    def report(self) -> str:
+        """A human-readable summary."""
+        d = self.to_dict()
+        rate = d["hit_rate"]
+        lines = [
+            f"multiturn: {d['turns']} turns, {d['pages']} pages requested, "
+            f"{d['seconds']} s, {d['cache_seconds']} s in cache calls "
+            f"({'OK: every loaded byte matched' if d['ok'] else 'MISMATCH'})",
+            f"  plan        {d['plan']['backend']} / {d['plan']['io_backend']} / "
+            f"{d['plan']['layout']}, {d['plan']['host_pages']} host pages, "
+            f"{d['plan']['write_policy']}, {d['plan']['prefetch_policy']}",
+            f"  hit rate    host {rate['host']:.1%}  storage {rate['storage']:.1%}  "
+            f"recomputed {rate['recomputed']:.1%}",
+            "  bytes       " + "  ".join(f"{k} {v / GB:.3f} GB" for k, v in d["bytes"].items()),
+            f"  throughput  {d['throughput_gbps']} GB/s moved, {d['pages_per_s']} pages/s "
+            "(over time in cache calls)",
+        ]
+        if d["failures"]:
+            lines.append(f"  failures    {d['failures']}")
+        if d["mismatched_pages"]:
+            lines.append(f"  MISMATCHED  {d['mismatched_pages']} loaded pages differed")
+        return "\n".join(lines)
+
+
+def _engine_config(args: argparse.Namespace, extra: dict[str, Any], host_pages: int) -> Any:
+    attention = AttentionKind(_arg(args, "attention", "mha"))
+    defaults = _MHA_DEFAULTS if attention is AttentionKind.MHA else _MLA_DEFAULTS
+    data: dict[str, Any] = {
+        "backend": _arg(args, "backend", "file"),
+        "io_backend": _arg(args, "io_backend", "auto"),
+        "layout": _arg(args, "layout", "auto"),
+        "attention": attention.value,
+        "dtype": _arg(args, "dtype", "bfloat16"),
+        "page_size": _arg(args, "page_size", 64),
+        "verify": _arg(args, "verify", "full"),
+        "model": "kvtier-bench-multiturn",
+        "host_pages": host_pages,
+        "extra_config": extra,
+    }
+    for name, default in defaults.items():
+        data[name] = _arg(args, name, default)
+    return load_engine_config(data)
+
+
+def _check_plot(path: str | None) -> None:
+    if path is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            f"--plot {path} needs matplotlib, which is not installed; install it with "
+            f"{PLOT_HINT}, or drop --plot",
+            value=path,
+        ) from None
+    if not path.lower().endswith(".png"):
+        raise InvalidFieldError("--plot", f"must name a .png file, got {path!r}", value=path)
+
+
+class _Progress:
+    """A one-line progress bar on stderr, only when it is a terminal."""
+
+    def __init__(self, total: int, stream: IO[str], enabled: bool) -> None:
+        self.total = total
+        self.stream = stream
+        self.enabled = enabled and stream.isatty()
+        self.done = 0
+
+    def step(self, note: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        width = 30
+        filled = width * self.done // max(self.total, 1)
+        bar = "#" * filled + "." * (width - filled)
+        self.stream.write(f"\r  multiturn [{bar}] {self.done}/{self.total} turns  {note}   ")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _histories(args: argparse.Namespace, seed: int) -> list[list[list[int]]]:
+    """Per conversation, the token history at each turn (all share the system prompt)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(0, 32_000) for _ in range(args.system_tokens)]
+    out = []
+    for _ in range(args.conversations):
+        history = list(system)
+        turns = []
+        for _ in range(args.turns):
+            history = history + [rng.randrange(0, 32_000) for _ in range(args.turn_tokens)]
+            turns.append(list(history))
+        out.append(turns)
+    return out
+
+
+def run_multiturn(
+    args: argparse.Namespace,
+    *,
+    registry: Registry | None = None,
+    progress_stream: IO[str] | None = None,
+) -> MultiturnResult:
+    """Open a TieredCache for the options, run the conversations, return the measurements."""
+    for name in ("conversations", "turns", "turn_tokens"):
+        if getattr(args, name) <= 0:
+            raise InvalidFieldError(f"--{name.replace('_', '-')}", "must be positive", value=0)
+    if args.system_tokens < 0:
+        raise InvalidFieldError("--system-tokens", "must be >= 0", value=args.system_tokens)
+    _check_plot(args.plot)
+    if registry is None:
+        from kvtier.plugins.manager import load_registry
+
+        registry = load_registry()
+    ps = _arg(args, "page_size", 64)
+    max_pages = (args.system_tokens + args.turns * args.turn_tokens) // ps
+    working_set = (args.system_tokens + args.conversations * args.turns * args.turn_tokens) // ps
+    host_pages = args.host_pages or max(max_pages + 2, working_set // 4)
+    extra = parse_extra_config(_arg(args, "extra_config", None), source="--extra-config")
+    workdir = Path(tempfile.mkdtemp(prefix="kvtier-multiturn-", dir=_arg(args, "workdir", None)))
+    try:
+        if _arg(args, "backend", "file") in ("file", "uring") and "root" not in extra:
+            extra["root"] = str(workdir / "pages")
+        config = _engine_config(args, extra, host_pages)
+        device_name = _arg(args, "device", "cuda" if torch.cuda.is_available() else "cpu")
+        device = TorchDevicePool(config.geometry(), max(max_pages, 1) * ps, device_name)
+        options = {
+            "write_policy": args.write_policy,
+            "prefetch_policy": args.prefetch_policy,
+        }
+        cache = TieredCache.open(config, device, options=options, registry=registry)
+        try:
+            result = _drive(args, cache, progress_stream or sys.stderr)
+        finally:
+            cache.close()
+        result.stats = cache.stats()
+        if args.plot:
+            _plot(result, args.plot)
+        return result
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _drive(args: argparse.Namespace, cache: TieredCache, stream: IO[str]) -> MultiturnResult:
+    ps = cache.geometry.page_size
+    plan = cache.plan
+    result = MultiturnResult(
+        plan={
+            "backend": plan.backend.name,
+            "io_backend": plan.io_backend.name,
+            "layout": plan.layout.value,
+            "geometry": plan.geometry.describe(),
+            "host_pages": cache.host_pool.num_pages,
+            "conversations": args.conversations,
+            "turns": args.turns,
+            "write_policy": cache.options.write_policy,
+            "prefetch_policy": cache.options.prefetch_policy,
+        }
+    )
+    histories = _histories(args, _arg(args, "seed", 0))
+    progress = _Progress(
+        args.conversations * args.turns, stream, not _arg(args, "no_progress", False)
+    )
+    page_bytes = cache.geometry.bytes_per_page
+    started = time.perf_counter()
+    try:
+        for turn in range(args.turns):
+            for conversation in histories:
+                step = _turn(cache, conversation[turn], ps, result)
+                step.bytes_moved *= page_bytes
+                result.steps.append(step)
+                progress.step(f"{step.pages} pages, {step.host} host, {step.storage} storage")
+        t0 = time.perf_counter()
+        cache.flush(60.0)
+        result.flush_seconds = time.perf_counter() - t0
+    finally:
+        progress.close()
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _turn(cache: TieredCache, tokens: Sequence[int], ps: int, result: MultiturnResult) -> Step:
+    """One engine step over a conversation's history; only cache calls are timed."""
+    keys = cache.keys(list(tokens))
+    slots = torch.arange(len(keys) * ps, dtype=torch.int64)
+    t0 = time.perf_counter()
+    handle = cache.prefetch(keys)
+    host = handle.host_hits
+    loaded = cache.load(handle, slots)
+    elapsed = time.perf_counter() - t0
+    host = min(host, loaded)
+    storage = loaded - host
+    bad = check_pages(cache.device_pool, keys[:loaded], slots[: loaded * ps])
+    result.mismatched_pages += bad.count(False)
+    new = keys[loaded:]
+    if new:
+        fill_pages(cache.device_pool, new, slots[loaded * ps :])  # the "forward pass"
+        t1 = time.perf_counter()
+        backup = cache.backup(new, slots[loaded * ps :])
+        backup.wait_host(60.0)
+        elapsed += time.perf_counter() - t1
+    moved = loaded + len(new) + storage + (len(new) if cache.writes_storage else 0)
+    return Step(elapsed, len(keys), host, storage, len(new), moved)
+
+
+def _plot(result: MultiturnResult, path: str) -> None:
+    """Throughput and cumulative hit rates per step, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = result.steps
+    x = list(range(1, len(steps) + 1))
+    gbps = [s.bytes_moved / s.seconds / GB if s.seconds else 0.0 for s in steps]
+    seen = host = storage = 0
+    host_rate, storage_rate = [], []
+    for s in steps:
+        seen += s.pages
+        host += s.host
+        storage += s.storage
+        host_rate.append(host / seen if seen else 0.0)
+        storage_rate.append(storage / seen if seen else 0.0)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    top.plot(x, gbps, label="GB/s moved")
+    top.set_ylabel("GB/s")
+    top.set_title("kvtier bench --workload multiturn")
+    top.legend()
+    bottom.plot(x, host_rate, label="host hit rate (cumulative)")
+    bottom.plot(x, storage_rate, label="storage hit rate (cumulative)")
+    bottom.set_xlabel("turn (all conversations)")
+    bottom.set_ylim(0, 1)
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace, *, registry: Registry | None = None) -> int:
+    """Run the workload and print the report (or ``--json``); 0 if every page matched."""
+    result = run_multiturn(args, registry=registry)
+    if _arg(args, "json", False):
+        sys.stdout.write(json.dumps(result.to_dict()) + "\n")
+    else:
+        sys.stdout.write(result.report() + "\n")
+    return 0 if result.ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvtier.bench_multiturn``: the workload with kvtier bench's common options."""
+    parser = argparse.ArgumentParser(prog="kvtier bench --workload multiturn", description=__doc__)
+    from kvtier import bench
+
+    bench.add_arguments(parser)
+    if parser.get_default("conversations") is None:  # kvtier.bench may add them itself
+        add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
