@@ -67,21 +67,8 @@ class _Plugin:
         register(BackendSpec(name="bench_memory", factory=_factory))
 
 
-class _IOStandIn:
-    @staticmethod
-    @hookimpl
-    def kvtier_register_io_backends(register: Any) -> None:
-        from kvtier.core.io import DIRECT_SPEC, KERNEL_SPEC
-
-        register(DIRECT_SPEC)
-        register(KERNEL_SPEC)
-
-
 def _registry() -> Registry:
-    plugins: list[tuple[str, object]] = [("bench", _Plugin)]
-    if "direct" not in load_registry(autoload=False).io_backends:
-        plugins.append(("bench-io", _IOStandIn))
-    return load_registry(autoload=False, plugins=plugins)
+    return load_registry(autoload=False, plugins=[("bench", _Plugin)])
 
 
 def _open(geometry: dict[str, Any], pages: int, options: dict[str, Any]) -> TieredCache:

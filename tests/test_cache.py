@@ -93,24 +93,9 @@ class TestPlugin:
         register(BackendSpec(name="shared", factory=_shared_factory))
 
 
-class BuiltinIOStandIn:
-    """Registers core's IO backends while kvtier.plugins.builtin_io has not landed."""
-
-    @staticmethod
-    @hookimpl
-    def kvtier_register_io_backends(register: Any) -> None:
-        from kvtier.core.io import DIRECT_SPEC, KERNEL_SPEC
-
-        register(DIRECT_SPEC)
-        register(KERNEL_SPEC)
-
-
 def cache_registry() -> Registry:
-    """The built-ins plus this file's ``shared`` backend (and IO backends if still missing)."""
-    plugins: list[tuple[str, object]] = [("cache-test", TestPlugin)]
-    if "direct" not in load_registry(autoload=False).io_backends:
-        plugins.append(("cache-test-io", BuiltinIOStandIn))
-    return load_registry(autoload=False, plugins=plugins)
+    """The built-in plugins plus this file's ``shared`` backend."""
+    return load_registry(autoload=False, plugins=[("cache-test", TestPlugin)])
 
 
 @pytest.fixture
