@@ -1,0 +1,599 @@
+"""Back up and restore KV pages through every tier, verify every byte, and time it.
+
+With no arguments: an 8B-class geometry (32 layers, 8 KV heads, head dim 128, bfloat16,
+64 tokens per page = 8 MiB per page), 64 pages of random KV in a torch device pool (CUDA
+when present, else CPU), the 'file' backend in a fresh temporary directory (removed
+afterwards). Each round backs the pages up device -> host pool (IO backend) -> storage
+(envelope + backend) as new pages, wipes the host and device copies, reads them back
+storage -> host -> device and compares every byte with the original. The same bytes also
+go through raw os.pwritev / os.preadv (one file per page, the raw reads landing in a
+host pool of their own), batch by batch and alternating which side goes first, so the
+report shows kvtier's storage path (envelope checksums included) next to the raw
+vectored path. A warm-up round is not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import torch
+
+from kvtier.core.capabilities import ResolvedPlan, resolve
+from kvtier.core.config import load_engine_config, parse_extra_config
+from kvtier.core.device_pool import TorchDevicePool
+from kvtier.core.errors import ConfigError, InvalidFieldError
+from kvtier.core.geometry import AttentionKind
+from kvtier.core.host_pool import HostPool
+from kvtier.core.keys import PageKeyer
+from kvtier.core.pagestore import PageStore
+from kvtier.core.storage import StorageBackend
+
+if TYPE_CHECKING:
+    from kvtier.core.extents import Extent
+    from kvtier.plugins.registry import Registry
+
+__all__ = ["BenchResult", "add_arguments", "run", "run_bench"]
+
+#: Bytes in a GB as reported (decimal, like disk vendors and `dd`).
+GB = 1e9
+_MHA_DEFAULTS = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128}
+_MLA_DEFAULTS = {"num_layers": 32, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+
+_EPILOG = """\
+examples:
+  kvtier bench                                   # file backend in a temp dir, 64 x 8 MiB pages
+  kvtier bench --pages 256 --batch 16 --json     # bigger run, batched calls, JSON on stdout
+  kvtier bench --backend memory
+  kvtier bench --extra-config '{"root": "/mnt/nvme/kv", "fsync": "batch"}'
+  kvtier bench --attention mla --num-layers 61 --layout page_first
+  kvtier bench --layout layer_first --io-backend kernel --device cpu
+
+The exit status is 0 when every page came back bit-exact, 1 when a page failed or
+differed, 2 when the configuration was rejected.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``kvtier bench``'s options to ``parser`` (the CLI delegates here)."""
+    parser.epilog = _EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    store = parser.add_argument_group("storage")
+    store.add_argument(
+        "--backend", default="file", help="storage backend (see `kvtier backends`); default file"
+    )
+    store.add_argument(
+        "--extra-config",
+        default=None,
+        metavar="JSON|@FILE",
+        help="the backend's options as a JSON object or @file.json/@file.toml; for the file "
+        "backend 'root' defaults to a temporary directory removed afterwards",
+    )
+    store.add_argument(
+        "--verify",
+        choices=("full", "header"),
+        default="full",
+        help="page verification on get: full payload checksum or header only (default full)",
+    )
+    plan = parser.add_argument_group("transfer plan")
+    plan.add_argument("--io-backend", default="auto", help="device <-> host mover (default auto)")
+    plan.add_argument(
+        "--layout",
+        default="auto",
+        help="host-pool layout: layer_first, page_first, page_first_direct, page_head, or auto",
+    )
+    plan.add_argument(
+        "--device",
+        default=None,
+        help="torch device of the device pool (default: cuda if available, else cpu)",
+    )
+    geo = parser.add_argument_group("geometry (default: an 8B-class model, 8 MiB pages)")
+    geo.add_argument("--attention", choices=("mha", "mla"), default="mha")
+    geo.add_argument("--num-layers", type=int, default=None, help="default 32")
+    geo.add_argument("--num-kv-heads", type=int, default=None, help="MHA, default 8")
+    geo.add_argument("--head-dim", type=int, default=None, help="MHA, default 128")
+    geo.add_argument("--kv-lora-rank", type=int, default=None, help="MLA, default 512")
+    geo.add_argument("--qk-rope-head-dim", type=int, default=None, help="MLA, default 64")
+    geo.add_argument("--dtype", default="bfloat16", help="default bfloat16")
+    geo.add_argument("--page-size", type=int, default=64, help="tokens per page; default 64")
+    run_ = parser.add_argument_group("run")
+    run_.add_argument("--pages", type=int, default=64, help="pages per round; default 64")
+    run_.add_argument(
+        "--batch", type=int, default=1, help="pages per put/get call (latency is per call)"
+    )
+    run_.add_argument("--rounds", type=int, default=3, help="timed rounds after a warm-up")
+    run_.add_argument("--seed", type=int, default=0, help="seed of the random KV")
+    run_.add_argument("--no-raw", action="store_true", help="skip the raw pwritev/preadv side")
+    run_.add_argument(
+        "--workdir",
+        default=None,
+        help="directory for the temporary page files (default: the system temp dir)",
+    )
+    run_.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    run_.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+# --- measurements ---------------------------------------------------------------------
+
+
+@dataclass
+class Timing:
+    """Per-call durations of one operation over all timed rounds."""
+
+    bytes_per_round: int
+    calls: list[float] = field(default_factory=list)
+    rounds: list[float] = field(default_factory=list)
+
+    def add_round(self, total: float, calls: Sequence[float]) -> None:
+        """Record one timed round: its total time and each call's time."""
+        self.rounds.append(total)
+        self.calls.extend(calls)
+
+    def summary(self) -> dict[str, float]:
+        """GB/s (median over rounds), p50 / p99 call latency in ms."""
+        rates = [self.bytes_per_round / t / GB for t in self.rounds if t > 0]
+        calls = sorted(self.calls)
+        return {
+            "gbps": round(statistics.median(rates), 3) if rates else 0.0,
+            "p50_ms": round(_percentile(calls, 50) * 1e3, 3),
+            "p99_ms": round(_percentile(calls, 99) * 1e3, 3),
+        }
+
+
+def _percentile(values: Sequence[float], pct: float) -> float:
+    if not values:
+        return 0.0
+    rank = (len(values) - 1) * pct / 100
+    low = int(rank)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (rank - low)
+
+
+class Progress:
+    """A one-line progress bar on a terminal; silent otherwise."""
+
+    def __init__(self, total: int, stream: IO[str], enabled: bool) -> None:
+        self.total = max(total, 1)
+        self.done = 0
+        self.stream = stream
+        self.enabled = enabled and stream.isatty()
+        self._last = 0.0
+
+    def step(self, label: str, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if not self.enabled or (now - self._last < 0.05 and self.done < self.total):
+            return
+        self._last = now
+        width = 30
+        filled = width * self.done // self.total
+        bar = "#" * filled + "." * (width - filled)
+        self.stream.write(f"\r[{bar}] {100 * self.done // self.total:3d}% {label:<28}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\r" + " " * 72 + "\r")
+            self.stream.flush()
+
+
+def _raw_put(path: Path, regions: list[memoryview]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.pwritev(fd, regions, 0)
+    finally:
+        os.close(fd)
+
+
+def _raw_get(path: Path, regions: list[memoryview]) -> int:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.preadv(fd, regions, 0)
+    finally:
+        os.close(fd)
+
+
+# --- the run --------------------------------------------------------------------------
+
+
+@dataclass
+class BenchResult:
+    """What ``kvtier bench`` measured; :meth:`to_dict` is the ``--json`` output."""
+
+    plan: ResolvedPlan
+    pages: int
+    batch: int
+    rounds: int
+    device: str
+    page_bytes: int
+    stored_bytes: int
+    ok: bool
+    failures: list[str]
+    put: Timing
+    get: Timing
+    backup: Timing
+    load: Timing
+    raw_put: Timing | None
+    raw_get: Timing | None
+    backend_stats: dict[str, int | float]
+    store_stats: dict[str, int | float]
+    workdir: str
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "bench": "kvtier",
+            "ok": self.ok,
+            "failures": self.failures,
+            "backend": self.plan.backend.name,
+            "io_backend": self.plan.io_backend.name,
+            "layout": self.plan.layout.value,
+            "device": self.device,
+            "geometry": self.plan.to_dict()["geometry"],
+            "verify": self.plan.config.verify,
+            "pages": self.pages,
+            "batch": self.batch,
+            "rounds": self.rounds,
+            "page_bytes": self.page_bytes,
+            "stored_bytes_per_page": self.stored_bytes,
+            "put": self.put.summary(),
+            "get": self.get.summary(),
+            "device_to_host": self.backup.summary(),
+            "host_to_device": self.load.summary(),
+            "notes": list(self.plan.notes),
+        }
+        if self.raw_put is not None and self.raw_get is not None:
+            raw_put, raw_get = self.raw_put.summary(), self.raw_get.summary()
+            out["raw_put"], out["raw_get"] = raw_put, raw_get
+            out["ratio"] = {
+                "put": _ratio(out["put"]["gbps"], raw_put["gbps"]),
+                "get": _ratio(out["get"]["gbps"], raw_get["gbps"]),
+            }
+        out["backend_stats"] = self.backend_stats
+        out["store_stats"] = self.store_stats
+        return out
+
+    def report(self) -> str:
+        """A human-readable table."""
+        d = self.to_dict()
+        g = self.plan.geometry
+        lines = [
+            f"kvtier bench: {d['backend']} backend, io {d['io_backend']}, layout {d['layout']}, "
+            f"device {d['device']}",
+            f"  geometry   {g.describe()}",
+            f"  workload   {self.pages} pages x {self.page_bytes / 2**20:.2f} MiB "
+            f"(+{self.stored_bytes - self.page_bytes} B envelope), {self.batch} page(s) per "
+            f"call, {self.rounds} timed round(s) after a warm-up, verify={d['verify']}",
+            "",
+            f"  {'path':<28}{'GB/s':>9}{'p50 ms':>10}{'p99 ms':>10}",
+        ]
+        rows = [
+            ("device -> host (backup)", d["device_to_host"]),
+            ("host -> storage (put)", d["put"]),
+            ("storage -> host (get)", d["get"]),
+            ("host -> device (load)", d["host_to_device"]),
+        ]
+        if "raw_put" in d:
+            rows += [("raw os.pwritev", d["raw_put"]), ("raw os.preadv", d["raw_get"])]
+        for name, s in rows:
+            lines.append(f"  {name:<28}{s['gbps']:>9.2f}{s['p50_ms']:>10.2f}{s['p99_ms']:>10.2f}")
+        if "ratio" in d:
+            lines.append(
+                f"\n  kvtier / raw: put {d['ratio']['put']:.2f}x, get {d['ratio']['get']:.2f}x"
+            )
+        lines.append("")
+        if self.ok:
+            lines.append(
+                f"  verified: all {self.pages} pages bit-exact after device -> storage -> "
+                f"device, every round"
+            )
+        else:
+            lines.append(f"  FAILED: {len(self.failures)} problem(s):")
+            lines += [f"    - {f}" for f in self.failures[:20]]
+        lines += [f"  note: {n}" for n in d["notes"]]
+        return "\n".join(lines)
+
+
+def _ratio(ours: float, raw: float) -> float:
+    return round(ours / raw, 3) if raw > 0 else 0.0
+
+
+def _engine_config(args: argparse.Namespace, extra: dict[str, Any]) -> dict[str, Any]:
+    attention = AttentionKind(args.attention)
+    defaults = _MHA_DEFAULTS if attention is AttentionKind.MHA else _MLA_DEFAULTS
+    data: dict[str, Any] = {
+        "backend": args.backend,
+        "io_backend": args.io_backend,
+        "layout": args.layout,
+        "attention": attention.value,
+        "dtype": args.dtype,
+        "page_size": args.page_size,
+        "verify": args.verify,
+        "model": "kvtier-bench",
+        "host_pages": args.pages,
+        "extra_config": extra,
+    }
+    for name, default in defaults.items():
+        value = getattr(args, name)
+        data[name] = default if value is None else value
+    other = _MLA_DEFAULTS if attention is AttentionKind.MHA else _MHA_DEFAULTS
+    for name in other:
+        if name not in defaults and getattr(args, name) is not None:
+            flag = "--" + name.replace("_", "-")
+            raise InvalidFieldError(
+                name,
+                f"{flag} is a {'MLA' if attention is AttentionKind.MHA else 'MHA'} geometry "
+                f"option but --attention is {attention.value}; drop it or change --attention",
+                value=getattr(args, name),
+            )
+    return data
+
+
+def _positive(name: str, value: int) -> None:
+    if value <= 0:
+        raise InvalidFieldError(name, f"must be a positive integer, got {value}", value=value)
+
+
+def run_bench(
+    args: argparse.Namespace,
+    *,
+    registry: Registry | None = None,
+    progress_stream: IO[str] | None = None,
+) -> BenchResult:
+    """Resolve the plan, build everything, run the rounds; raises ConfigError on bad input."""
+    for name in ("pages", "batch", "rounds"):
+        _positive(f"--{name}", getattr(args, name))
+    if registry is None:
+        from kvtier.plugins.manager import load_registry
+
+        registry = load_registry()
+    extra = parse_extra_config(args.extra_config, source="--extra-config")
+    base = Path(args.workdir) if args.workdir else None
+    if base is not None and not base.is_dir():
+        raise ConfigError(f"--workdir {str(base)!r} is not a directory", value=str(base))
+    workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=base))
+    try:
+        if args.backend == "file" and "root" not in extra:
+            extra["root"] = str(workdir / "pages")
+        config = load_engine_config(_engine_config(args, extra))
+        plan = resolve(config, registry.backends, registry.io_backends)
+        return _run_plan(args, plan, workdir, progress_stream or sys.stderr)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_plan(
+    args: argparse.Namespace, plan: ResolvedPlan, workdir: Path, stream: IO[str]
+) -> BenchResult:
+    geometry, layout = plan.geometry, plan.layout
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    pages, batch, rounds = args.pages, min(args.batch, args.pages), args.rounds
+    page_size = geometry.page_size
+
+    backend: StorageBackend = plan.backend.load_factory()(plan.backend_config, plan.context)
+    try:
+        io_spec = plan.io_backend
+        mover = io_spec.load_factory()(io_spec.config_model(), geometry, layout)
+        host = HostPool(geometry, layout, num_pages=pages)
+        backend.attach(host)
+        store = PageStore(
+            backend, host, fingerprint=geometry.fingerprint, verify=plan.config.verify
+        )
+        dev = TorchDevicePool(geometry, pages * page_size, device)
+        generator = torch.Generator().manual_seed(args.seed)
+        dev.fill_random_(generator)
+        original = [t.clone() for t in dev.kv_tensors]
+        keyer = PageKeyer(
+            _namespace(plan),
+            page_size,
+            geometry.attention,
+            plan.context.tp_rank,
+            plan.context.tp_size,
+        )
+        token_gen = torch.Generator().manual_seed(args.seed + 1)
+        tokens = torch.randint(0, 128_000, (pages * page_size,), generator=token_gen)
+        keys = keyer.keys(tokens.tolist())
+        host_pages = host.allocate(pages)
+        slots = torch.arange(pages * page_size, dtype=torch.int64, device=device)
+        regions = [[e.view for e in host.page_buffers(p)] for p in host_pages]
+        stored_bytes = sum(e.length for e in host.page_buffers(host_pages[0]))
+        do_raw = not args.no_raw
+        # The raw side reads into its own host pool, so neither side's reads can be
+        # mistaken for the other's, and both write into memory wiped the same way.
+        raw_host = HostPool(geometry, layout, num_pages=pages) if do_raw else None
+        raw_into = (
+            [[e.view for e in raw_host.page_buffers(p)] for p in raw_host.allocate(pages)]
+            if raw_host is not None
+            else []
+        )
+        raw_dir = workdir / "raw"
+        raw_dir.mkdir(mode=0o700)
+        raw_paths = [raw_dir / f"{i}.page" for i in range(pages)]
+
+        payload_round = pages * geometry.bytes_per_page
+        stored_round = pages * stored_bytes
+        put_t, get_t = Timing(stored_round), Timing(stored_round)
+        backup_t, load_t = Timing(payload_round), Timing(payload_round)
+        raw_put_t, raw_get_t = Timing(stored_round), Timing(stored_round)
+        failures: list[str] = []
+        batches = [(i, min(i + batch, pages)) for i in range(0, pages, batch)]
+        bar = Progress((rounds + 1) * pages * 2, stream, not args.no_progress and not args.json)
+
+        def ours_put(lo: int, hi: int, label: str) -> float:
+            t0 = time.perf_counter()
+            results = store.put(keys[lo:hi], host_pages[lo:hi])
+            elapsed = time.perf_counter() - t0
+            failures.extend(
+                f"{label}: put of page {i} failed"
+                for i, ok in zip(range(lo, hi), results, strict=True)
+                if not ok
+            )
+            return elapsed
+
+        def raw_put(lo: int, hi: int, label: str) -> float:
+            t0 = time.perf_counter()
+            for i in range(lo, hi):
+                _raw_put(raw_paths[i], regions[i])
+            return time.perf_counter() - t0
+
+        def ours_get(lo: int, hi: int, label: str) -> float:
+            t0 = time.perf_counter()
+            results = store.get(keys[lo:hi], host_pages[lo:hi])
+            elapsed = time.perf_counter() - t0
+            failures.extend(
+                f"{label}: get of page {i} failed or was rejected"
+                for i, ok in zip(range(lo, hi), results, strict=True)
+                if not ok
+            )
+            return elapsed
+
+        def raw_get(lo: int, hi: int, label: str) -> float:
+            t0 = time.perf_counter()
+            got = [_raw_get(raw_paths[i], raw_into[i]) for i in range(lo, hi)]
+            elapsed = time.perf_counter() - t0
+            failures.extend(
+                f"{label}: raw read of page {i} was short"
+                for i, n in zip(range(lo, hi), got, strict=True)
+                if n != stored_bytes
+            )
+            return elapsed
+
+        def phase(
+            ours: Callable[[int, int, str], float],
+            raw: Callable[[int, int, str], float],
+            label: str,
+        ) -> tuple[list[float], list[float]]:
+            """Both sides batch by batch, alternating which goes first."""
+            ours_calls: list[float] = []
+            raw_calls: list[float] = []
+            for n, (lo, hi) in enumerate(batches):
+                if do_raw and n % 2:
+                    raw_calls.append(raw(lo, hi, label))
+                ours_calls.append(ours(lo, hi, label))
+                if do_raw and not n % 2:
+                    raw_calls.append(raw(lo, hi, label))
+                bar.step(label, hi - lo)
+            return ours_calls, raw_calls
+
+        for round_ in range(rounds + 1):
+            timed = round_ > 0
+            label = f"round {round_}/{rounds}" if timed else "warm-up"
+            # new pages every round: last round's pages are removed, untimed
+            store.delete(keys)
+            for path in raw_paths:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            # device -> host
+            t0 = time.perf_counter()
+            mover.backup(dev, host, slots, host_pages)
+            _sync(device)
+            elapsed = time.perf_counter() - t0
+            # host -> storage, and the same bytes raw
+            ours, raw = phase(ours_put, raw_put, f"{label}: put")
+            if timed:
+                backup_t.add_round(elapsed, [elapsed])
+                put_t.add_round(sum(ours), ours)
+                raw_put_t.add_round(sum(raw), raw)
+            # wipe every copy, so only what storage returns can pass
+            dev.zero_()
+            for pool in (host, raw_host):
+                if pool is not None:
+                    for page in range(pool.num_pages):
+                        _wipe(pool, page)
+            ours, raw = phase(ours_get, raw_get, f"{label}: get")
+            # host -> device, then compare every byte with the original
+            t0 = time.perf_counter()
+            mover.load(host, dev, host_pages, slots)
+            _sync(device)
+            elapsed = time.perf_counter() - t0
+            if timed:
+                get_t.add_round(sum(ours), ours)
+                raw_get_t.add_round(sum(raw), raw)
+                load_t.add_round(elapsed, [elapsed])
+            for kv, (now, before) in enumerate(zip(dev.kv_tensors, original, strict=True)):
+                if not torch.equal(now.view(torch.uint8), before.view(torch.uint8)):
+                    bad = _first_bad_page(now, before, page_size)
+                    failures.append(
+                        f"{label}: device data differs after the round trip "
+                        f"(kv {kv}, first differing page {bad})"
+                    )
+        bar.close()
+        result = BenchResult(
+            plan=plan,
+            pages=pages,
+            batch=batch,
+            rounds=rounds,
+            device=str(dev.device),
+            page_bytes=geometry.bytes_per_page,
+            stored_bytes=stored_bytes,
+            ok=not failures,
+            failures=failures,
+            put=put_t,
+            get=get_t,
+            backup=backup_t,
+            load=load_t,
+            raw_put=raw_put_t if do_raw else None,
+            raw_get=raw_get_t if do_raw else None,
+            backend_stats=backend.stats(),
+            store_stats=store.stats(),
+            workdir=str(workdir),
+        )
+        backend.clear()
+        return result
+    finally:
+        backend.close()
+
+
+def _namespace(plan: ResolvedPlan) -> Any:
+    from kvtier.core.keys import Namespace
+
+    return Namespace(plan.config.model, plan.geometry.fingerprint, plan.config.tenant)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _wipe(host: HostPool, page: int) -> None:
+    extents: list[Extent] = host.page_buffers(page)
+    for extent in extents:
+        torch.frombuffer(extent.view, dtype=torch.uint8).fill_(0x5A)
+
+
+def _first_bad_page(now: torch.Tensor, before: torch.Tensor, page_size: int) -> int:
+    # [layers, slots, heads, dim]: compare slot by slot, report its page
+    diff = (now.view(torch.uint8) != before.view(torch.uint8)).flatten(2).any(dim=2).any(dim=0)
+    slot = int(diff.nonzero()[0, 0]) if bool(diff.any()) else -1
+    return slot // page_size if slot >= 0 else -1
+
+
+def run(args: argparse.Namespace, *, registry: Registry | None = None) -> int:
+    """``kvtier bench``: run, print the report (or JSON), return 0 if every byte matched."""
+    result = run_bench(args, registry=registry)
+    if args.json:
+        sys.stdout.write(json.dumps(result.to_dict()) + "\n")
+    else:
+        sys.stdout.write(result.report() + "\n")
+    return 0 if result.ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvtier.bench``: the same as ``kvtier bench``."""
+    parser = argparse.ArgumentParser(prog="kvtier bench", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
