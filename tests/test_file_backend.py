@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import errno
+import json
 import mmap
 import os
 import signal
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier import bench
 from kvtier.backends import _filestore as fs
 from kvtier.backends.file import FILE_SPEC, FileBackend, FileConfig, validate_file_plan
 from kvtier.core.errors import ConfigError, InvalidFieldError, KvtierError, StorageError
@@ -618,3 +621,56 @@ def test_publish_falls_back_to_rename_without_exchange(
     assert final.read_bytes() == b"new" and calls == [1]
     assert fs._renameat2 is None  # not tried again
     assert sorted(p.name for p in tmp_path.iterdir()) == ["page.kv"]
+
+
+# --- kvtier bench (runs on the file backend by default) -------------------------------
+
+SMALL = ["--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "64", "--page-size", "16"]
+
+
+def bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args([*SMALL, "--pages", "6", "--rounds", "1", *argv])
+
+
+def test_bench_round_trip_verifies_and_reports(tmp_path: Path) -> None:
+    result = bench.run_bench(bench_args("--batch", "4", "--workdir", str(tmp_path)))
+    out = result.to_dict()
+    assert out["ok"] is True and out["failures"] == []
+    assert out["backend"] == "file" and out["pages"] == 6 and out["batch"] == 4
+    assert out["stored_bytes_per_page"] == out["page_bytes"] + 4096
+    for name in ("put", "get", "raw_put", "raw_get", "device_to_host", "host_to_device"):
+        assert out[name]["gbps"] > 0 and out[name]["p99_ms"] >= out[name]["p50_ms"] >= 0
+    assert set(out["ratio"]) == {"put", "get"}
+    assert out["store_stats"]["hits"] == 12 and out["store_stats"]["invalid"] == 0
+    assert list(tmp_path.iterdir()) == []  # the temporary pages are gone
+    assert "bit-exact" in result.report()
+
+
+def test_bench_json_on_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.run(bench_args("--json", "--no-raw", "--layout", "layer_first")) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"] == "layer_first" and "ratio" not in out and out["ok"]
+
+
+def test_bench_reports_failed_pages_with_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    # a memory backend too small for one page: every put fails, nothing comes back
+    args = bench_args("--backend", "memory", "--extra-config", '{"capacity_bytes": 1024}')
+    assert bench.run(args) == 1
+    assert "put of page 0 failed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--extra-config", '{"root": '], "extra-config"),
+        (["--extra-config", '{"fsycn": "page"}'], "fsync"),
+        (["--kv-lora-rank", "64"], "MLA geometry option"),
+        (["--backend", "fiel"], "did you mean 'file'"),
+        (["--pages", "0"], "--pages"),
+    ],
+)
+def test_bench_rejects_bad_options_before_running(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        bench.run_bench(bench_args(*argv))
