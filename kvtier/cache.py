@@ -111,6 +111,12 @@ class CacheOptions(BaseModel):
         description="How long a backup waits for host pages held by in-flight work "
         "before it fails with host_exhausted.",
     )
+    max_load_wait_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Upper bound on any wait inside load (wait_complete, or load(keys)); "
+        "after it, load takes the pages that are ready, so a stuck backend cannot hang it.",
+    )
     close_timeout_s: float = Field(
         default=10.0, gt=0, description="Bound on close(): drain this long, then cancel."
     )
@@ -238,11 +244,12 @@ class PrefetchHandle:
                 raise InvalidFieldError(
                     "handle", "this prefetch handle was released; prefetch again", value=self
                 )
-        policy = self._cache.options.prefetch_policy
-        if policy == "wait_complete":
-            self.wait()
-        elif policy == "timeout":
-            self.wait(max(0.0, self.started + self.budget_s() - time.monotonic()))
+        opts = self._cache.options
+        if opts.prefetch_policy == "wait_complete":
+            self.wait(opts.max_load_wait_s)
+        elif opts.prefetch_policy == "timeout":
+            budget = self.started + self.budget_s() - time.monotonic()
+            self.wait(min(max(0.0, budget), opts.max_load_wait_s))
         with self._lock:
             if self._usable is None:
                 self._usable = self.ready_pages
@@ -664,12 +671,12 @@ class TieredCache:
             return handle
         job = Job(
             lambda: self._run_fetch(handle, fresh),
-            lambda: self._abandon_fetch(handle, fresh, "closed"),
+            lambda: self._abandon_fetch(handle, fresh),
         )
         if not self._reads.submit(job):
             if not self._closed:
                 self._fail("queue_full", len(fresh), "the read queue is full")
-            self._abandon_fetch(handle, fresh, None)
+            self._abandon_fetch(handle, fresh)
         return handle
 
     def _run_fetch(self, handle: PrefetchHandle, entries: list[Entry]) -> None:
@@ -699,12 +706,12 @@ class TieredCache:
         finally:
             rest = entries[done:]
             if rest:
-                self._abandon_fetch(handle, rest, None)
+                self._abandon_fetch(handle, rest)
             else:
                 handle.finished.set()
                 self._stats.latency["prefetch"].observe(time.monotonic() - handle.started)
 
-    def _abandon_fetch(self, handle: PrefetchHandle, entries: list[Entry], why: str | None) -> None:
+    def _abandon_fetch(self, handle: PrefetchHandle, entries: list[Entry]) -> None:
         """Drop pages a fetch will not read (cancelled, closed, or after a failed page)."""
         self._stats.add("pages_cancelled", len(entries))
         self._index.mark_failed(entries)
@@ -723,9 +730,10 @@ class TieredCache:
         """Copy the prefetched prefix into ``device_slots``; return the pages loaded.
 
         ``handle`` is a :class:`PrefetchHandle` (its policy decides how long to wait) or
-        a list of keys (prefetched and waited for here). ``device_slots`` holds token
-        slots for at least the pages to load; extra slots are left alone. ``layer``
-        loads one layer; the handle stays pinned until every layer was loaded once.
+        a list of keys (prefetched and waited for here, up to ``max_load_wait_s``).
+        ``device_slots`` holds token slots for at least the pages to load; extra slots
+        are left alone. ``layer`` loads one layer; the handle stays pinned until every
+        layer was loaded once.
         """
         self._check_open()
         own = not isinstance(handle, PrefetchHandle)
@@ -737,7 +745,7 @@ class TieredCache:
                 )
         else:
             prefetched = self.prefetch(handle)
-            prefetched.wait()
+            prefetched.wait(self.options.max_load_wait_s)
         try:
             slots = self._load_slots(device_slots)
             usable = prefetched.settle()

@@ -567,3 +567,38 @@ def test_context_manager_closes(registry: Registry) -> None:
 def test_options_model_rejects_nonsense() -> None:
     with pytest.raises(ValueError):
         CacheOptions(io_workers=0)
+
+
+def _open_fds() -> int | None:
+    fd_dir = Path("/proc/self/fd")
+    return len(list(fd_dir.iterdir())) if fd_dir.is_dir() else None
+
+
+def test_close_leaves_no_thread_or_file_descriptor(registry: Registry, tmp_path: Path) -> None:
+    before = _open_fds()
+    if before is None:
+        pytest.skip("needs /proc/self/fd to count file descriptors")
+    config = {"backend": "file", "extra_config": {"root": str(tmp_path / "kv")}}
+    cache = make_cache(registry, host_pages=6, **config)
+    put_pages(cache, range(20))  # 5 pages, then 5 more through a 6-page host pool
+    keys = put_pages(cache, range(100, 120), start=5)
+    assert load_and_check(cache, cache.keys(list(range(20)))) == 5  # mostly from files
+    assert load_and_check(cache, keys) == 5
+    assert cache.close(timeout=JOIN)
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvtier-")]
+    assert _open_fds() == before
+
+
+def test_max_load_wait_bounds_wait_complete(registry: Registry) -> None:
+    backend = GatedBackend()
+    cache, keys = _stored_then_evicted(
+        registry, backend, prefetch_policy="wait_complete", max_load_wait_s=0.05
+    )
+    try:
+        backend.gate.clear()
+        assert cache.load(keys, slots(20, 8)) == 0  # storage never answered in time
+        backend.gate.set()
+        assert cache.flush(JOIN)
+    finally:
+        backend.gate.set()
+        cache.close()
