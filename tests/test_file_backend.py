@@ -173,8 +173,15 @@ def test_closed_backend_refuses_io(root: Path) -> None:
     b = backend(root)
     b.close()
     b.close()  # idempotent
-    with pytest.raises(StorageError, match="closed"):
-        b.get(["k"], [make_page(1)])
+    for call in (
+        lambda: b.get(["k"], [make_page(1)]),
+        lambda: b.put(["k"], [make_page(1)]),
+        lambda: b.exists(["k"]),
+        lambda: b.delete(["k"]),
+        b.clear,
+    ):
+        with pytest.raises(StorageError, match="closed"):
+            call()
 
 
 # --- root directory -------------------------------------------------------------------

@@ -65,8 +65,9 @@ class FileConfig(BaseModel):
     )
     o_direct: bool = Field(
         default=False,
-        description="Bypass the page cache (O_DIRECT). Needs 4096-aligned extents and a "
-        "filesystem that supports it (not tmpfs).",
+        description="Bypass the page cache (O_DIRECT). Needs extents that are multiples of "
+        "4096 bytes (checked at config time) and a filesystem that supports it (checked "
+        "at start-up).",
     )
     capacity_bytes: ByteSize | None = Field(
         default=None,
@@ -217,8 +218,9 @@ class FileBackend(StorageBackend):
         except OSError as exc:
             raise ConfigError(
                 f"o_direct is set but the filesystem holding {str(self.store)!r} refused "
-                f"O_DIRECT ({exc.strerror}); tmpfs and some overlay filesystems do not "
-                "support it: choose a 'root' on a local disk or set o_direct to false",
+                f"O_DIRECT ({exc.strerror}); older tmpfs, some overlay and network "
+                "filesystems do not support it: choose a 'root' on a local disk or set "
+                "o_direct to false",
                 value=str(self.config.root),
             ) from exc
         os.close(fd)
@@ -230,10 +232,13 @@ class FileBackend(StorageBackend):
             self._warned.add(what)
             log.warning(message, *args)
 
-    def _map(self, fn: Callable[..., Any], *iterables: Sequence[Any]) -> list[Any]:
-        """Run ``fn`` over a batch, on the thread pool when the batch has several items."""
+    def _check_open(self) -> None:
         if self._closed:
             raise StorageError("file backend is closed; build a new one", value=str(self.store))
+
+    def _map(self, fn: Callable[..., Any], *iterables: Sequence[Any]) -> list[Any]:
+        """Run ``fn`` over a batch, on the thread pool when the batch has several items."""
+        self._check_open()
         if len(iterables[0]) <= 1 or self.config.io_threads == 1:
             return list(map(fn, *iterables))
         with self._lock:
@@ -259,6 +264,7 @@ class FileBackend(StorageBackend):
     # --- contract ------------------------------------------------------------------------
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
+        self._check_open()
         _check_keys(keys)
         return [self.index.contains(key) for key in keys]
 
@@ -379,10 +385,12 @@ class FileBackend(StorageBackend):
         return True
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
+        self._check_open()
         _check_keys(keys)
         return [self.index.remove(key) for key in keys]
 
     def clear(self) -> None:
+        self._check_open()
         self.index.remove_all()
 
     def rescan(self) -> int:
