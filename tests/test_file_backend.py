@@ -681,3 +681,10 @@ def test_bench_reports_failed_pages_with_exit_1(capsys: pytest.CaptureFixture[st
 def test_bench_rejects_bad_options_before_running(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         bench.run_bench(bench_args(*argv))
+
+
+def test_docs_list_every_option_with_its_description() -> None:
+    doc = (Path(__file__).parent.parent / "docs" / "file-backend.md").read_text()
+    for name, info in FileConfig.model_fields.items():
+        assert f"| `{name}` |" in doc, f"docs/file-backend.md lacks option {name}"
+        assert info.description and info.description in doc, f"stale description of {name}"
