@@ -341,6 +341,8 @@ class TieredCache:
         self._logged: set[str] = set()
         self._log_lock = threading.Lock()
         self._closed = False
+        #: running jobs stop between batches once time.monotonic() passes this (close)
+        self._stop_at = float("inf")
         self._close_lock = threading.Lock()
         opts = self.options
         self._transfer = WorkerGroup("transfer", 1, opts.queue_size, self._worker_error)
@@ -471,7 +473,16 @@ class TieredCache:
                 f"{pages * ps} (= pages x page_size {ps})",
                 value=device_slots.numel(),
             )
-        return device_slots.detach().to(torch.int64).clone()
+        slots = device_slots.detach().to(torch.int64).clone()
+        if slots.numel():
+            low, high = int(slots.min()), int(slots.max())
+            if low < 0 or high >= self.device_pool.num_slots:
+                raise TransferError(
+                    f"device slot {low if low < 0 else high} is out of range: the device pool "
+                    f"has slots 0..{self.device_pool.num_slots - 1}",
+                    value=low if low < 0 else high,
+                )
+        return slots
 
     def _run_backup(
         self, handle: BackupHandle, keys: list[str], slots: torch.Tensor, started: float
@@ -579,9 +590,13 @@ class TieredCache:
 
     def _run_write(self, entries: list[Entry], handle: BackupHandle | None) -> None:
         batch = self.options.batch_pages
+        chunk: list[Entry] = []
         try:
-            for start in range(0, len(entries), batch):
-                chunk = entries[start : start + batch]
+            while entries:
+                if time.monotonic() >= self._stop_at:
+                    self._stats.add("writes_cancelled", len(entries))
+                    break
+                chunk, entries = entries[:batch], entries[batch:]
                 t0 = time.monotonic()
                 try:
                     results = self.page_store.put([e.key for e in chunk], [e.page for e in chunk])
@@ -598,8 +613,9 @@ class TieredCache:
                 if handle is not None:
                     handle.pages_written += ok
                 self._index.finish_write(chunk, results)
-            entries = []
+                chunk = []
         finally:
+            entries = chunk + entries
             if entries:  # an unexpected error mid-way: give the rest back unwritten
                 self._index.finish_write(entries, [False] * len(entries))
             if handle is not None:
@@ -684,7 +700,7 @@ class TieredCache:
         done = 0
         try:
             while done < len(entries):
-                if handle.cancelled or self._closed:
+                if handle.cancelled or time.monotonic() >= self._stop_at:
                     break
                 chunk = entries[done : done + batch]
                 t0 = time.monotonic()
@@ -877,6 +893,7 @@ class TieredCache:
                 return True
             self._closed = True
         deadline = time.monotonic() + (self.options.close_timeout_s if timeout is None else timeout)
+        self._stop_at = deadline if drain else time.monotonic()
         joined = self._transfer.close(drain=drain, deadline=deadline)
         if drain and self.options.write_policy == "write_back" and self.writes_storage:
             dirty = self._index.claim_dirty()

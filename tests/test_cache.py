@@ -265,6 +265,8 @@ def test_bad_slots_are_clear_errors(cache: TieredCache) -> None:
         cache.backup(keys, torch.arange(5))
     with pytest.raises(TransferError, match="integers"):
         cache.backup(keys, torch.arange(8, dtype=torch.float32))
+    with pytest.raises(TransferError, match="device slot 10007 is out of range"):
+        cache.backup(keys, torch.arange(10_000, 10_008))
     put_pages(cache, range(8))
     with pytest.raises(TransferError, match="out of range"):
         cache.load(cache.prefetch(keys), torch.arange(10_000, 10_008))
