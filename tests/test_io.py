@@ -30,6 +30,7 @@ from kvtier.core.io import (
     DirectIOBackend,
     IOBackend,
     KernelIOBackend,
+    TransferPlan,
     capability_table,
     full_matrix,
 )
@@ -334,6 +335,37 @@ def test_an_operation_a_backend_does_not_declare_is_refused_before_anything_move
         )
 
 
+class RecordingIO(IOBackend):
+    """A third-party style IO backend: only sees validated plans."""
+
+    name = "recording"
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.plans: list[tuple[str, TransferPlan]] = []
+
+    def run_backup(self, plan: TransferPlan) -> None:
+        self.plans.append(("backup", plan))
+
+    def run_load(self, plan: TransferPlan) -> None:
+        self.plans.append(("load", plan))
+
+
+def test_subclasses_receive_only_validated_non_empty_plans() -> None:
+    g = make_geometry(AttentionKind.MLA)
+    io = RecordingIO(g, "page_first", full_matrix())
+    host = HostPool(g, "page_first", num_pages=NUM_PAGES)
+    dev = TorchDevicePool(g, NUM_SLOTS)
+    io.backup(dev, host, torch.empty(0, dtype=torch.int64), [])
+    with pytest.raises(TransferError):
+        io.load(host, dev, [NUM_PAGES], torch.arange(4))
+    assert io.plans == []
+    io.load(host, dev, [5, 0], torch.arange(8, 16, dtype=torch.int32), layer=2)
+    ((kind, plan),) = io.plans
+    assert kind == "load" and plan.pages == [5, 0] and plan.layer == 2
+    assert plan.slots.dtype == torch.int64 and plan.slots.tolist() == list(range(8, 16))
+
+
 # --- edge cases -----------------------------------------------------------------------
 
 
@@ -444,6 +476,8 @@ def test_mismatched_pools_are_refused(spec: IOBackendSpec) -> None:
         io.backup(
             TorchDevicePool(other, NUM_SLOTS), HostPool(g, "page_first", num_pages=2), slots, [0]
         )
+    with pytest.raises(TransferError, match="must be a kvtier HostPool"):
+        io.backup(TorchDevicePool(g, NUM_SLOTS), object(), slots, [0])  # type: ignore[arg-type]
     with pytest.raises(TransferError, match="host pool geometry"):
         io.load(
             HostPool(other, "page_first", num_pages=2), TorchDevicePool(g, NUM_SLOTS), [0], slots

@@ -40,6 +40,7 @@ __all__ = [
     "DirectIOBackend",
     "IOBackend",
     "KernelIOBackend",
+    "TransferPlan",
     "capability_table",
     "full_matrix",
 ]
@@ -121,8 +122,13 @@ def _stack_layers(buffers: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 
 @dataclass
-class _Plan:
-    """A validated transfer: everything the executors need, nothing left to check."""
+class TransferPlan:
+    """A validated, non-empty transfer: what :meth:`IOBackend.run_backup` / ``run_load`` get.
+
+    Every page id, slot and layer is in range and no destination repeats; ``slots`` is
+    int64 on the device pool's device, page ``i`` of ``pages`` holding
+    ``slots[i*ps:(i+1)*ps]``. ``layer`` is None for an all-layer operation.
+    """
 
     device: DevicePool
     host: HostPool
@@ -137,7 +143,9 @@ class IOBackend(ABC):
 
     ``device_slots`` are int64 token slot indices, ``len(host_pages) * page_size`` of
     them: page ``i`` of ``host_pages`` holds ``device_slots[i*ps:(i+1)*ps]``. A call
-    returns when the data is in place.
+    returns when the data is in place. Subclasses (plugins included) implement
+    :meth:`run_backup` and :meth:`run_load` and may add rules in :meth:`check_slots`;
+    the base class validates everything else before they are called.
     """
 
     name = "io"
@@ -179,7 +187,7 @@ class IOBackend(ABC):
         op = Operation.BACKUP_ALL if layer is None else Operation.BACKUP_LAYER
         plan = self._validate(op, device, host, device_slots, host_pages, layer)
         if plan is not None:
-            self._backup(plan)
+            self.run_backup(plan)
 
     def load(
         self,
@@ -194,7 +202,7 @@ class IOBackend(ABC):
         op = Operation.LOAD_ALL if layer is None else Operation.LOAD_LAYER
         plan = self._validate(op, device, host, device_slots, host_pages, layer)
         if plan is not None:
-            self._load(plan)
+            self.run_load(plan)
 
     def supports(self, operation: Operation) -> bool:
         """Whether this backend executes ``operation`` for its layout and attention kind."""
@@ -203,14 +211,14 @@ class IOBackend(ABC):
     # --- for implementations --------------------------------------------------------
 
     @abstractmethod
-    def _backup(self, plan: _Plan) -> None:
+    def run_backup(self, plan: TransferPlan) -> None:
         """Device -> host for a validated, non-empty plan."""
 
     @abstractmethod
-    def _load(self, plan: _Plan) -> None:
+    def run_load(self, plan: TransferPlan) -> None:
         """Host -> device for a validated, non-empty plan."""
 
-    def _check_slots(self, plan: _Plan, operation: Operation) -> None:
+    def check_slots(self, plan: TransferPlan, operation: Operation) -> None:
         """Slot rules beyond range: a load writes each device slot once (``direct`` adds more)."""
         if operation in (Operation.LOAD_ALL, Operation.LOAD_LAYER):
             ordered = torch.sort(plan.slots).values
@@ -233,7 +241,7 @@ class IOBackend(ABC):
         device_slots: Any,
         host_pages: Any,
         layer: Any,
-    ) -> _Plan | None:
+    ) -> TransferPlan | None:
         g = self.geometry
         if not self.supports(operation):
             raise TransferError(
@@ -248,6 +256,10 @@ class IOBackend(ABC):
             raise TransferError(
                 f"layer {layer!r} is out of range: the geometry has layers 0..{g.num_layers - 1}",
                 value=layer,
+            )
+        if not isinstance(host, HostPool):
+            raise TransferError(
+                f"host must be a kvtier HostPool, got {type(host).__name__}", value=host
             )
         for what, geometry in (("device pool", device.geometry), ("host pool", host.geometry)):
             if geometry != g:
@@ -274,8 +286,8 @@ class IOBackend(ABC):
                 "page must be written once",
                 value=duplicate,
             )
-        plan = _Plan(device, host, slots.to(device.device), pages, layer)
-        self._check_slots(plan, operation)
+        plan = TransferPlan(device, host, slots.to(device.device), pages, layer)
+        self.check_slots(plan, operation)
         return plan
 
     @staticmethod
@@ -374,7 +386,7 @@ class IOBackend(ABC):
         axes = _NATIVE_AXES[self.layout]
         return axes if layer is None else tuple(a for a in axes if a != "layer")
 
-    def _device_views(self, plan: _Plan) -> list[tuple[int | None, list[torch.Tensor]]]:
+    def _device_views(self, plan: TransferPlan) -> list[tuple[int | None, list[torch.Tensor]]]:
         """Device memory per kv in host-native axis order, as (layer, [tensor per kv]).
 
         One entry covering all layers when the pool's layer buffers stack, else one per layer.
@@ -429,7 +441,8 @@ class DirectIOBackend(IOBackend):
         super().__init__(geometry, layout, capabilities)
         self._offsets: dict[torch.device, torch.Tensor] = {}
 
-    def _check_slots(self, plan: _Plan, operation: Operation) -> None:
+    def check_slots(self, plan: TransferPlan, operation: Operation) -> None:
+        """Each page's slots must be one whole device page; loads may not repeat a page."""
         ps = self.geometry.page_size
         rows = plan.slots.view(-1, ps)
         starts = rows[:, :1]
@@ -459,7 +472,7 @@ class DirectIOBackend(IOBackend):
             )
         plan.device_pages = device_pages
 
-    def _copy(self, plan: _Plan, to_host: bool) -> None:
+    def _copy(self, plan: TransferPlan, to_host: bool) -> None:
         ps = self.geometry.page_size
         assert plan.device_pages is not None
         runs = _runs(plan.pages, plan.device_pages)
@@ -477,10 +490,10 @@ class DirectIOBackend(IOBackend):
                     else:
                         dev_pages[d0 : d0 + n].copy_(host_view[h0 : h0 + n])
 
-    def _backup(self, plan: _Plan) -> None:
+    def run_backup(self, plan: TransferPlan) -> None:
         self._copy(plan, to_host=True)
 
-    def _load(self, plan: _Plan) -> None:
+    def run_load(self, plan: TransferPlan) -> None:
         self._copy(plan, to_host=False)
 
 
@@ -496,7 +509,7 @@ class KernelIOBackend(IOBackend):
 
     name = "kernel"
 
-    def _backup(self, plan: _Plan) -> None:
+    def run_backup(self, plan: TransferPlan) -> None:
         ps = self.geometry.page_size
         chunks = plan.slots.view(-1, ps).unbind(0)
         for layer, device_views in self._device_views(plan):
@@ -526,7 +539,7 @@ class KernelIOBackend(IOBackend):
                     else:
                         target.copy_(dev.index_select(token_axis, index))
 
-    def _load(self, plan: _Plan) -> None:
+    def run_load(self, plan: TransferPlan) -> None:
         ps = self.geometry.page_size
         chunks = plan.slots.view(-1, ps).unbind(0)
         for layer, device_views in self._device_views(plan):
