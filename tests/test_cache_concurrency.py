@@ -97,7 +97,9 @@ def test_threads_with_overlapping_prefixes_load_exact_pages(policy: str) -> None
         assert stats["host"]["evictions"] > 0
         if policy != "write_through_selective":
             assert stats["storage"]["hits"] > 0
-        assert stats["failures_total"] == 0, stats["failures"]
+        # with 6 threads pinning up to 12 pages each, a 40-page pool may run out: that
+        # fails those pages cleanly; nothing else may fail
+        assert set(stats["failures"]) <= {"host_exhausted"}, stats["failures"]
         assert stats["host"]["pages"]["pinned"] == 0
     finally:
         assert cache.close(timeout=JOIN)
