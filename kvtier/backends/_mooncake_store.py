@@ -1,8 +1,11 @@
 """The ``mooncake`` backend's client: kvtier's storage contract over Mooncake's store API.
 
 Each page's regions are put and got with Mooncake's multi-buffer batch calls straight
-from the host pool's registered memory (adjacent regions are merged first), so no bytes
-are copied in Python. What Mooncake does differently from the contract is handled here:
+from the host pool's registered memory, so no bytes are copied in Python. Adjacent regions
+are merged first; a batch whose pages are each one run uses the single-buffer calls
+(``batch_put_from`` / ``batch_get_into``), which Mooncake serves faster.
+
+What Mooncake does differently from the contract is handled here:
 
 * Mooncake keeps the old value when a key is put again. With ``overwrite="replace"``
   (default) a put removes the key first; a reader's lease (a get protects an object from
@@ -95,6 +98,7 @@ ERROR_NAMES: dict[int, str] = {
     -1400: "TASK_NOT_FOUND",
     -1401: "TASK_PENDING_LIMIT_EXCEEDED",
 }
+REPLICA_IS_NOT_READY = -703
 OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
 RPC_FAIL = -900
@@ -405,7 +409,9 @@ class MooncakeStore(StorageBackend):
         codes = self._live_client().batch_remove([okeys[i] for i in idx], False)
         go: list[int] = []
         for i, code in zip(idx, codes, strict=True):
-            if code >= 0 or code == OBJECT_NOT_FOUND:
+            if code >= 0 or code in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
+                # REPLICA_IS_NOT_READY: another writer is putting this key right now;
+                # put anyway, and whichever whole page Mooncake keeps is the answer.
                 go.append(i)
             else:
                 results[i] = False
@@ -458,12 +464,22 @@ class MooncakeStore(StorageBackend):
             return
         if not idx:
             return
-        codes = self._live_client().batch_put_from_multi_buffers(
-            [okeys[i] for i in idx],
-            [plans[i].ptrs for i in idx],
-            [plans[i].sizes for i in idx],
-            self._replicate,
-        )
+        client = self._live_client()
+        batch_keys = [okeys[i] for i in idx]
+        if all(len(plans[i].ptrs) == 1 for i in idx):  # one run each: the single-buffer call
+            codes = client.batch_put_from(
+                batch_keys,
+                [plans[i].ptrs[0] for i in idx],
+                [plans[i].total for i in idx],
+                self._replicate,
+            )
+        else:
+            codes = client.batch_put_from_multi_buffers(
+                batch_keys,
+                [plans[i].ptrs for i in idx],
+                [plans[i].sizes for i in idx],
+                self._replicate,
+            )
         self._settle_puts(codes, idx, plans, results)
 
     def _settle_puts(
@@ -547,11 +563,16 @@ class MooncakeStore(StorageBackend):
         direct = [i for i, plan in enumerate(plans) if plan.registered]
         staged = [i for i, plan in enumerate(plans) if not plan.registered]
         if direct:
-            codes = self._live_client().batch_get_into_multi_buffers(
-                [okeys[i] for i in direct],
-                [plans[i].ptrs for i in direct],
-                [plans[i].sizes for i in direct],
-            )
+            client = self._live_client()
+            batch_keys = [okeys[i] for i in direct]
+            if all(len(plans[i].ptrs) == 1 for i in direct):
+                codes = client.batch_get_into(
+                    batch_keys, [plans[i].ptrs[0] for i in direct], [plans[i].total for i in direct]
+                )
+            else:
+                codes = client.batch_get_into_multi_buffers(
+                    batch_keys, [plans[i].ptrs for i in direct], [plans[i].sizes for i in direct]
+                )
             self._settle_gets(codes, direct, plans, results)
         if staged and not self._guard.down:
             self._get_staged(okeys, plans, pages, results, staged)
