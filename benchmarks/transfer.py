@@ -48,13 +48,20 @@ def _timed(fn: Callable[[], None], sync: Callable[[], None]) -> float:
 def _measure(
     ours: Callable[[], None], base: Callable[[], None], reps: int, sync: Callable[[], None]
 ) -> tuple[float, float]:
-    """Median seconds of ours and of the baseline, interleaved, after one warm-up each."""
+    """Median seconds of ours and of the baseline after one warm-up each.
+
+    Interleaved in ABBA order, so a slow drift of a shared machine hits both sides alike.
+    """
     ours()
     base()
     mine, theirs = [], []
-    for _ in range(reps):
-        mine.append(_timed(ours, sync))
-        theirs.append(_timed(base, sync))
+    for rep in range(reps):
+        if rep % 2:
+            theirs.append(_timed(base, sync))
+            mine.append(_timed(ours, sync))
+        else:
+            mine.append(_timed(ours, sync))
+            theirs.append(_timed(base, sync))
     return statistics.median(mine), statistics.median(theirs)
 
 

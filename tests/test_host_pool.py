@@ -116,6 +116,18 @@ def test_headers_start_zeroed_and_extent_lists_are_cached_copies() -> None:
     assert pool.extents(0)[0].view is pool.extents(0)[0].view  # built once
 
 
+def test_zero_clears_every_payload_byte_and_no_header() -> None:
+    pool = HostPool(TINY_MLA, "page_first_direct", num_pages=3)
+    for page in range(3):
+        for extent in pool.page_buffers(page):
+            extent.view[:] = b"\xff" * extent.length
+    assert pool.zero_() is pool
+    for page in range(3):
+        header, *extents = pool.page_buffers(page)
+        assert all(not any(e.view) for e in extents)
+        assert all(byte == 0xFF for byte in header.view)
+
+
 def test_extents_of_a_page_outside_the_pool_are_refused() -> None:
     pool = HostPool(TINY_MHA, "layer_first", num_pages=2)
     for bad in (2, -1):

@@ -35,9 +35,16 @@ __all__ = ["HostPool", "aligned_empty"]
 def aligned_empty(nbytes: int, *, pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(backing, slab)``: a uint8 slab of ``nbytes`` starting on a 4096 boundary.
 
-    torch only aligns CPU tensors to 64 bytes, so we over-allocate and slice; keep
-    ``backing`` alive as long as ``slab`` is used (the slab's storage does that already).
+    torch aligns CPU tensors only to 64 bytes, so we over-allocate by 4096 and slice.
+    Pinned memory comes page-aligned from the CUDA host allocator, which also rounds
+    sizes up to a power of two, so it is tried at the exact size first (over-allocating
+    a 2 GiB pool by 4 KiB would pin 4 GiB). The slab's storage keeps ``backing`` alive.
     """
+    if pin_memory:
+        exact = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if exact.data_ptr() % ALIGNMENT == 0:
+            return exact, exact
+        del exact
     backing = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin_memory)
     offset = (-backing.data_ptr()) % ALIGNMENT
     slab = backing[offset : offset + nbytes]
@@ -197,6 +204,11 @@ class HostPool:
     def memory_regions(self) -> list[Extent]:
         """The payload slab and the header slab, for backends that register memory once."""
         return [extent_of_tensor(self._payload), extent_of_tensor(self._headers)]
+
+    def zero_(self) -> HostPool:
+        """Zero every payload byte; also faults the memory in, so no transfer pays for it."""
+        self._payload.zero_()
+        return self
 
     @property
     def nbytes(self) -> int:
