@@ -139,6 +139,8 @@ class BackupHandle:
         self.pages_written = 0
         self.pages_failed = 0
         self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._writes_pending = 0
 
     @property
     def ok(self) -> bool:
@@ -154,13 +156,35 @@ class BackupHandle:
         return self.finished.wait(timeout)
 
     def _fail(self, pages: int, error: BaseException) -> None:
-        self.pages_failed += pages
-        if self.error is None:
-            self.error = error
+        with self._lock:
+            self.pages_failed += pages
+            if self.error is None:
+                self.error = error
 
     def _finish(self) -> None:
+        """Nothing more will happen (the backup failed or was cancelled before writes)."""
         self.host_done.set()
         self.finished.set()
+
+    def _write_started(self) -> None:
+        with self._lock:
+            self._writes_pending += 1
+
+    def _write_ended(self, written: int) -> None:
+        with self._lock:
+            self.pages_written += written
+            self._writes_pending -= 1
+            done = self._writes_pending == 0 and self.host_done.is_set()
+        if done:
+            self.finished.set()
+
+    def _host_ended(self) -> None:
+        """The device -> host part is over; finished once the owed writes are too."""
+        with self._lock:
+            self.host_done.set()
+            done = self._writes_pending == 0
+        if done:
+            self.finished.set()
 
     def __repr__(self) -> str:
         return (
@@ -490,9 +514,9 @@ class TieredCache:
         try:
             self._backup_pages(handle, keys, slots, started)
         except BaseException as exc:
-            if not handle.finished.is_set():
+            if not handle.host_done.is_set():
                 handle._fail(len(keys) - handle.pages_copied - handle.pages_cached, exc)
-                handle._finish()
+                handle._host_ended()
             raise
 
     def _backup_pages(
@@ -516,13 +540,17 @@ class TieredCache:
         existing = [entry for entry, new in placed if not new]
         handle.pages_cached = len(existing)
         self._stats.add("backup_already_cached", len(existing))
-        written: list[Entry] = []
-        if fresh:
-            entries = [entry for _, entry in fresh]
-            if len(fresh) == len(keys):
-                source = slots
+        policy = opts.write_policy
+        # Copy in batches, so write_through's storage writes of one batch overlap with
+        # the device -> host copy of the next.
+        for start in range(0, len(fresh), opts.batch_pages):
+            batch = fresh[start : start + opts.batch_pages]
+            entries = [entry for _, entry in batch]
+            first, last = batch[0][0], batch[-1][0]
+            if last - first + 1 == len(batch):
+                source = slots[first * ps : (last + 1) * ps]
             else:  # only the pages not cached yet: their slots, page by page
-                positions = torch.tensor([i for i, _ in fresh], dtype=torch.int64)
+                positions = torch.tensor([i for i, _ in batch], dtype=torch.int64)
                 source = slots.view(-1, ps)[positions].reshape(-1)
             t0 = time.monotonic()
             try:
@@ -530,40 +558,35 @@ class TieredCache:
                     self.device_pool, self.host_pool, source, [e.page for e in entries]
                 )
             except Exception as exc:
-                self._index.mark_failed(entries)
-                self._index.release(entries)
-                self._fail("device_to_host", len(entries), repr(exc))
-                handle._fail(len(entries), exc)
-                handle._finish()
-                return
+                rest = [entry for _, entry in fresh[start:]]
+                self._index.mark_failed(rest)
+                self._index.release(rest)
+                self._fail("device_to_host", len(rest), repr(exc))
+                handle._fail(len(rest), exc)
+                break
             elapsed = time.monotonic() - t0
             self._stats.latency["device_to_host"].observe(elapsed)
             self._stats.busy("device_to_host", elapsed, len(entries) * self.geometry.bytes_per_page)
             self._index.mark_ready(entries)
-            handle.pages_copied = len(entries)
+            handle.pages_copied += len(entries)
             self._stats.add("pages_backed_up", len(entries))
-            written = entries
-        handle.host_done.set()
-        policy = opts.write_policy
-        to_write: list[Entry] = []
-        if not self.writes_storage:
-            self._stats.add("storage_writes_skipped", len(written))
-        elif policy == "write_through":
-            to_write = self._index.claim_writes(written)
-        elif policy == "write_back":
-            self._index.mark_dirty(written)
-        else:
+            if not self.writes_storage:
+                self._stats.add("storage_writes_skipped", len(entries))
+            elif policy == "write_through":
+                claimed = self._index.claim_writes(entries)
+                if claimed:
+                    handle._write_started()
+                    self._submit_write(claimed, handle)
+            elif policy == "write_back":
+                self._index.mark_dirty(entries)
+            self._index.release(entries)
+        if self.writes_storage and policy == "write_through_selective":
             hot = [e for e in existing if e.hits >= opts.write_threshold]
-            to_write = self._index.claim_writes(hot)
-        if written:
-            self._index.release(written)
+            claimed = self._index.claim_writes(hot)
+            if claimed:
+                self._submit_write(claimed, None)
         self._stats.latency["backup"].observe(time.monotonic() - started)
-        if to_write and policy == "write_through":
-            self._submit_write(to_write, handle)
-        else:
-            if to_write:
-                self._submit_write(to_write, None)
-            handle._finish()
+        handle._host_ended()
 
     def _cancel_backup(self, handle: BackupHandle, pages: int) -> None:
         if not handle.host_done.is_set():
@@ -591,6 +614,7 @@ class TieredCache:
     def _run_write(self, entries: list[Entry], handle: BackupHandle | None) -> None:
         batch = self.options.batch_pages
         chunk: list[Entry] = []
+        written = 0
         try:
             while entries:
                 if time.monotonic() >= self._stop_at:
@@ -610,8 +634,7 @@ class TieredCache:
                 self._stats.add("storage_pages_written", ok)
                 if ok < len(chunk):
                     self._fail("storage_put", len(chunk) - ok, "the backend refused the page")
-                if handle is not None:
-                    handle.pages_written += ok
+                written += ok
                 self._index.finish_write(chunk, results)
                 chunk = []
         finally:
@@ -619,13 +642,13 @@ class TieredCache:
             if entries:  # an unexpected error mid-way: give the rest back unwritten
                 self._index.finish_write(entries, [False] * len(entries))
             if handle is not None:
-                handle._finish()
+                handle._write_ended(written)
 
     def _cancel_write(self, entries: list[Entry], handle: BackupHandle | None) -> None:
         self._stats.add("writes_cancelled", len(entries))
         self._index.finish_write(entries, [False] * len(entries))
         if handle is not None:
-            handle._finish()
+            handle._write_ended(0)
 
     # --- prefetch -------------------------------------------------------------------------
 

@@ -604,3 +604,48 @@ def test_max_load_wait_bounds_wait_complete(registry: Registry) -> None:
     finally:
         backend.gate.set()
         cache.close()
+
+
+def test_batched_backup_writes_every_batch(registry: Registry) -> None:
+    cache = make_cache(registry, options={"batch_pages": 2})
+    try:
+        keys = cache.keys(list(range(20)))  # 5 pages: batches of 2, 2, 1
+        fill_pages(cache.device_pool, keys, slots(0, 5))
+        handle = cache.backup(keys, slots(0, 5))
+        assert handle.wait(JOIN) and handle.ok
+        assert handle.pages_copied == 5 and handle.pages_written == 5
+        assert storage_has(cache, keys) == [True] * 5
+        assert cache.stats()["latency_seconds"]["device_to_host"]["count"] == 3
+    finally:
+        cache.close()
+
+
+def test_device_to_host_failure_fails_the_rest_and_holds_nothing(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = make_cache(registry, options={"batch_pages": 2})
+    try:
+        real = cache.io_backend.backup
+        calls = {"n": 0}
+
+        def second_fails(*args: Any, **kwargs: Any) -> None:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("device went away")
+            real(*args, **kwargs)
+
+        monkeypatch.setattr(cache.io_backend, "backup", second_fails)
+        keys = cache.keys(list(range(20)))
+        fill_pages(cache.device_pool, keys, slots(0, 5))
+        handle = cache.backup(keys, slots(0, 5))
+        assert handle.wait(JOIN)
+        assert not handle.ok and "device went away" in repr(handle.error)
+        assert handle.pages_copied == 2 and handle.pages_failed == 3
+        assert cache.flush(JOIN)
+        counts = cache.stats()["host"]["pages"]
+        assert counts["cached"] == 2 and counts["pinned"] == 0
+        assert counts["free"] == counts["total"] - 2
+        assert cache.stats()["failures"]["device_to_host"] == 3
+        assert load_and_check(cache, keys) == 2
+    finally:
+        cache.close()
