@@ -262,12 +262,15 @@ class PrefetchHandle:
     def settle(self) -> int:
         """Fix the usable prefix per the cache's prefetch policy (first call decides)."""
         with self._lock:
-            if self._usable is not None:
-                return self._usable
             if self._released:
                 raise InvalidFieldError(
-                    "handle", "this prefetch handle was released; prefetch again", value=self
+                    "handle",
+                    "this prefetch handle was already loaded (all layers) or released; "
+                    "prefetch the keys again",
+                    value=self,
                 )
+            if self._usable is not None:
+                return self._usable
         opts = self._cache.options
         if opts.prefetch_policy == "wait_complete":
             self.wait(opts.max_load_wait_s)

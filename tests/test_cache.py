@@ -649,3 +649,17 @@ def test_device_to_host_failure_fails_the_rest_and_holds_nothing(
         assert load_and_check(cache, keys) == 2
     finally:
         cache.close()
+
+
+def test_a_released_handle_cannot_be_loaded(cache: TieredCache) -> None:
+    keys = put_pages(cache, range(8))
+    handle = cache.prefetch(keys)
+    assert cache.load(handle, slots(10, 2)) == 2
+    with pytest.raises(InvalidFieldError, match="already loaded"):
+        cache.load(handle, slots(10, 2))
+    other = cache.prefetch(keys)
+    other.release()
+    other.release()  # idempotent
+    with pytest.raises(InvalidFieldError, match="prefetch the keys again"):
+        cache.load(other, slots(10, 2))
+    assert cache.stats()["host"]["pages"]["pinned"] == 0
