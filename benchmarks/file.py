@@ -16,6 +16,8 @@ Cases (one JSON line each on stdout, a table on stderr):
   header-only verification. Target 0.9 (full costs at most 10 %).
 - ``get batched 16 full (N checksum threads) vs header``: the same with 16-page calls and
   the PageStore's checksum threads. Informational.
+- ``exists 10000 keys``: the in-memory index vs one ``os.stat`` per key, ns per key
+  (ratio = stat time / index time). Informational.
 
 Both sides run in this process, page by page, alternating which goes first, after a
 warm-up round; each figure is the median over ``--reps`` rounds. Pages are the 8B-class
@@ -38,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.backends import _filestore as fs
 from kvtier.backends.file import FileBackend, FileConfig
 from kvtier.core.geometry import KVGeometry
 from kvtier.core.host_pool import HostPool
@@ -256,8 +259,50 @@ def run(pages: int, reps: int, work: Path) -> int:
         None,
     )
     threaded.close()
+    exists_case(backend, keyer, reps)
     backend.close()
     return 0
+
+
+def exists_case(backend: FileBackend, keyer: PageKeyer, reps: int) -> None:
+    """``exists`` of indexed keys vs one ``os.stat`` per key (what a backend without an index
+    pays), in nanoseconds per key."""
+    n = 10_000
+    keys = keyer.keys(list(range(n * GEOMETRY.page_size)))
+    for key in keys:
+        backend.index.touch(key, 1)  # indexed, as after a start-up scan
+    paths = [fs.page_path_str(os.fspath(backend.store), key) for key in keys]
+    for path in paths[:: n // 100]:  # a few real files, the rest misses: both sides equal
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        Path(path).touch()
+
+    def stat_all() -> None:
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.stat(path)
+
+    ours, base = [], []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        backend.exists(keys)
+        t1 = time.perf_counter()
+        stat_all()
+        t2 = time.perf_counter()
+        ours.append((t1 - t0) / n * 1e9)
+        base.append((t2 - t1) / n * 1e9)
+    o, b = statistics.median(ours[1:]), statistics.median(base[1:])
+    line = {
+        "bench": "file",
+        "case": f"exists {n} keys",
+        "ours": round(o, 1),
+        "baseline": round(b, 1),
+        "baseline_name": "os.stat per key",
+        "unit": "ns/key",
+        "ratio": round(b / o, 1),
+        "target": None,
+    }
+    print(json.dumps(line), flush=True)
+    print(f"{line['case']:<34} ours {o:7.0f} ns/key   os.stat {b:7.0f} ns/key", file=sys.stderr)
 
 
 if __name__ == "__main__":

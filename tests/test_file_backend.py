@@ -688,3 +688,11 @@ def test_docs_list_every_option_with_its_description() -> None:
     for name, info in FileConfig.model_fields.items():
         assert f"| `{name}` |" in doc, f"docs/file-backend.md lacks option {name}"
         assert info.description and info.description in doc, f"stale description of {name}"
+
+
+def test_exists_without_disk_lookups_still_refuses_bad_keys(root: Path) -> None:
+    blind = backend(root, check_disk_on_miss=False)
+    blind.put(["good"], [make_page(1)])
+    assert blind.exists(["good", "absent"]) == [True, False]
+    with pytest.raises(KvtierError):
+        blind.exists(["good", "../etc/passwd"])

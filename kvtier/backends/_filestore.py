@@ -65,7 +65,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -85,6 +85,7 @@ __all__ = [
     "is_no_space",
     "open_temp",
     "page_path",
+    "page_path_str",
     "prepare_store",
     "publish",
     "remove_stale_temps",
@@ -124,9 +125,14 @@ def store_dir(root: str | os.PathLike[str], namespace: str) -> Path:
 
 def page_path(store: Path, key: str) -> Path:
     """Where ``key``'s page lives: ``store/aa/bb/<key>.kv`` with ``aabb`` from blake2b."""
+    return Path(page_path_str(os.fspath(store), key))
+
+
+def page_path_str(store: str, key: str) -> str:
+    """:func:`page_path` as a string, for the hot paths (a Path costs microseconds)."""
     check_key(key)
     shard = hashlib.blake2b(key.encode("ascii"), digest_size=2).hexdigest()
-    return store / shard[:2] / shard[2:] / f"{key}{PAGE_SUFFIX}"
+    return f"{store}/{shard[:2]}/{shard[2:]}/{key}{PAGE_SUFFIX}"
 
 
 def temp_path(final: Path) -> Path:
@@ -353,6 +359,7 @@ class FileIndex:
         check_disk_on_miss: bool = True,
     ) -> None:
         self.store = store
+        self._store_str = os.fspath(store)
         self.capacity_bytes = capacity_bytes
         self.min_free_bytes = min_free_bytes
         self.check_disk_on_miss = check_disk_on_miss
@@ -394,24 +401,35 @@ class FileIndex:
 
     def contains(self, key: str) -> bool:
         """Whether ``key`` is stored: the index, then (optionally) one stat on a miss."""
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """:meth:`contains` for a batch: one lock for the index lookups, stats for misses.
+
+        A key found in the index was checked when it got there; every other key is checked
+        (and a bad one raises) before its file is looked up.
+        """
         with self._lock:
-            if key in self._sizes:
-                return True
-        if not self.check_disk_on_miss:
-            return False
-        return self.adopt(key)
+            sizes = self._sizes
+            found = [key in sizes for key in keys]
+        for i, hit in enumerate(found):
+            if not hit:
+                if self.check_disk_on_miss:
+                    found[i] = self.adopt(keys[i])
+                else:
+                    check_key(keys[i])
+        return found
 
     def adopt(self, key: str) -> bool:
         """Add ``key`` to the index if its file exists (another process wrote it)."""
         try:
-            info = os.stat(page_path(self.store, key), follow_symlinks=False)
+            info = os.stat(page_path_str(self._store_str, key), follow_symlinks=False)
         except (FileNotFoundError, NotADirectoryError):
             return False
         if not stat.S_ISREG(info.st_mode):
             return False
         with self._lock:
-            old = self._sizes.get(key)
-            if old is None:
+            if key not in self._sizes:
                 self._sizes[key] = info.st_size
                 self._bytes += info.st_size
         return True

@@ -188,6 +188,7 @@ class FileBackend(StorageBackend):
         self.context = context
         namespace = context.namespace if context is not None else "default"
         self.store = fs.prepare_store(self.config.root, namespace)
+        self._store_str = os.fspath(self.store)
         if self.config.o_direct:
             self._probe_o_direct()
         self.index = fs.FileIndex(
@@ -265,8 +266,7 @@ class FileBackend(StorageBackend):
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         self._check_open()
-        _check_keys(keys)
-        return [self.index.contains(key) for key in keys]
+        return self.index.contains_many(keys)
 
     def get(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
         _check_keys(keys)
@@ -275,7 +275,7 @@ class FileBackend(StorageBackend):
         return self._map(self._get_one, keys, pages)
 
     def _get_one(self, key: str, page: PageBuffers) -> bool:
-        final = fs.page_path(self.store, key)
+        final = fs.page_path_str(self._store_str, key)
         flags = os.O_RDONLY | os.O_CLOEXEC
         if self._direct_for(page):
             flags |= os.O_DIRECT
