@@ -153,6 +153,9 @@ def test_sized_in_bytes_counts_padding_and_headers() -> None:
     assert HostPool(ALIGNED_MHA, "layer_first", size_bytes=10**6).num_pages == 10**6 // (
         ALIGNED_MHA.bytes_per_page + ENVELOPE_BYTES
     )
+    for size in range(12_288, 60_000, 997):  # dense regions round up to 4096: never over budget
+        pool = HostPool(TINY_MHA, "page_first", size_bytes=size)
+        assert pool.nbytes <= size
 
 
 @pytest.mark.parametrize(

@@ -92,14 +92,18 @@ class HostPool:
             self.num_pages = _positive_int("num_pages", num_pages)
         else:
             size = _positive_int("size_bytes", size_bytes)
-            if size < footprint:
+            smallest = self._footprint(1, kv)
+            if size < smallest:
                 raise InvalidFieldError(
                     "size_bytes",
                     f"{size} bytes hold no page: one page of {geometry.describe()} in "
-                    f"{self.layout.value} takes {footprint} bytes with its envelope header",
+                    f"{self.layout.value} takes {smallest} bytes with its envelope header",
                     value=size,
                 )
-            self.num_pages = size // footprint
+            pages = size // footprint
+            while self._footprint(pages, kv) > size:
+                pages -= 1  # dense layouts round each kv region up to 4096
+            self.num_pages = pages
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         elif pin_memory and not torch.cuda.is_available():
@@ -118,6 +122,13 @@ class HostPool:
         self._buffer_cache: dict[int, tuple[Extent, ...]] = {}
 
     # --- memory ---------------------------------------------------------------------
+
+    def _footprint(self, num_pages: int, kv: int) -> int:
+        """Bytes a pool of ``num_pages`` holds: kv regions (aligned) plus header slots."""
+        region = num_pages * self._stride
+        if not has_page_axis(self.layout):
+            region = align_up(region)
+        return kv * region + num_pages * ENVELOPE_BYTES
 
     def _build_memory(self, kv: int) -> None:
         g, n = self.geometry, self.num_pages
