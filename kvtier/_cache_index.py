@@ -85,6 +85,8 @@ class HostIndex:
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)
         self._settled = threading.Condition(self._lock)
+        #: dirty pages handed to writers for eviction, whose pages are not free yet
+        self._promised = 0
         self._on_evicted = on_evicted
 
     # --- lookups --------------------------------------------------------------------
@@ -193,15 +195,20 @@ class HostIndex:
         """Up to ``n`` pages: free ones first, then LRU evictions of unpinned, settled pages."""
         if n <= 0:
             return []
-        free = self.pool.num_free
-        if free < n:
-            self._evict_locked(n - free, victims)
+        shortfall = n - self.pool.num_free - self._promised
+        if shortfall > 0:
+            self._evict_locked(shortfall, victims)
         return self.pool.allocate(min(n, self.pool.num_free))
 
     def _evict_locked(self, needed: int, victims: list[Entry]) -> None:
-        evicted: list[int] = []
-        for key, entry in list(self._entries.items()):
-            if len(evicted) >= needed:
+        """Evict up to ``needed`` LRU pages; dirty ones (write_back) go to ``victims`` first.
+
+        A dirty victim counts toward ``needed``: its page comes free once written.
+        """
+        chosen: list[Entry] = []
+        promised = 0
+        for entry in self._entries.values():  # LRU first; stops early, no copy of the map
+            if len(chosen) + promised >= needed:
                 break
             if entry.pins or entry.state is not EntryState.READY or entry.writing:
                 continue
@@ -210,14 +217,17 @@ class HostIndex:
                 entry.evict_after_write = True
                 entry.pins += 1
                 victims.append(entry)
+                promised += 1
+                self._promised += 1
                 continue
-            del self._entries[key]
+            chosen.append(entry)
+        for entry in chosen:
+            del self._entries[entry.key]
             entry.detached = True
-            evicted.append(entry.page)
-        if evicted:
-            self.pool.free(evicted)
+        if chosen:
+            self.pool.free([entry.page for entry in chosen])
             if self._on_evicted is not None:
-                self._on_evicted(len(evicted))
+                self._on_evicted(len(chosen))
 
     # --- state changes ---------------------------------------------------------------
 
@@ -325,6 +335,7 @@ class HostIndex:
                 entry.pins -= 1
                 if entry.evict_after_write:
                     entry.evict_after_write = False
+                    self._promised -= 1
                     if not entry.detached and entry.pins == 0:
                         if self._entries.get(entry.key) is entry:
                             del self._entries[entry.key]
