@@ -246,11 +246,9 @@ class BackendKit:
     @pytest.fixture
     def kit_spec(self) -> BackendSpec:
         """The backend's spec, from a registry loaded as kvtier loads one."""
-        from kvtier.plugins.manager import load_registry
-
         if not self.backend_name:
             pytest.fail(f"{type(self).__name__} must set backend_name")
-        return load_registry(plugins=self.plugins).backend(self.backend_name)
+        return _load_spec(self.backend_name, self.plugins)
 
     @pytest.fixture
     def kit(self, kit_spec: BackendSpec, tmp_path: Path) -> Iterator[KitEnv]:
@@ -262,6 +260,14 @@ class BackendKit:
             yield env
         finally:
             env.close_all()
+
+
+def _load_spec(name: str, plugins: Sequence[tuple[str, object]]) -> BackendSpec:
+    """Look ``name`` up in a fresh registry; listed plugins replace entry-point discovery."""
+    from kvtier.plugins.manager import load_registry
+
+    autoload = False if plugins else None  # None: as KVTIER_DISABLE_PLUGIN_AUTOLOAD says
+    return load_registry(autoload=autoload, plugins=plugins).backend(name)
 
 
 def _require(env: KitEnv, feature: Feature) -> None:
@@ -701,11 +707,9 @@ def _child_put() -> None:
     """Child side of :class:`SharedProcessesTests`: build the backend, put seeded pages."""
     import importlib
 
-    from kvtier.plugins.manager import load_registry
-
     job = json.loads(sys.stdin.read())
     plugins = [(name, importlib.import_module(module)) for name, module in job["plugins"]]
-    spec = load_registry(plugins=plugins).backend(job["backend"])
+    spec = _load_spec(job["backend"], plugins)
     env = KitEnv(spec, job["config"], plugins, Path("."))
     env.model = job["model"]
     g = job["geometry"]
