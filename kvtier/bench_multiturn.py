@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host-pages",
         type=int,
         default=None,
-        help="host pool pages (default: a quarter of the working set, so storage is used)",
+        help="host pool pages (default: a quarter of the working set, at least two "
+        "conversations, so storage is used)",
     )
     group.add_argument(
         "--write-policy",
@@ -273,7 +274,8 @@ def run_multiturn(
     ps = _arg(args, "page_size", 64)
     max_pages = (args.system_tokens + args.turns * args.turn_tokens) // ps
     working_set = (args.system_tokens + args.conversations * args.turns * args.turn_tokens) // ps
-    host_pages = args.host_pages or max(max_pages + 2, working_set // 4)
+    # room for one turn's prefetch plus the writes still in flight from the previous one
+    host_pages = args.host_pages or max(2 * max_pages + 2, working_set // 4)
     extra = parse_extra_config(_arg(args, "extra_config", None), source="--extra-config")
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-multiturn-", dir=_arg(args, "workdir", None)))
     try:
