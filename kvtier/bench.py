@@ -375,24 +375,43 @@ def run_bench(
 def _run_plan(
     args: argparse.Namespace, plan: ResolvedPlan, workdir: Path, stream: IO[str]
 ) -> BenchResult:
-    geometry, layout = plan.geometry, plan.layout
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    pages, batch, rounds = args.pages, min(args.batch, args.pages), args.rounds
-    page_size = geometry.page_size
-
     backend: StorageBackend = plan.backend.load_factory()(plan.backend_config, plan.context)
     try:
+        bench = _Run(args, plan, backend, workdir, stream)
+        for round_ in range(args.rounds + 1):
+            bench.round(round_)
+        return bench.result()
+    finally:
+        backend.close()
+
+
+class _Run:
+    """Everything one ``kvtier bench`` run holds: pools, store, keys, raw files, timings."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        plan: ResolvedPlan,
+        backend: StorageBackend,
+        workdir: Path,
+        stream: IO[str],
+    ) -> None:
+        geometry, layout = plan.geometry, plan.layout
+        self.plan, self.backend, self.workdir = plan, backend, workdir
+        self.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.pages, self.rounds = args.pages, args.rounds
+        self.batch = min(args.batch, args.pages)
+        page_size = geometry.page_size
         io_spec = plan.io_backend
-        mover = io_spec.load_factory()(io_spec.config_model(), geometry, layout)
-        host = HostPool(geometry, layout, num_pages=pages)
-        backend.attach(host)
-        store = PageStore(
-            backend, host, fingerprint=geometry.fingerprint, verify=plan.config.verify
+        self.mover = io_spec.load_factory()(io_spec.config_model(), geometry, layout)
+        self.host = HostPool(geometry, layout, num_pages=self.pages)
+        backend.attach(self.host)
+        self.store = PageStore(
+            backend, self.host, fingerprint=geometry.fingerprint, verify=plan.config.verify
         )
-        dev = TorchDevicePool(geometry, pages * page_size, device)
-        generator = torch.Generator().manual_seed(args.seed)
-        dev.fill_random_(generator)
-        original = [t.clone() for t in dev.kv_tensors]
+        self.dev = TorchDevicePool(geometry, self.pages * page_size, self.device)
+        self.dev.fill_random_(torch.Generator().manual_seed(args.seed))
+        self.original = [t.clone() for t in self.dev.kv_tensors]
         keyer = PageKeyer(
             _namespace(plan),
             page_size,
@@ -401,157 +420,163 @@ def _run_plan(
             plan.context.tp_size,
         )
         token_gen = torch.Generator().manual_seed(args.seed + 1)
-        tokens = torch.randint(0, 128_000, (pages * page_size,), generator=token_gen)
-        keys = keyer.keys(tokens.tolist())
-        host_pages = host.allocate(pages)
-        slots = torch.arange(pages * page_size, dtype=torch.int64, device=device)
-        regions = [[e.view for e in host.page_buffers(p)] for p in host_pages]
-        stored_bytes = sum(e.length for e in host.page_buffers(host_pages[0]))
-        do_raw = not args.no_raw
-        # The raw side reads into its own host pool, so neither side's reads can be
-        # mistaken for the other's, and both write into memory wiped the same way.
-        raw_host = HostPool(geometry, layout, num_pages=pages) if do_raw else None
-        raw_into = (
-            [[e.view for e in raw_host.page_buffers(p)] for p in raw_host.allocate(pages)]
-            if raw_host is not None
+        tokens = torch.randint(0, 128_000, (self.pages * page_size,), generator=token_gen)
+        self.keys = keyer.keys(tokens.tolist())
+        self.host_pages = self.host.allocate(self.pages)
+        self.slots = torch.arange(self.pages * page_size, dtype=torch.int64, device=self.device)
+        self.regions = [[e.view for e in self.host.page_buffers(p)] for p in self.host_pages]
+        self.stored_bytes = sum(e.length for e in self.host.page_buffers(self.host_pages[0]))
+        self.do_raw = not args.no_raw
+        # The raw side reads into a host pool of its own, so neither side's reads can be
+        # mistaken for the other's, and both land in memory wiped the same way.
+        self.raw_host = HostPool(geometry, layout, num_pages=self.pages) if self.do_raw else None
+        self.raw_into = (
+            [
+                [e.view for e in self.raw_host.page_buffers(p)]
+                for p in self.raw_host.allocate(self.pages)
+            ]
+            if self.raw_host is not None
             else []
         )
         raw_dir = workdir / "raw"
         raw_dir.mkdir(mode=0o700)
-        raw_paths = [raw_dir / f"{i}.page" for i in range(pages)]
+        self.raw_paths = [raw_dir / f"{i}.page" for i in range(self.pages)]
+        payload_round = self.pages * geometry.bytes_per_page
+        stored_round = self.pages * self.stored_bytes
+        self.put_t, self.get_t = Timing(stored_round), Timing(stored_round)
+        self.backup_t, self.load_t = Timing(payload_round), Timing(payload_round)
+        self.raw_put_t, self.raw_get_t = Timing(stored_round), Timing(stored_round)
+        self.failures: list[str] = []
+        self.batches = [
+            (i, min(i + self.batch, self.pages)) for i in range(0, self.pages, self.batch)
+        ]
+        show = not args.no_progress and not args.json
+        self.bar = Progress((self.rounds + 1) * self.pages * 2, stream, show)
 
-        payload_round = pages * geometry.bytes_per_page
-        stored_round = pages * stored_bytes
-        put_t, get_t = Timing(stored_round), Timing(stored_round)
-        backup_t, load_t = Timing(payload_round), Timing(payload_round)
-        raw_put_t, raw_get_t = Timing(stored_round), Timing(stored_round)
-        failures: list[str] = []
-        batches = [(i, min(i + batch, pages)) for i in range(0, pages, batch)]
-        bar = Progress((rounds + 1) * pages * 2, stream, not args.no_progress and not args.json)
+    # --- one side, one batch: seconds taken ----------------------------------------------
 
-        def ours_put(lo: int, hi: int, label: str) -> float:
-            t0 = time.perf_counter()
-            results = store.put(keys[lo:hi], host_pages[lo:hi])
-            elapsed = time.perf_counter() - t0
-            failures.extend(
-                f"{label}: put of page {i} failed"
-                for i, ok in zip(range(lo, hi), results, strict=True)
-                if not ok
-            )
-            return elapsed
-
-        def raw_put(lo: int, hi: int, label: str) -> float:
-            t0 = time.perf_counter()
-            for i in range(lo, hi):
-                _raw_put(raw_paths[i], regions[i])
-            return time.perf_counter() - t0
-
-        def ours_get(lo: int, hi: int, label: str) -> float:
-            t0 = time.perf_counter()
-            results = store.get(keys[lo:hi], host_pages[lo:hi])
-            elapsed = time.perf_counter() - t0
-            failures.extend(
-                f"{label}: get of page {i} failed or was rejected"
-                for i, ok in zip(range(lo, hi), results, strict=True)
-                if not ok
-            )
-            return elapsed
-
-        def raw_get(lo: int, hi: int, label: str) -> float:
-            t0 = time.perf_counter()
-            got = [_raw_get(raw_paths[i], raw_into[i]) for i in range(lo, hi)]
-            elapsed = time.perf_counter() - t0
-            failures.extend(
-                f"{label}: raw read of page {i} was short"
-                for i, n in zip(range(lo, hi), got, strict=True)
-                if n != stored_bytes
-            )
-            return elapsed
-
-        def phase(
-            ours: Callable[[int, int, str], float],
-            raw: Callable[[int, int, str], float],
-            label: str,
-        ) -> tuple[list[float], list[float]]:
-            """Both sides batch by batch, alternating which goes first."""
-            ours_calls: list[float] = []
-            raw_calls: list[float] = []
-            for n, (lo, hi) in enumerate(batches):
-                if do_raw and n % 2:
-                    raw_calls.append(raw(lo, hi, label))
-                ours_calls.append(ours(lo, hi, label))
-                if do_raw and not n % 2:
-                    raw_calls.append(raw(lo, hi, label))
-                bar.step(label, hi - lo)
-            return ours_calls, raw_calls
-
-        for round_ in range(rounds + 1):
-            timed = round_ > 0
-            label = f"round {round_}/{rounds}" if timed else "warm-up"
-            # new pages every round: last round's pages are removed, untimed
-            store.delete(keys)
-            for path in raw_paths:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-            # device -> host
-            t0 = time.perf_counter()
-            mover.backup(dev, host, slots, host_pages)
-            _sync(device)
-            elapsed = time.perf_counter() - t0
-            # host -> storage, and the same bytes raw
-            ours, raw = phase(ours_put, raw_put, f"{label}: put")
-            if timed:
-                backup_t.add_round(elapsed, [elapsed])
-                put_t.add_round(sum(ours), ours)
-                raw_put_t.add_round(sum(raw), raw)
-            # wipe every copy, so only what storage returns can pass
-            dev.zero_()
-            for pool in (host, raw_host):
-                if pool is not None:
-                    for page in range(pool.num_pages):
-                        _wipe(pool, page)
-            ours, raw = phase(ours_get, raw_get, f"{label}: get")
-            # host -> device, then compare every byte with the original
-            t0 = time.perf_counter()
-            mover.load(host, dev, host_pages, slots)
-            _sync(device)
-            elapsed = time.perf_counter() - t0
-            if timed:
-                get_t.add_round(sum(ours), ours)
-                raw_get_t.add_round(sum(raw), raw)
-                load_t.add_round(elapsed, [elapsed])
-            for kv, (now, before) in enumerate(zip(dev.kv_tensors, original, strict=True)):
-                if not torch.equal(now.view(torch.uint8), before.view(torch.uint8)):
-                    bad = _first_bad_page(now, before, page_size)
-                    failures.append(
-                        f"{label}: device data differs after the round trip "
-                        f"(kv {kv}, first differing page {bad})"
-                    )
-        bar.close()
-        result = BenchResult(
-            plan=plan,
-            pages=pages,
-            batch=batch,
-            rounds=rounds,
-            device=str(dev.device),
-            page_bytes=geometry.bytes_per_page,
-            stored_bytes=stored_bytes,
-            ok=not failures,
-            failures=failures,
-            put=put_t,
-            get=get_t,
-            backup=backup_t,
-            load=load_t,
-            raw_put=raw_put_t if do_raw else None,
-            raw_get=raw_get_t if do_raw else None,
-            backend_stats=backend.stats(),
-            store_stats=store.stats(),
-            workdir=str(workdir),
+    def _failed(self, label: str, template: str, lo: int, results: Sequence[object]) -> None:
+        self.failures.extend(
+            f"{label}: " + template.format(page=lo + i) for i, ok in enumerate(results) if not ok
         )
-        backend.clear()
+
+    def ours_put(self, lo: int, hi: int, label: str) -> float:
+        t0 = time.perf_counter()
+        results = self.store.put(self.keys[lo:hi], self.host_pages[lo:hi])
+        elapsed = time.perf_counter() - t0
+        self._failed(label, "put of page {page} failed", lo, results)
+        return elapsed
+
+    def raw_put(self, lo: int, hi: int, label: str) -> float:
+        t0 = time.perf_counter()
+        for i in range(lo, hi):
+            _raw_put(self.raw_paths[i], self.regions[i])
+        return time.perf_counter() - t0
+
+    def ours_get(self, lo: int, hi: int, label: str) -> float:
+        t0 = time.perf_counter()
+        results = self.store.get(self.keys[lo:hi], self.host_pages[lo:hi])
+        elapsed = time.perf_counter() - t0
+        self._failed(label, "get of page {page} failed or was rejected", lo, results)
+        return elapsed
+
+    def raw_get(self, lo: int, hi: int, label: str) -> float:
+        t0 = time.perf_counter()
+        got = [_raw_get(self.raw_paths[i], self.raw_into[i]) for i in range(lo, hi)]
+        elapsed = time.perf_counter() - t0
+        self._failed(
+            label, "raw read of page {page} was short", lo, [n == self.stored_bytes for n in got]
+        )
+        return elapsed
+
+    def phase(
+        self,
+        ours: Callable[[int, int, str], float],
+        raw: Callable[[int, int, str], float],
+        label: str,
+    ) -> tuple[list[float], list[float]]:
+        """Both sides batch by batch, alternating which goes first; each call's seconds."""
+        ours_calls: list[float] = []
+        raw_calls: list[float] = []
+        for n, (lo, hi) in enumerate(self.batches):
+            if self.do_raw and n % 2:
+                raw_calls.append(raw(lo, hi, label))
+            ours_calls.append(ours(lo, hi, label))
+            if self.do_raw and not n % 2:
+                raw_calls.append(raw(lo, hi, label))
+            self.bar.step(label, hi - lo)
+        return ours_calls, raw_calls
+
+    # --- a round -------------------------------------------------------------------------
+
+    def round(self, number: int) -> None:
+        """Device -> host -> storage, wipe, storage -> host -> device, compare; round 0 is
+        the untimed warm-up."""
+        timed = number > 0
+        label = f"round {number}/{self.rounds}" if timed else "warm-up"
+        # new pages every round: last round's pages are removed, untimed
+        self.store.delete(self.keys)
+        for path in self.raw_paths:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        t0 = time.perf_counter()
+        self.mover.backup(self.dev, self.host, self.slots, self.host_pages)
+        _sync(self.device)
+        backup = time.perf_counter() - t0
+        ours, raw = self.phase(self.ours_put, self.raw_put, f"{label}: put")
+        if timed:
+            self.backup_t.add_round(backup, [backup])
+            self.put_t.add_round(sum(ours), ours)
+            self.raw_put_t.add_round(sum(raw), raw)
+        # wipe every copy, so only what storage returns can pass
+        self.dev.zero_()
+        for pool in (self.host, self.raw_host):
+            if pool is not None:
+                for page in range(pool.num_pages):
+                    _wipe(pool, page)
+        ours, raw = self.phase(self.ours_get, self.raw_get, f"{label}: get")
+        t0 = time.perf_counter()
+        self.mover.load(self.host, self.dev, self.host_pages, self.slots)
+        _sync(self.device)
+        load = time.perf_counter() - t0
+        if timed:
+            self.get_t.add_round(sum(ours), ours)
+            self.raw_get_t.add_round(sum(raw), raw)
+            self.load_t.add_round(load, [load])
+        page_size = self.plan.geometry.page_size
+        for kv, (now, before) in enumerate(zip(self.dev.kv_tensors, self.original, strict=True)):
+            if not torch.equal(now.view(torch.uint8), before.view(torch.uint8)):
+                bad = _first_bad_page(now, before, page_size)
+                self.failures.append(
+                    f"{label}: device data differs after the round trip "
+                    f"(kv {kv}, first differing page {bad})"
+                )
+
+    def result(self) -> BenchResult:
+        """The measurements; the stored pages are removed."""
+        self.bar.close()
+        result = BenchResult(
+            plan=self.plan,
+            pages=self.pages,
+            batch=self.batch,
+            rounds=self.rounds,
+            device=str(self.dev.device),
+            page_bytes=self.plan.geometry.bytes_per_page,
+            stored_bytes=self.stored_bytes,
+            ok=not self.failures,
+            failures=self.failures,
+            put=self.put_t,
+            get=self.get_t,
+            backup=self.backup_t,
+            load=self.load_t,
+            raw_put=self.raw_put_t if self.do_raw else None,
+            raw_get=self.raw_get_t if self.do_raw else None,
+            backend_stats=self.backend.stats(),
+            store_stats=self.store.stats(),
+            workdir=str(self.workdir),
+        )
+        self.backend.clear()
         return result
-    finally:
-        backend.close()
 
 
 def _namespace(plan: ResolvedPlan) -> Any:
