@@ -349,6 +349,12 @@ def test_mla_only_rank_zero_writes_to_storage(registry: Registry) -> None:
         put_pages(writer, range(12))
         assert writer.flush(JOIN)
         assert backend.exists(keys) == [True] * 3
+        reader = make_cache(registry, instance=backend, geometry=mla, tp_rank=1, tp_size=2)
+        try:  # a fresh non-writer rank reads what rank 0 wrote
+            assert load_and_check(reader, keys) == 3
+            assert reader.stats()["storage"]["hits"] == 3
+        finally:
+            reader.close()
     finally:
         other.close()
         writer.close()
