@@ -77,8 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--extra-config",
         default=None,
         metavar="JSON|@FILE",
-        help="the backend's options as a JSON object or @file.json/@file.toml; for the file "
-        "backend 'root' defaults to a temporary directory removed afterwards",
+        help="the backend's options as a JSON object or @file.json/@file.toml; for backends "
+        "with a 'root' option (file, uring) it defaults to a temporary directory removed "
+        "afterwards",
     )
     store.add_argument(
         "--verify",
@@ -363,8 +364,9 @@ def run_bench(
         raise ConfigError(f"--workdir {str(base)!r} is not a directory", value=str(base))
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=base))
     try:
-        if args.backend == "file" and "root" not in extra:
-            extra["root"] = str(workdir / "pages")
+        spec = registry.backends.get(args.backend)
+        if spec is not None and "root" in spec.config_model.model_fields and "root" not in extra:
+            extra["root"] = str(workdir / "pages")  # file-like backends: a throw-away root
         config = load_engine_config(_engine_config(args, extra))
         plan = resolve(config, registry.backends, registry.io_backends)
         return _run_plan(args, plan, workdir, progress_stream or sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import errno
+import io
 import json
 import mmap
 import os
@@ -696,3 +697,18 @@ def test_exists_without_disk_lookups_still_refuses_bad_keys(root: Path) -> None:
     assert blind.exists(["good", "absent"]) == [True, False]
     with pytest.raises(KvtierError):
         blind.exists(["good", "../etc/passwd"])
+
+
+def test_bench_progress_bar_only_on_a_terminal() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty, pipe = Terminal(), io.StringIO()
+    for stream in (tty, pipe):
+        bar = bench.Progress(4, stream, enabled=True)
+        for _ in range(4):
+            bar.step("put")
+        bar.close()
+    assert "100%" in tty.getvalue() and "put" in tty.getvalue()
+    assert pipe.getvalue() == ""
