@@ -13,6 +13,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier import bench
 from kvtier.backends import _filestore as fs
@@ -712,3 +715,49 @@ def test_bench_progress_bar_only_on_a_terminal() -> None:
         bar.close()
     assert "100%" in tty.getvalue() and "put" in tty.getvalue()
     assert pipe.getvalue() == ""
+
+
+# --- index invariants under random operations ------------------------------------------
+
+KEYS = [f"key{i}" for i in range(6)]
+operations = st.lists(
+    st.tuples(
+        st.sampled_from(["put", "get", "delete", "reopen"]),
+        st.sampled_from(KEYS),
+        st.integers(min_value=1, max_value=3),
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops=operations)
+def test_index_matches_disk_and_capacity_under_random_operations(
+    ops: list[tuple[str, str, int]],
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "pages"
+        capacity = 5 * REGION
+        b = backend(root, capacity_bytes=capacity, io_threads=1)
+        model: dict[str, bytes] = {}  # what a get may return for each key
+        for op, key, regions in ops:
+            if op == "put":
+                page = make_page(len(model) + regions, regions=regions)
+                assert b.put([key], [page]) == [True]
+                model[key] = page_bytes(page)
+            elif op == "get" and key in model:
+                out = make_page(0, regions=len(model[key]) // REGION)
+                if b.get([key], [out]) == [True]:  # it may have been evicted
+                    assert page_bytes(out) == model[key]
+            elif op == "delete":
+                b.delete([key])
+                model.pop(key, None)
+            elif op == "reopen":
+                b.close()
+                b = backend(root, capacity_bytes=capacity, io_threads=1)
+            on_disk = {p.name[:-3]: p.stat().st_size for p in root.rglob("*.kv")}
+            assert set(b.index.keys()) == set(on_disk)
+            assert b.index.stored_bytes == sum(on_disk.values()) <= capacity
+            assert set(on_disk) <= set(model)
+            assert not list(root.rglob(".*.tmp"))
+        b.close()
