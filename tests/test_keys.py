@@ -276,3 +276,28 @@ def test_tensor_path_without_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_tenant_salt_stays_out_of_repr() -> None:
     ns = Namespace("m", "f", tenant="s3cret-salt")
     assert "s3cret" not in repr(ns) and "m" in repr(ns)
+
+
+def test_sequences_without_numpy_give_the_same_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvtier.core.keys as keys_module
+
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6]
+    keyer = PageKeyer(NS, page_size=4)
+    expected = keyer.keys(tokens)
+    monkeypatch.setattr(keys_module, "_numpy", lambda: None)
+    assert keyer.keys(tokens) == keyer.keys(tuple(tokens)) == expected
+    assert keyer.keys(iter(tokens)) == expected
+    for bad in ([2**31], [1.0], ["5"]):
+        with pytest.raises(InvalidKeyError):
+            keyer.keys(bad)
+
+
+def test_other_iterables_and_empty_input() -> None:
+    keyer = PageKeyer(NS, page_size=4)
+    expected = keyer.keys([0, 1, 2, 3, 4, 5, 6, 7])
+    assert keyer.keys(range(8)) == keyer.keys(iter(range(8))) == expected
+    assert keyer.keys([]) == keyer.keys(np.array([], dtype=np.int64)) == []
+    assert token_bytes([]) == b""
+    for bad in (["5"], [[1, 2], [3]], [2**64], [True, 0.5]):
+        with pytest.raises(InvalidKeyError):
+            keyer.keys(bad)  # type: ignore[arg-type]
