@@ -9,8 +9,8 @@ Usage: ``python benchmarks/cache_overhead.py [--quick]``. One JSON object per li
   (IO backend backup, memory backend put of the same extents, memory backend get, IO
   backend load). The cache runs one batch per call here, so its parts run one after
   the other like the raw side's and no overlap hides cost. Overhead = (cycle - raw
-  parts) / pages: keys, index, pins, envelope write and verify, queues and threads. Reported in us/page against the 50 us budget
-  (``ratio`` = 50 / ours, ``target`` 1.0).
+  parts) / pages: keys, index, pins, envelope write and verify, queues and threads.
+  Reported in us/page against the 50 us budget (``ratio`` = 50 / ours, ``target`` 1.0).
 - ``prefetch+load``: 8 MiB pages (an 8B-class geometry) read from the memory backend
   into the host pool and loaded into the device pool through the cache, in GB/s, next to
   the sum of the raw parts (memory backend get + IO backend load) timed in the same run.
