@@ -123,6 +123,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     run_.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     run_.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    run_.add_argument(
+        "--workload",
+        choices=("single", "multiturn"),
+        default="single",
+        help="single (default): back up and read back --pages pages; multiturn: simulated "
+        "conversations sharing prefixes through TieredCache (options below)",
+    )
+    from kvtier import bench_multiturn
+
+    bench_multiturn.add_arguments(parser)
 
 
 # --- measurements ---------------------------------------------------------------------
@@ -301,6 +311,14 @@ class BenchResult:
         else:
             lines.append(f"  FAILED: {len(self.failures)} problem(s):")
             lines += [f"    - {f}" for f in self.failures[:20]]
+            counters = {**self.store_stats, **self.backend_stats}
+            causes = [
+                f"{name}={value}"
+                for name, value in sorted(counters.items())
+                if value and ("fail" in name or "invalid" in name or "error" in name)
+            ]
+            if causes:
+                lines.append(f"  counters: {', '.join(causes)}")
         lines += [f"  note: {n}" for n in d["notes"]]
         return "\n".join(lines)
 
@@ -496,6 +514,7 @@ class _Run:
         ours: Callable[[int, int, str], float],
         raw: Callable[[int, int, str], float],
         label: str,
+        what: str,
     ) -> tuple[list[float], list[float]]:
         """Both sides batch by batch, alternating which goes first; each call's seconds."""
         ours_calls: list[float] = []
@@ -506,7 +525,7 @@ class _Run:
             ours_calls.append(ours(lo, hi, label))
             if self.do_raw and not n % 2:
                 raw_calls.append(raw(lo, hi, label))
-            self.bar.step(label, hi - lo)
+            self.bar.step(f"{label}: {what}", hi - lo)
         return ours_calls, raw_calls
 
     # --- a round -------------------------------------------------------------------------
@@ -525,7 +544,7 @@ class _Run:
         self.mover.backup(self.dev, self.host, self.slots, self.host_pages)
         _sync(self.device)
         backup = time.perf_counter() - t0
-        ours, raw = self.phase(self.ours_put, self.raw_put, f"{label}: put")
+        ours, raw = self.phase(self.ours_put, self.raw_put, label, "put")
         if timed:
             self.backup_t.add_round(backup, [backup])
             self.put_t.add_round(sum(ours), ours)
@@ -536,7 +555,7 @@ class _Run:
             if pool is not None:
                 for page in range(pool.num_pages):
                     _wipe(pool, page)
-        ours, raw = self.phase(self.ours_get, self.raw_get, f"{label}: get")
+        ours, raw = self.phase(self.ours_get, self.raw_get, label, "get")
         t0 = time.perf_counter()
         self.mover.load(self.host, self.dev, self.host_pages, self.slots)
         _sync(self.device)
@@ -607,6 +626,10 @@ def _first_bad_page(now: torch.Tensor, before: torch.Tensor, page_size: int) -> 
 
 def run(args: argparse.Namespace, *, registry: Registry | None = None) -> int:
     """``kvtier bench``: run, print the report (or JSON), return 0 if every byte matched."""
+    if getattr(args, "workload", "single") == "multiturn":
+        from kvtier import bench_multiturn
+
+        return bench_multiturn.run(args, registry=registry)
     result = run_bench(args, registry=registry)
     if args.json:
         sys.stdout.write(json.dumps(result.to_dict()) + "\n")
