@@ -32,7 +32,7 @@ from kvtier._cache_sim import check_pages, fill_pages
 from kvtier.cache import TieredCache
 from kvtier.core.config import load_engine_config, parse_extra_config
 from kvtier.core.device_pool import TorchDevicePool
-from kvtier.core.errors import ConfigError, InvalidFieldError
+from kvtier.core.errors import ConfigError, InvalidFieldError, KvtierError
 from kvtier.core.geometry import AttentionKind
 
 if TYPE_CHECKING:
@@ -397,8 +397,16 @@ def _plot(result: MultiturnResult, path: str) -> None:
 
 
 def run(args: argparse.Namespace, *, registry: Registry | None = None) -> int:
-    """Run the workload and print the report (or ``--json``); 0 if every page matched."""
-    result = run_multiturn(args, registry=registry)
+    """Run the workload and print the report (or ``--json``).
+
+    Exit status: 0 when every loaded page matched, 1 when one differed, 2 when the
+    options or the configuration were rejected (the error goes to stderr, no traceback).
+    """
+    try:
+        result = run_multiturn(args, registry=registry)
+    except KvtierError as exc:
+        sys.stderr.write(f"kvtier: error: {exc}\n")
+        return 2
     if _arg(args, "json", False):
         sys.stdout.write(json.dumps(result.to_dict()) + "\n")
     else:

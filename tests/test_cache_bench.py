@@ -128,3 +128,26 @@ def test_plot_draws_a_png(tmp_path: Path) -> None:
 def test_bad_workload_options_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="--turns"):
         bench_multiturn.run_multiturn(parse([*SMALL, "--turns", "0"]), registry=cache_registry())
+
+
+def test_kvtier_bench_workload_multiturn_through_the_cli(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvtier import cli
+
+    code = cli.main(["bench", "--workload", "multiturn", *SMALL, "--json", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads(out)
+    assert report["workload"] == "multiturn" and report["ok"]
+
+
+def test_kvtier_bench_plot_error_through_the_cli(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from kvtier import cli
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    argv = ["bench", "--workload", "multiturn", *SMALL, "--plot", str(tmp_path / "x.png")]
+    assert cli.main(argv) == 2
+    assert "kvtier[plot]" in capsys.readouterr().err
