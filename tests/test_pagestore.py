@@ -373,8 +373,9 @@ def test_empty_batches_do_not_reach_the_backend() -> None:
 def test_bad_settings_are_rejected() -> None:
     with pytest.raises(InvalidFieldError, match="verify"):
         PageStore(DictBackend(), FakePool(), fingerprint=FP, verify="some")  # type: ignore[arg-type]
-    with pytest.raises(InvalidFieldError, match="fingerprint"):
-        PageStore(DictBackend(), FakePool(), fingerprint="")
+    for bad in ("", "x" * 33, "é", None):
+        with pytest.raises(InvalidFieldError, match="fingerprint"):
+            PageStore(DictBackend(), FakePool(), fingerprint=bad)  # type: ignore[arg-type]
 
 
 def test_header_slot_of_a_rejected_page_is_not_left_valid() -> None:

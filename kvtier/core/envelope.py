@@ -28,6 +28,8 @@ __all__ = [
     "Rejection",
     "key_digest",
     "layout_code",
+    "payload_checksum",
+    "validate_fingerprint",
     "verify_envelope",
     "write_envelope",
 ]
@@ -96,8 +98,15 @@ def key_digest(key: str) -> bytes:
     return hashlib.blake2b(key.encode("utf-8"), digest_size=16).digest()
 
 
+def validate_fingerprint(fingerprint: str) -> str:
+    """Return ``fingerprint`` if it fits the header (1 to 32 ASCII characters); else raise."""
+    _fingerprint_field(fingerprint)
+    return fingerprint
+
+
 def _fingerprint_field(fingerprint: str) -> bytes:
-    raw = fingerprint.encode("ascii", "strict") if fingerprint.isascii() else b""
+    ok = isinstance(fingerprint, str) and fingerprint.isascii()
+    raw = fingerprint.encode("ascii") if ok else b""
     if not raw or len(raw) > _FINGERPRINT_BYTES:
         raise InvalidFieldError(
             "fingerprint",

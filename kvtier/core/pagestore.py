@@ -16,7 +16,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, Protocol, TypeVar
 
-from kvtier.core.envelope import HEADER, Rejection, verify_envelope, write_envelope
+from kvtier.core.envelope import (
+    HEADER,
+    Rejection,
+    validate_fingerprint,
+    verify_envelope,
+    write_envelope,
+)
 from kvtier.core.errors import InvalidFieldError, PageError, StorageError
 from kvtier.core.extents import Extent
 from kvtier.core.keys import validate_key
@@ -63,10 +69,7 @@ class PageStore:
                 f"must be one of {', '.join(map(repr, _VERIFY_MODES))}, got {verify!r}",
                 value=verify,
             )
-        if not isinstance(fingerprint, str) or not fingerprint:
-            raise InvalidFieldError(
-                "fingerprint", f"must be a non-empty str, got {fingerprint!r}", value=fingerprint
-            )
+        validate_fingerprint(fingerprint)
         if (
             isinstance(checksum_workers, bool)
             or not isinstance(checksum_workers, int)
