@@ -33,7 +33,7 @@ import torch
 from kvtier.core.capabilities import ResolvedPlan, resolve
 from kvtier.core.config import load_engine_config, parse_extra_config
 from kvtier.core.device_pool import TorchDevicePool
-from kvtier.core.errors import ConfigError, InvalidFieldError
+from kvtier.core.errors import ConfigError, InvalidFieldError, KvtierError
 from kvtier.core.geometry import AttentionKind
 from kvtier.core.host_pool import HostPool
 from kvtier.core.keys import PageKeyer
@@ -625,12 +625,17 @@ def _first_bad_page(now: torch.Tensor, before: torch.Tensor, page_size: int) -> 
 
 
 def run(args: argparse.Namespace, *, registry: Registry | None = None) -> int:
-    """``kvtier bench``: run, print the report (or JSON), return 0 if every byte matched."""
+    """``kvtier bench``: print the report (or JSON); 0 if every byte matched, 1 if not, 2 if
+    the configuration was rejected (the error goes to stderr)."""
     if getattr(args, "workload", "single") == "multiturn":
         from kvtier import bench_multiturn
 
         return bench_multiturn.run(args, registry=registry)
-    result = run_bench(args, registry=registry)
+    try:
+        result = run_bench(args, registry=registry)
+    except KvtierError as exc:  # a rejected configuration: the message says what would work
+        sys.stderr.write(f"kvtier bench: error: {exc}\n")
+        return 2
     if args.json:
         sys.stdout.write(json.dumps(result.to_dict()) + "\n")
     else:

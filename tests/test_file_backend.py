@@ -761,3 +761,14 @@ def test_index_matches_disk_and_capacity_under_random_operations(
             assert set(on_disk) <= set(model)
             assert not list(root.rglob(".*.tmp"))
         b.close()
+
+
+def test_kvtier_bench_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import main
+
+    argv = ["bench", *SMALL, "--pages", "3", "--rounds", "1", "--json", "--no-raw"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["backend"] == "file" and out["pages"] == 3
+    assert main(["bench", "--backend", "fiel"]) == 2
+    assert "did you mean 'file'" in capsys.readouterr().err
