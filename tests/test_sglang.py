@@ -510,3 +510,11 @@ def test_sidecar_host_pools_are_refused(attach: Any) -> None:
     storage = attach("memory", MHAHostPool()).storage
     with pytest.raises(UnsupportedCombinationError, match="mamba"):
         storage.register_mem_host_pool_v2(object(), "mamba")
+
+
+def test_docs_list_every_section_field() -> None:
+    from kvtier.core.config import config_reference_markdown
+    from kvtier.integrations.sglang import SGLangSection
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "sglang.md").read_text()
+    assert config_reference_markdown(SGLangSection) in docs

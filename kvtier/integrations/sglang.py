@@ -134,11 +134,12 @@ class SGLangSection(BaseModel):
         "(fp8 KV kept as uint8): 'float8_e4m3fn' or 'float8_e5m2'.",
     )
     checksum_workers: int = Field(
-        1,
+        4,
         strict=True,
         ge=1,
         le=64,
-        description="Threads that checksum the pages of one batch in parallel.",
+        description="Threads that checksum the pages of one batch in parallel (a SGLang "
+        "host has cores to spare, and prefetch latency is on the request's path).",
     )
 
     @field_validator("extra_config", mode="before")
