@@ -7,7 +7,7 @@ Starts its own ``mooncake_master`` on loopback. Pages are 8 MiB MLA pages in a
 in two registered slabs). Our side is ``MooncakeStore.put/get`` (batch_remove for
 replace-on-put, then the multi-buffer batch calls); the baseline is the same client's
 ``batch_put_from`` / ``batch_get_into`` of each page's 8 MiB payload. Both move the same
-pool memory, interleaved, after a warm-up; medians of ``--reps``. Throughput counts
+pool memory, interleaved, after a warm-up; medians of ``--reps`` (7). Throughput counts
 payload bytes only (ours moves 4 KiB more per page). A second, untargeted baseline is the
 bare client's multi-buffer calls on the very same [header, payload] buffers: the ratio
 against it is kvtier's own overhead, the rest is Mooncake's multi-buffer path. Cases:
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="32 pages, < 1 minute")
     parser.add_argument("--pages", type=int, default=None)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=7)
     parser.add_argument(
         "--cases", default="same-process,cross-process", help="comma-separated cases"
     )
