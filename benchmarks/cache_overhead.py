@@ -46,7 +46,7 @@ from kvtier.plugins.registry import Registry
 
 BUDGET_US = 50.0
 
-SMALL = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "dtype": "bfloat16", "page_size": 16}
+SMALL = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 64, "dtype": "bfloat16", "page_size": 16}
 LARGE = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16", "page_size": 64}
 
 
@@ -99,6 +99,8 @@ class _Setup:
     def __init__(self, geometry: dict[str, Any], pages: int, options: dict[str, Any]) -> None:
         self.cache = _open(geometry, pages, options)
         self.pages = pages
+        #: wall time by default; time.process_time measures the CPU all threads spent
+        self.clock: Callable[[], float] = time.perf_counter
         ps = geometry["page_size"]
         self.tokens = list(range(pages * ps))
         self.keys = self.cache.keys(self.tokens)
@@ -119,17 +121,17 @@ class _Setup:
 
     def raw_backup(self) -> float:
         c = self.cache
-        t0 = time.perf_counter()
+        t0 = self.clock()
         c.io_backend.backup(c.device_pool, c.host_pool, self.slots, self.host_pages)
         self.backend.put(self.raw_keys, self.buffers)
-        return time.perf_counter() - t0
+        return self.clock() - t0
 
     def raw_get_load(self) -> float:
         c = self.cache
-        t0 = time.perf_counter()
+        t0 = self.clock()
         self.backend.get(self.raw_keys, self.buffers)
         c.io_backend.load(c.host_pool, c.device_pool, self.host_pages, self.load_slots)
-        return time.perf_counter() - t0
+        return self.clock() - t0
 
     # --- through the cache (timed) ----------------------------------------------------
 
@@ -146,11 +148,11 @@ class _Setup:
 
     def cache_backup(self) -> float:
         self.forget()
-        t0 = time.perf_counter()
+        t0 = self.clock()
         keys = self.cache.keys(self.tokens)
         handle = self.cache.backup(keys, self.slots)
         handle.wait()
-        elapsed = time.perf_counter() - t0
+        elapsed = self.clock() - t0
         assert handle.ok and handle.pages_written == self.pages, handle
         return elapsed
 
@@ -158,10 +160,10 @@ class _Setup:
         c = self.cache
         assert c.flush(60)
         c._index.drop_all()  # pages stay in storage: the prefetch reads every one
-        t0 = time.perf_counter()
+        t0 = self.clock()
         handle = c.prefetch(self.keys)
         loaded = c.load(handle, self.load_slots)
-        elapsed = time.perf_counter() - t0
+        elapsed = self.clock() - t0
         assert loaded == self.pages, (loaded, handle)
         return elapsed
 
@@ -204,28 +206,31 @@ def main(argv: list[str] | None = None) -> int:
     reps = 3 if args.quick else 7
     lines = []
 
-    small_pages = 128 if args.quick else 512
+    small_pages = 512 if args.quick else 2048
     # One batch per call: the cache then runs its parts one after the other, as the raw
     # side does, so the difference is the framework's own work, not lost overlap.
     sequential = {"prefetch_policy": "wait_complete", "batch_pages": small_pages}
     small = _Setup(SMALL, small_pages, sequential)
+    page_kib = small.cache.geometry.bytes_per_page // 1024
     try:
-        med = _rounds({"cache": small.cycle, "raw": small.raw_cycle}, reps)
+        for clock, label in ((time.perf_counter, "wall"), (time.process_time, "CPU")):
+            small.clock = clock
+            med = _rounds({"cache": small.cycle, "raw": small.raw_cycle}, reps)
+            overhead_us = max((med["cache"] - med["raw"]) / small_pages * 1e6, 1e-3)
+            lines.append(
+                _line(
+                    f"overhead per page, {label} time ({small_pages} x {page_kib} KiB, "
+                    "backup+prefetch+load)",
+                    overhead_us,
+                    BUDGET_US,
+                    "budget 50 us/page",
+                    "us/page",
+                    BUDGET_US / overhead_us,
+                    1.0,
+                )
+            )
     finally:
         small.close()
-    overhead_us = max((med["cache"] - med["raw"]) / small_pages * 1e6, 1e-3)
-    page_kib = small.cache.geometry.bytes_per_page // 1024
-    lines.append(
-        _line(
-            f"overhead per page ({small_pages} x {page_kib} KiB, backup+prefetch+load)",
-            overhead_us,
-            BUDGET_US,
-            "budget 50 us/page",
-            "us/page",
-            BUDGET_US / overhead_us,
-            1.0,
-        )
-    )
 
     large_pages = 16 if args.quick else 48
     options = {"prefetch_policy": "wait_complete", "batch_pages": 8}

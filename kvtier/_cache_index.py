@@ -44,7 +44,7 @@ class EntryState(enum.Enum):
     FAILED = "failed"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Entry:
     """One keyed host page. Every field is guarded by the index lock."""
 

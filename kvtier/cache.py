@@ -663,7 +663,13 @@ class TieredCache:
         """
         self._check_open()
         started = time.monotonic()
-        keys = [validate_key(k) for k in keys]
+        keys = list(keys)
+        for key in keys:
+            if not isinstance(key, str):
+                validate_key(key)  # raises InvalidKeyError naming the bad key
+        # The charset is checked where a bad key could do harm: the index only holds keys
+        # that backup validated, and page_store.exists validates every key it is asked
+        # about (raising InvalidKeyError here, in the caller, pins given back first).
         host = self._index.acquire_prefix(keys)
         rest = keys[len(host) :]
         if self.writes_storage and self.options.write_policy == "write_through_selective":
@@ -676,7 +682,11 @@ class TieredCache:
         if rest:
             # Walk host and storage together: write_back keeps the newest pages of a
             # prefix only on the host while older ones were evicted to storage.
-            in_storage = self.page_store.exists(rest)
+            try:
+                in_storage = self.page_store.exists(rest)
+            except BaseException:
+                self._index.release(host)
+                raise
             found = 0
             for key, stored in zip(rest, in_storage, strict=True):
                 if not (stored or self._index.contains(key)):

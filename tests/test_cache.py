@@ -19,6 +19,7 @@ from kvtier.core.device_pool import TorchDevicePool
 from kvtier.core.errors import (
     ConfigError,
     InvalidFieldError,
+    InvalidKeyError,
     PoolExhaustedError,
     TransferError,
     UnknownKeyError,
@@ -668,4 +669,14 @@ def test_a_released_handle_cannot_be_loaded(cache: TieredCache) -> None:
     other.release()  # idempotent
     with pytest.raises(InvalidFieldError, match="prefetch the keys again"):
         cache.load(other, slots(10, 2))
+    assert cache.stats()["host"]["pages"]["pinned"] == 0
+
+
+def test_bad_keys_are_refused_in_the_caller_and_pin_nothing(cache: TieredCache) -> None:
+    keys = put_pages(cache, range(8))
+    for bad in ("../etc/passwd", "UPPER", "", 42):
+        with pytest.raises(InvalidKeyError):
+            cache.prefetch([*keys, bad])  # type: ignore[list-item]
+        with pytest.raises(InvalidKeyError):
+            cache.backup([bad], slots(10, 1))  # type: ignore[list-item]
     assert cache.stats()["host"]["pages"]["pinned"] == 0
