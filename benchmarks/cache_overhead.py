@@ -10,7 +10,9 @@ Usage: ``python benchmarks/cache_overhead.py [--quick]``. One JSON object per li
   backend load). The cache runs one batch per call here, so its parts run one after
   the other like the raw side's and no overlap hides cost. Overhead = (cycle - raw
   parts) / pages: keys, index, pins, envelope write and verify, queues and threads.
-  Reported in us/page against the 50 us budget (``ratio`` = 50 / ours, ``target`` 1.0).
+  Reported in us/page against the 50 us budget (``ratio`` = 50 / ours, ``target`` 1.0),
+  twice: in wall time (what an engine waits, including thread hand-offs, which a busy
+  host stretches) and in CPU time of all threads (the work itself, steady under load).
 - ``prefetch+load``: 8 MiB pages (an 8B-class geometry) read from the memory backend
   into the host pool and loaded into the device pool through the cache, in GB/s, next to
   the sum of the raw parts (memory backend get + IO backend load) timed in the same run.
