@@ -155,23 +155,30 @@ class _Plan(NamedTuple):
 
 
 class _Regions:
-    """Registered memory, sorted, for an O(log n) 'is this run inside one region' check."""
+    """Registered memory, sorted, for an O(log n) 'is this run inside one region' check.
+
+    Copy-on-write: ``add`` (under the caller's lock) swaps in new tuples, so readers on
+    other threads never see a half-updated list.
+    """
 
     def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._ends: list[int] = []
+        self._spans: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
     def covers(self, ptr: int, size: int) -> bool:
-        i = bisect.bisect_right(self._starts, ptr) - 1
-        return i >= 0 and ptr + size <= self._ends[i]
+        starts, ends = self._spans
+        i = bisect.bisect_right(starts, ptr) - 1
+        return i >= 0 and ptr + size <= ends[i]
 
     def add(self, ptr: int, size: int) -> None:
-        i = bisect.bisect_right(self._starts, ptr)
-        self._starts.insert(i, ptr)
-        self._ends.insert(i, ptr + size)
+        starts, ends = self._spans
+        i = bisect.bisect_right(starts, ptr)
+        self._spans = (
+            (*starts[:i], ptr, *starts[i:]),
+            (*ends[:i], ptr + size, *ends[i:]),
+        )
 
     def __len__(self) -> int:
-        return len(self._starts)
+        return len(self._spans[0])
 
 
 class _MasterGuard:
