@@ -4,9 +4,10 @@ An 8B-class geometry (32 layers, 8 KV heads, head dim 128, bf16, 64-token pages 
 per page). For each layout and IO backend: backup and load, all layers and layer by layer,
 of every page of the pool, with device pages and host pages in random order. The baseline
 is ``tensor.copy_`` of the same number of contiguous bytes between the same two buffers,
-measured in the same process, interleaved with ours, after a warm-up, median of several
-repetitions. One JSON line per case on stdout; a table on stderr; one ``best`` line per
-operation carries the target (0.7 x copy_).
+measured in the same process, interleaved with ours (ABBA), after a warm-up, median of
+several repetitions; the ratio is the median of the paired per-repetition ratios. One
+JSON line per case on stdout; a table on stderr; one ``best`` line per operation carries
+the target (0.7 x copy_).
 
     python benchmarks/transfer.py [--quick] [--pages N] [--reps N] [--threads N]
                                   [--device cpu|cuda]
@@ -47,10 +48,12 @@ def _timed(fn: Callable[[], None], sync: Callable[[], None]) -> float:
 
 def _measure(
     ours: Callable[[], None], base: Callable[[], None], reps: int, sync: Callable[[], None]
-) -> tuple[float, float]:
-    """Median seconds of ours and of the baseline after one warm-up each.
+) -> tuple[float, float, float]:
+    """(median seconds of ours, of the baseline, median per-repetition speed ratio).
 
-    Interleaved in ABBA order, so a slow drift of a shared machine hits both sides alike.
+    One warm-up each, then ABBA-interleaved repetitions. The ratio is the median of
+    ``t_base / t_ours`` over adjacent pairs, so the drift of a shared machine (other jobs
+    starting and stopping) cancels instead of landing on one side.
     """
     ours()
     base()
@@ -62,7 +65,8 @@ def _measure(
         else:
             mine.append(_timed(ours, sync))
             theirs.append(_timed(base, sync))
-    return statistics.median(mine), statistics.median(theirs)
+    ratio = statistics.median(b / o for o, b in zip(mine, theirs, strict=True))
+    return statistics.median(mine), statistics.median(theirs), ratio
 
 
 def _cases(
@@ -108,12 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 pages, 3 repetitions")
     parser.add_argument("--pages", type=int, default=None, help="pages moved (default 256)")
-    parser.add_argument("--reps", type=int, default=None, help="repetitions (default 5)")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (default 7)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--device", default="cpu", help="device pool device (cpu or cuda)")
     args = parser.parse_args(argv)
     pages = args.pages or (16 if args.quick else 256)
-    reps = args.reps or (3 if args.quick else 5)
+    reps = args.reps or (3 if args.quick else 7)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -150,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                     if not spec.supports(layout, geometry.attention, op):
                         continue
                     base = _copier(host_flat, dev_flat, to_host)
-                    t_ours, t_base = _measure(ours, base, reps, sync)
+                    t_ours, t_base, ratio = _measure(ours, base, reps, sync)
                     ours_gbs, base_gbs = total / t_ours / 1e9, total / t_base / 1e9
                     case = f"{op.value} {layout.value} {spec.name} {granularity} {label}"
                     record: dict[str, Any] = {
@@ -160,13 +164,13 @@ def main(argv: list[str] | None = None) -> int:
                         "baseline": round(base_gbs, 3),
                         "baseline_name": "tensor.copy_",
                         "unit": "GB/s",
-                        "ratio": round(ours_gbs / base_gbs, 3),
+                        "ratio": round(ratio, 3),
                         "target": None,
                     }
                     results.append({**record, "op": op.value})
                     print(json.dumps(record), flush=True)
                     print(
-                        f"{case:62s} {ours_gbs:7.2f} {base_gbs:7.2f} {ours_gbs / base_gbs:6.2f}",
+                        f"{case:62s} {ours_gbs:7.2f} {base_gbs:7.2f} {ratio:6.2f}",
                         file=sys.stderr,
                     )
         del host, payload, host_flat
