@@ -535,8 +535,13 @@ def test_device_pools_with_wrong_buffers_are_refused() -> None:
 
         v_buffer = k_buffer
 
+    class ClaimsMeta(WrongShape):
+        device = torch.device("meta")
+
     io = build(KERNEL_SPEC, g, "page_first")
     host = HostPool(g, "page_first", num_pages=2)
+    with pytest.raises(TransferError, match="its device is meta"):
+        io.backup(ClaimsMeta(), host, torch.arange(4), [0])  # type: ignore[arg-type]
     with pytest.raises(TransferError, match="lacks k_buffer"):
         io.backup(NoBuffers(), host, torch.arange(4), [0])  # type: ignore[arg-type]
     with pytest.raises(TransferError, match=r"expected \(8, 2, 8\)"):

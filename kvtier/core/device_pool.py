@@ -75,7 +75,14 @@ def layer_buffers(pool: DevicePool, layer: int) -> tuple[torch.Tensor, ...]:
         )
     buffers = tuple(method(layer) for method in methods if method is not None)
     expected = (pool.num_slots, g.num_kv_heads, g.head_dim)
+    device = torch.device(pool.device)
     for buffer in buffers:
+        if buffer.device.type != device.type:
+            raise TransferError(
+                f"device pool layer {layer} buffer is on {buffer.device}, but the pool says "
+                f"its device is {device}",
+                value=buffer.device,
+            )
         if tuple(buffer.shape) != expected or buffer.dtype != g.dtype or buffer.stride(-1) != 1:
             raise TransferError(
                 f"device pool layer {layer} buffer is {tuple(buffer.shape)} {buffer.dtype} "
