@@ -870,7 +870,7 @@ class _StorageMetricsShape:
 def _storage_metrics_class() -> Any:
     try:
         from sglang.srt.observability.metrics_collector import StorageMetrics
-    except ImportError:
+    except Exception:  # a stripped SGLang install: same fields, our class
         return _StorageMetricsShape
     return StorageMetrics
 
