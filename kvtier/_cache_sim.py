@@ -2,41 +2,52 @@
 
 A simulated engine "computes" a page by filling its device slots with bytes derived from
 the page key alone, so whoever loads the page later can check every byte it got without
-keeping a copy: the content is regenerated from the key and compared as raw bytes.
+keeping a copy: the content is regenerated from the key and compared.
+
+The bytes are a random 4 KiB block seeded by the key, tiled over the page with each
+4 KiB chunk shifted by its index (another key's page, a moved chunk or a flipped byte all
+differ). They are built with ``bytes.translate`` and moved with buffer copies, and pages
+are compared by xxh3-128 digests of each region, not with torch ops, whose thread pools
+spin on a busy host and made verification dominate a benchmark run.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
+import random
 from collections.abc import Sequence
 
 import torch
+import xxhash
 
 from kvtier.core.device_pool import DevicePool, layer_buffers
+from kvtier.core.extents import extent_of_tensor
 
-__all__ = ["check_pages", "fill_pages", "page_pattern"]
+__all__ = ["check_pages", "fill_pages", "page_bytes", "page_pattern"]
 
 _BLOCK = 4096
+_SHIFTS = [bytes((i + k) % 256 for i in range(256)) for k in range(256)]
+
+
+def page_bytes(key: str, device_pool: DevicePool) -> bytearray:
+    """The raw bytes page ``key`` holds, in ``[kv, layers, page_size, row]`` order."""
+    g = device_pool.geometry
+    seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    block = random.Random(seed).randbytes(_BLOCK)
+    total = g.kv_count * g.num_layers * g.page_size * g.num_kv_heads * g.head_dim * g.itemsize
+    # chunk c is the block shifted by 37 * c (mod 256): the shifts repeat every 256 chunks
+    period = b"".join(block.translate(_SHIFTS[c * 37 % 256]) for c in range(256))
+    data = bytearray(period * (total // len(period)) + period[: total % len(period)])
+    return data
 
 
 def page_pattern(key: str, device_pool: DevicePool) -> torch.Tensor:
-    """The raw bytes page ``key`` holds: ``[kv, layers, page_size, row_bytes]`` uint8.
-
-    A random 4 KiB block seeded by the key, tiled over the page with each 4 KiB chunk
-    shifted by its index, so another key's page, a moved chunk or a flipped byte all
-    differ, and an 8 MiB page costs a copy rather than 8 M random draws.
-    """
+    """:func:`page_bytes` as a ``[kv, layers, page_size, row_bytes]`` uint8 tensor."""
     g = device_pool.geometry
-    seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
-    generator = torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
     row = g.num_kv_heads * g.head_dim * g.itemsize
-    shape = (g.kv_count, g.num_layers, g.page_size, row)
-    total = g.kv_count * g.num_layers * g.page_size * row
-    chunks = -(-total // _BLOCK)
-    block = torch.randint(0, 256, (_BLOCK,), dtype=torch.uint8, generator=generator)
-    tiled = block.repeat(chunks).view(chunks, _BLOCK)
-    tiled += (torch.arange(chunks, dtype=torch.int32) * 37 % 256).to(torch.uint8)[:, None]
-    return tiled.view(-1)[:total].view(shape)
+    flat = torch.frombuffer(page_bytes(key, device_pool), dtype=torch.uint8)
+    return flat.view(g.kv_count, g.num_layers, g.page_size, row)
 
 
 def _raw_rows(buffer: torch.Tensor) -> torch.Tensor:
@@ -44,39 +55,48 @@ def _raw_rows(buffer: torch.Tensor) -> torch.Tensor:
     return buffer.view(torch.uint8).reshape(buffer.shape[0], -1)
 
 
-def _expected(device_pool: DevicePool, keys: Sequence[str]) -> torch.Tensor:
-    """Patterns of ``keys`` as ``[layers, kv, pages * page_size, row_bytes]``."""
-    stacked = torch.stack([page_pattern(key, device_pool) for key in keys])
-    pages, kv, layers, ps, row = stacked.shape
-    return stacked.permute(2, 1, 0, 3, 4).reshape(layers, kv, pages * ps, row)
+def _regions(device_pool: DevicePool, layers: Sequence[int]) -> list[tuple[int, torch.Tensor]]:
+    """(offset of the region in a page's bytes / (page_size * row), rows) per layer and kv."""
+    g = device_pool.geometry
+    out = []
+    for layer in layers:
+        for kv, buffer in enumerate(layer_buffers(device_pool, layer)):
+            out.append((kv * g.num_layers + layer, _raw_rows(buffer)))
+    return out
 
 
-def _span(slots: torch.Tensor) -> tuple[int, int] | None:
-    """(start, stop) when ``slots`` is one ascending run, so a slice can replace indexing."""
-    if not slots.numel():
-        return None
-    start = int(slots[0])
-    stop = start + slots.numel()
-    if int(slots[-1]) == stop - 1 and torch.equal(slots, torch.arange(start, stop)):
-        return start, stop
+def _run_start(slots: list[int]) -> int | None:
+    """The first slot when ``slots`` is one ascending run (so a slice can stand in)."""
+    start = slots[0]
+    if slots[-1] - start == len(slots) - 1 and all(
+        b - a == 1 for a, b in itertools.pairwise(slots)
+    ):
+        return start
     return None
 
 
 def fill_pages(device_pool: DevicePool, keys: Sequence[str], slots: torch.Tensor) -> None:
-    """Write each key's pattern into its page of token ``slots`` (``len(keys) * ps`` slots)."""
-    if not keys:
-        return
-    expected = _expected(device_pool, keys)
-    index = slots.to(torch.int64).reshape(-1).cpu()
-    span = _span(index)
-    for layer in range(device_pool.geometry.num_layers):
-        for kv, buffer in enumerate(layer_buffers(device_pool, layer)):
-            rows = _raw_rows(buffer)
-            data = expected[layer, kv].to(rows.device)
-            if span is not None:
-                rows[span[0] : span[1]].copy_(data)
+    """Write each key's bytes into its page of token ``slots`` (``len(keys) * ps`` slots).
+
+    The device pool's layer buffers must be contiguous (``TorchDevicePool``'s are).
+    """
+    g = device_pool.geometry
+    ps = g.page_size
+    index = slots.to(torch.int64).reshape(-1).tolist()
+    regions = _regions(device_pool, range(g.num_layers))
+    for i, key in enumerate(keys):
+        data = memoryview(page_bytes(key, device_pool))
+        page_slots = index[i * ps : (i + 1) * ps]
+        start = _run_start(page_slots)
+        for region, rows in regions:
+            size = ps * rows.shape[1]
+            source = data[region * size : (region + 1) * size]
+            if start is not None and rows.device.type == "cpu":
+                extent_of_tensor(rows[start : start + ps]).view[:] = source  # in place
             else:
-                rows.index_copy_(0, index.to(rows.device), data)
+                chunk = torch.frombuffer(bytearray(source), dtype=torch.uint8).view(ps, -1)
+                where = torch.tensor(page_slots, dtype=torch.int64, device=rows.device)
+                rows.index_copy_(0, where, chunk.to(rows.device))
 
 
 def check_pages(
@@ -86,22 +106,30 @@ def check_pages(
     *,
     layers: Sequence[int] | None = None,
 ) -> list[bool]:
-    """For each key, whether its page of ``slots`` holds exactly the key's pattern."""
-    if not keys:
-        return []
+    """For each key, whether its page of ``slots`` holds exactly the key's bytes."""
     g = device_pool.geometry
-    pages = len(keys)
-    expected = _expected(device_pool, keys)
-    index = slots.to(torch.int64).reshape(-1).cpu()
-    span = _span(index)
-    ok = torch.ones(pages, dtype=torch.bool)
-    for layer in range(g.num_layers) if layers is None else layers:
-        for kv, buffer in enumerate(layer_buffers(device_pool, layer)):
-            rows = _raw_rows(buffer)
-            if span is not None:
-                got = rows[span[0] : span[1]].cpu()
+    ps = g.page_size
+    index = slots.to(torch.int64).reshape(-1).tolist()
+    regions = _regions(device_pool, range(g.num_layers) if layers is None else layers)
+    result = []
+    for i, key in enumerate(keys):
+        data = memoryview(page_bytes(key, device_pool))
+        page_slots = index[i * ps : (i + 1) * ps]
+        start = _run_start(page_slots)
+        ok = True
+        for region, rows in regions:
+            size = ps * rows.shape[1]
+            if start is not None:
+                got = rows[start : start + ps]
             else:
-                got = rows.index_select(0, index.to(rows.device)).cpu()
-            same = got.reshape(pages, -1) == expected[layer, kv].reshape(pages, -1)
-            ok &= same.all(dim=1)
-    return [bool(v) for v in ok]
+                where = torch.tensor(page_slots, dtype=torch.int64, device=rows.device)
+                got = rows.index_select(0, where)
+            got = got.cpu().contiguous()
+            expected = data[region * size : (region + 1) * size]
+            if xxhash.xxh3_128_digest(extent_of_tensor(got).view) != xxhash.xxh3_128_digest(
+                expected
+            ):
+                ok = False
+                break
+        result.append(ok)
+    return result
