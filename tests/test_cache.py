@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -680,3 +681,14 @@ def test_bad_keys_are_refused_in_the_caller_and_pin_nothing(cache: TieredCache) 
         with pytest.raises(InvalidKeyError):
             cache.backup([bad], slots(10, 1))  # type: ignore[list-item]
     assert cache.stats()["host"]["pages"]["pinned"] == 0
+
+
+def test_prometheus_missing_names_the_extra(
+    cache: TieredCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("prometheus_client", "prometheus_client.core"):
+        monkeypatch.setitem(sys.modules, name, None)  # the import now fails
+    with pytest.raises(ImportError, match=r"kvtier\[prometheus\]"):
+        cache.prometheus_text()
+    with pytest.raises(ImportError, match=r"kvtier\[prometheus\]"):
+        cache.prometheus_collector()
