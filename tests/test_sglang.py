@@ -189,12 +189,43 @@ def test_prefix_hits(backend: str, attach: Any) -> None:
 
 
 def test_prefix_hits_span_sglang_batches(attach: Any) -> None:
-    pool = MHAHostPool(page_size=1, head_dim=8, layer_num=2, pages=400)
+    pool = MHAHostPool(page_size=1, head_dim=8, layer_num=2, pages=600)
     controller = attach("memory", pool)
     hashes = _hashes(300, 1)  # more than STORAGE_BATCH_SIZE (128): three batch_exists calls
     indices, _ = _fill(pool, 300)
     assert controller.backup(hashes[:200], indices[:200]) == 200
     assert controller.hit_query(hashes) == hashes[:200]
+    expected = [pool.page_content(i) for i in range(200)]
+    target = pool.alloc(200)
+    assert controller.prefetch(hashes[:200], target) == 200  # two batch_get_v1 calls
+    for page, start in enumerate(target.tolist()):
+        assert torch.equal(pool.page_content(start), expected[page])
+
+
+def test_backup_and_prefetch_threads_run_together(attach: Any) -> None:
+    import threading
+
+    pool = MHAHostPool(pages=64)
+    controller = attach("file", pool)
+    old_indices, old_data = _fill(pool, 16, seed=1)
+    old = _hashes(16, 16)
+    assert controller.backup(old, old_indices) == 256
+    new_indices, _ = _fill(pool, 16, seed=50)
+    new = _hashes(16, 16, salt=10_000)
+    target = pool.alloc(256)
+    done: dict[str, int] = {}
+    threads = [
+        threading.Thread(target=lambda: done.update(backup=controller.backup(new, new_indices))),
+        threading.Thread(target=lambda: done.update(loaded=controller.prefetch(old, target))),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert done == {"backup": 256, "loaded": 16}
+    for start, expected in zip(_starts(pool, target), old_data, strict=True):
+        assert torch.equal(pool.page_content(start), expected)
+    assert controller.hit_query(new) == new
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
