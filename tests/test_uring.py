@@ -35,6 +35,7 @@ from kvtier.core.extents import Extent, extent_of_view
 from kvtier.core.geometry import KVGeometry
 from kvtier.core.layout import Layout
 from kvtier.core.storage import BackendContext
+from kvtier.testing import BackendKit, ConformanceTests
 
 pytestmark = pytest.mark.uring
 
@@ -735,3 +736,32 @@ def test_pages_through_the_pagestore_reject_corruption(
     assert store.get(keys, [0, 1, 2]) == [True, False, False]
     assert target.buffers[0][1:] == source.buffers[0][1:]
     assert store.stats()["invalid"] == 1 and store.stats()["misses"] == 1
+
+
+# --- the conformance kit -----------------------------------------------------------------
+
+
+class TestUringBackendKit(BackendKit, ConformanceTests):
+    backend_name = "uring"
+    extra_config = {"root": "{tmp}/pages", "min_free_bytes": 0, "queue_depth": 8}
+
+    @pytest.fixture(autouse=True)
+    def _needs_uring(self) -> None:
+        _require_uring()
+
+
+class TestUringBackendKitODirect(BackendKit, ConformanceTests):
+    """The same kit with O_DIRECT on (the kit's host pools are 4096-aligned)."""
+
+    backend_name = "uring"
+    extra_config = {
+        "root": "{tmp}/pages",
+        "min_free_bytes": 0,
+        "queue_depth": 4,
+        "o_direct": True,
+        "fsync": "batch",
+    }
+
+    @pytest.fixture(autouse=True)
+    def _needs_uring(self) -> None:
+        _require_uring()

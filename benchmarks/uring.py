@@ -1,0 +1,284 @@
+"""io_uring backend vs file backend vs a raw os.preadv / os.pwritev loop, cold cache.
+
+Usage: ``python benchmarks/uring.py [--quick] [--root DIR]``. One JSON object per line on
+stdout, a table on stderr. For each page size (256 x 8 MiB, 4096 x 128 KiB; --quick uses
+fewer pages) and each queue depth (1, 8, 32) it times:
+
+- ``get ... cold``: the page cache of every page file is dropped before each repetition
+  (``posix_fadvise(DONTNEED)`` per file, so other processes' caches are left alone);
+- ``get ... o_direct``: O_DIRECT reads into 4096-aligned memory;
+- ``put ...``: puts of new pages, buffered (fsync 'none') and O_DIRECT; the previous
+  repetition's pages are deleted and dirty data synced between repetitions, untimed.
+
+The uring backend runs at queue depth q, the file backend with q I/O threads (its way of
+keeping q requests in flight), the raw loop one request at a time in this thread. All
+three move the same bytes between the same aligned host buffers and files, interleaved
+in each repetition after a warm-up, and the median of the repetitions is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from kvtier.backends import _filestore as fs
+from kvtier.backends.file import FileBackend, FileConfig
+from kvtier.backends.uring import UringBackend, UringConfig, probe_io_uring
+from kvtier.core.extents import Extent
+
+HEADER = 4096
+KiB = 1024
+MiB = 1024 * KiB
+
+
+class Arena:
+    """One 4096-aligned anonymous mapping, touched once, carved into page regions."""
+
+    def __init__(self, size: int) -> None:
+        self.map = mmap.mmap(-1, size)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        for offset in range(0, size, 4096):  # touch every page once, up front
+            self.map[offset] = 1
+        self.size = size
+
+    def extent(self, offset: int, length: int) -> Extent:
+        ptr = self.base + offset
+        view = memoryview((ctypes.c_ubyte * length).from_address(ptr)).cast("B")
+        return Extent(view, ptr, length)
+
+
+def make_pages(arena: Arena, count: int, payload: int, slots: int) -> list[list[Extent]]:
+    """``count`` pages of [header, K, V]; page i uses buffer slot i % slots."""
+    page_bytes = HEADER + payload
+    half = payload // 2
+    regions = []
+    for slot in range(slots):
+        base = slot * page_bytes
+        regions.append(
+            [
+                arena.extent(base, HEADER),
+                arena.extent(base + HEADER, half),
+                arena.extent(base + HEADER + half, payload - half),
+            ]
+        )
+    return [regions[i % slots] for i in range(count)]
+
+
+def drop_cache(paths: list[Path]) -> None:
+    """Evict these files from the page cache (they must be clean)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_read(paths: list[Path], pages: list[list[Extent]], direct: bool) -> None:
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    for path, page in zip(paths, pages, strict=True):
+        fd = os.open(path, flags)
+        try:
+            os.preadv(fd, [e.view for e in page], 0)
+        finally:
+            os.close(fd)
+
+
+def raw_write(paths: list[Path], pages: list[list[Extent]], direct: bool) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    for path, page in zip(paths, pages, strict=True):
+        fd = os.open(path, flags, 0o600)
+        try:
+            os.pwritev(fd, [e.view for e in page], 0)
+        finally:
+            os.close(fd)
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def emit(case: str, ours: float, baseline: float, name: str, target: float | None) -> None:
+    ratio = ours / baseline if baseline else 0.0
+    line = {
+        "bench": "uring",
+        "case": case,
+        "ours": round(ours, 3),
+        "baseline": round(baseline, 3),
+        "baseline_name": name,
+        "unit": "GB/s",
+        "ratio": round(ratio, 3),
+        "target": target,
+    }
+    print(json.dumps(line), flush=True)
+    mark = "" if target is None else ("  ok" if ratio >= target else "  BELOW TARGET")
+    print(
+        f"{case:<44} {ours:8.2f} vs {baseline:8.2f} GB/s ({name}) x{ratio:.2f}{mark}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+@contextlib.contextmanager
+def backends(root: Path, depth: int, direct: bool) -> Iterator[tuple[UringBackend, FileBackend]]:
+    uring = UringBackend(
+        UringConfig(root=root, queue_depth=depth, o_direct=direct, min_free_bytes=0)
+    )
+    file = FileBackend(
+        FileConfig(root=root, io_threads=min(depth, 64), o_direct=direct, min_free_bytes=0)
+    )
+    try:
+        yield uring, file
+    finally:
+        uring.close()
+        file.close()
+
+
+def bench_size(
+    root: Path,
+    arena: Arena,
+    label: str,
+    count: int,
+    payload: int,
+    slots: int,
+    depths: list[int],
+    reps: int,
+    modes: list[str],
+) -> None:
+    pages = make_pages(arena, count, payload, slots)
+    nbytes = count * (HEADER + payload)
+    keys = [f"{label.lower()}-{i}" for i in range(count)]
+    store = root / "default"
+    raw_dir = root / "raw"
+    raw_dir.mkdir(exist_ok=True, mode=0o700)
+    raw_paths = [raw_dir / f"{label}-{i}" for i in range(count)]
+    gb = nbytes / 1e9
+    small = payload <= 256 * KiB
+    # Write the data set once with each writer, sync it so it can be dropped from cache.
+    with backends(root, 32, False) as (uring, _file):
+        assert all(uring.put(keys, pages))
+    raw_write(raw_paths, pages, False)
+    os.sync()
+    paths = [fs.page_path(store, key) for key in keys]
+    for mode in modes:
+        direct = mode == "o_direct"
+        for depth in depths:
+            with backends(root, depth, direct) as (uring, file):
+                impls: dict[str, Callable[[], Any]] = {
+                    "uring": lambda u=uring: u.get(keys, pages),
+                    "file": lambda f=file: f.get(keys, pages),
+                    "raw": lambda d=direct: raw_read(raw_paths, pages, d),
+                }
+                times: dict[str, list[float]] = {name: [] for name in impls}
+                for rep in range(reps + 1):  # the first round is the warm-up
+                    for name, fn in impls.items():
+                        if not direct:
+                            drop_cache(raw_paths if name == "raw" else paths)
+                        elapsed = timed(fn)
+                        if rep:
+                            times[name].append(elapsed)
+                rates = {name: gb / statistics.median(t) for name, t in times.items()}
+            case = f"get {count}x{label} {mode} qd{depth}"
+            target = 1.2 if small and depth >= 8 else 0.9
+            emit(
+                case,
+                rates["uring"],
+                rates["file"],
+                f"file backend ({min(depth, 64)} threads)",
+                target,
+            )
+            emit(case, rates["uring"], rates["raw"], "os.preadv loop", None)
+    for mode in modes:
+        direct = mode == "o_direct"
+        for depth in depths:
+            with backends(root, depth, direct) as (uring, file):
+                impls = {
+                    "uring": lambda u=uring: u.put(keys, pages),
+                    "file": lambda f=file: f.put(keys, pages),
+                    "raw": lambda d=direct: raw_write(raw_paths, pages, d),
+                }
+                cleanup: dict[str, Callable[[], Any]] = {
+                    "uring": lambda u=uring: u.delete(keys),
+                    "file": lambda f=file: f.delete(keys),
+                    "raw": lambda: [p.unlink(missing_ok=True) for p in raw_paths],
+                }
+                times = {name: [] for name in impls}
+                for rep in range(reps + 1):
+                    for name, fn in impls.items():
+                        # New pages each time (a backup writes new keys), from a clean
+                        # page cache: both outside the timing.
+                        cleanup[name]()
+                        os.sync()
+                        elapsed = timed(fn)
+                        if rep:
+                            times[name].append(elapsed)
+                rates = {name: gb / statistics.median(t) for name, t in times.items()}
+            mode_name = "buffered" if mode == "cold" else mode
+            case = f"put {count}x{label} {mode_name} qd{depth}"
+            emit(
+                case, rates["uring"], rates["file"], f"file backend ({min(depth, 64)} threads)", 0.9
+            )
+            emit(case, rates["uring"], rates["raw"], "os.pwritev loop", None)
+    shutil.rmtree(raw_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="reduced sizes, under a minute")
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="directory on the disk to measure (default: a temp dir)",
+    )
+    parser.add_argument("--depths", default="1,8,32", help="queue depths, comma-separated")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
+    args = parser.parse_args(argv)
+    reason = probe_io_uring()
+    if reason is not None:
+        print(f"io_uring unavailable: {reason}", file=sys.stderr)
+        return 2
+    depths = [int(d) for d in args.depths.split(",")]
+    parent = args.root or Path(tempfile.gettempdir())
+    root = Path(tempfile.mkdtemp(prefix="kvtier-uring-bench-", dir=parent))
+    os.chmod(root, 0o700)
+    if args.quick:
+        sizes = [("8MiB", 24, 8 * MiB, 24), ("128KiB", 768, 128 * KiB, 768)]
+        reps = args.reps or 2
+        modes = ["cold"]
+    else:
+        sizes = [("8MiB", 256, 8 * MiB, 48), ("128KiB", 4096, 128 * KiB, 4096)]
+        reps = args.reps or 3
+        modes = ["cold", "o_direct"]
+    arena = Arena(max(slots * (HEADER + payload) for _, _, payload, slots in sizes))
+    need = max(count * (HEADER + payload) for _, count, payload, _ in sizes) * 2
+    free = shutil.disk_usage(parent).free
+    if free < need * 1.5:
+        print(
+            f"need about {need >> 20} MiB free under {parent}, have {free >> 20}", file=sys.stderr
+        )
+        return 2
+    try:
+        for label, count, payload, slots in sizes:
+            bench_size(root, arena, label, count, payload, slots, depths, reps, modes)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
