@@ -13,7 +13,8 @@ fewer pages) and each queue depth (1, 8, 32) it times:
 The uring backend runs at queue depth q, the file backend with q I/O threads (its way of
 keeping q requests in flight), the raw loop one request at a time in this thread. All
 three move the same bytes between the same aligned host buffers and files, interleaved
-in each repetition after a warm-up, and the median of the repetitions is reported.
+in each repetition after a warm-up round (an eighth of the pages), and the median of the
+repetitions is reported (puts use one repetition fewer than gets: each writes new files).
 """
 
 from __future__ import annotations
@@ -148,6 +149,28 @@ def backends(root: Path, depth: int, direct: bool) -> Iterator[tuple[UringBacken
         file.close()
 
 
+def measure(
+    run: dict[str, Callable[[int], Any]],
+    before: Callable[[str], Any],
+    count: int,
+    reps: int,
+) -> dict[str, float]:
+    """Median seconds per implementation; ``run[name](n)`` moves the first n pages.
+
+    One warm-up round moves an eighth of the pages; then ``reps`` rounds move all of them,
+    the implementations interleaved within each round; ``before(name)`` runs untimed.
+    """
+    times: dict[str, list[float]] = {name: [] for name in run}
+    for rep in range(reps + 1):
+        n = count if rep else max(1, count // 8)
+        for name, fn in run.items():
+            before(name)
+            elapsed = timed(lambda fn=fn, n=n: fn(n))
+            if rep:
+                times[name].append(elapsed)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def bench_size(
     root: Path,
     arena: Arena,
@@ -159,79 +182,68 @@ def bench_size(
     reps: int,
     modes: list[str],
 ) -> None:
+    """Every get and put case of one page size."""
     pages = make_pages(arena, count, payload, slots)
     nbytes = count * (HEADER + payload)
     keys = [f"{label.lower()}-{i}" for i in range(count)]
-    store = root / "default"
     raw_dir = root / "raw"
     raw_dir.mkdir(exist_ok=True, mode=0o700)
     raw_paths = [raw_dir / f"{label}-{i}" for i in range(count)]
     gb = nbytes / 1e9
     small = payload <= 256 * KiB
-    # Write the data set once with each writer, sync it so it can be dropped from cache.
+    # Write the data set once for each reader, synced so it can be dropped from the cache.
     with backends(root, 32, False) as (uring, _file):
         assert all(uring.put(keys, pages))
+        paths = [fs.page_path(uring.store, key) for key in keys]
     raw_write(raw_paths, pages, False)
     os.sync()
-    paths = [fs.page_path(store, key) for key in keys]
     for mode in modes:
         direct = mode == "o_direct"
         for depth in depths:
             with backends(root, depth, direct) as (uring, file):
-                impls: dict[str, Callable[[], Any]] = {
-                    "uring": lambda u=uring: u.get(keys, pages),
-                    "file": lambda f=file: f.get(keys, pages),
-                    "raw": lambda d=direct: raw_read(raw_paths, pages, d),
+                run: dict[str, Callable[[int], Any]] = {
+                    "uring": lambda n, u=uring: u.get(keys[:n], pages[:n]),
+                    "file": lambda n, f=file: f.get(keys[:n], pages[:n]),
+                    "raw": lambda n, d=direct: raw_read(raw_paths[:n], pages[:n], d),
                 }
-                times: dict[str, list[float]] = {name: [] for name in impls}
-                for rep in range(reps + 1):  # the first round is the warm-up
-                    for name, fn in impls.items():
-                        if not direct:
-                            drop_cache(raw_paths if name == "raw" else paths)
-                        elapsed = timed(fn)
-                        if rep:
-                            times[name].append(elapsed)
-                rates = {name: gb / statistics.median(t) for name, t in times.items()}
+
+                def cold(name: str, direct: bool = direct) -> None:
+                    if not direct:
+                        drop_cache(raw_paths if name == "raw" else paths)
+
+                seconds = measure(run, cold, count, reps)
+            rates = {name: gb / s for name, s in seconds.items()}
             case = f"get {count}x{label} {mode} qd{depth}"
             target = 1.2 if small and depth >= 8 else 0.9
-            emit(
-                case,
-                rates["uring"],
-                rates["file"],
-                f"file backend ({min(depth, 64)} threads)",
-                target,
-            )
+            threads = f"file backend ({min(depth, 64)} threads)"
+            emit(case, rates["uring"], rates["file"], threads, target)
             emit(case, rates["uring"], rates["raw"], "os.preadv loop", None)
     for mode in modes:
         direct = mode == "o_direct"
         for depth in depths:
             with backends(root, depth, direct) as (uring, file):
-                impls = {
-                    "uring": lambda u=uring: u.put(keys, pages),
-                    "file": lambda f=file: f.put(keys, pages),
-                    "raw": lambda d=direct: raw_write(raw_paths, pages, d),
+                run = {
+                    "uring": lambda n, u=uring: u.put(keys[:n], pages[:n]),
+                    "file": lambda n, f=file: f.put(keys[:n], pages[:n]),
+                    "raw": lambda n, d=direct: raw_write(raw_paths[:n], pages[:n], d),
                 }
-                cleanup: dict[str, Callable[[], Any]] = {
+                removers: dict[str, Callable[[], Any]] = {
                     "uring": lambda u=uring: u.delete(keys),
                     "file": lambda f=file: f.delete(keys),
                     "raw": lambda: [p.unlink(missing_ok=True) for p in raw_paths],
                 }
-                times = {name: [] for name in impls}
-                for rep in range(reps + 1):
-                    for name, fn in impls.items():
-                        # New pages each time (a backup writes new keys), from a clean
-                        # page cache: both outside the timing.
-                        cleanup[name]()
-                        os.sync()
-                        elapsed = timed(fn)
-                        if rep:
-                            times[name].append(elapsed)
-                rates = {name: gb / statistics.median(t) for name, t in times.items()}
-            mode_name = "buffered" if mode == "cold" else mode
-            case = f"put {count}x{label} {mode_name} qd{depth}"
-            emit(
-                case, rates["uring"], rates["file"], f"file backend ({min(depth, 64)} threads)", 0.9
-            )
+
+                def fresh(name: str, removers: dict[str, Callable[[], Any]] = removers) -> None:
+                    # New pages every time (a backup writes new keys), starting from a clean
+                    # page cache; both untimed.
+                    removers[name]()
+                    os.sync()
+
+                seconds = measure(run, fresh, count, max(1, reps - 1))
+            rates = {name: gb / s for name, s in seconds.items()}
+            case = f"put {count}x{label} {'buffered' if mode == 'cold' else mode} qd{depth}"
+            threads = f"file backend ({min(depth, 64)} threads)"
+            emit(case, rates["uring"], rates["file"], threads, 0.9)
             emit(case, rates["uring"], rates["raw"], "os.pwritev loop", None)
     shutil.rmtree(raw_dir)
 
