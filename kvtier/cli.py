@@ -580,7 +580,11 @@ def main(argv: Sequence[str] | None = None, *, registry: Registry | None = None)
     try:
         run: Callable[[argparse.Namespace], int] | None = getattr(args, "_kvtier_run", None)
         if run is not None:
-            return int(run(args))
+            try:
+                return int(run(args))
+            except KvtierError as exc:  # a bench that did not catch its own config error
+                _print_error(exc)
+                return EXIT_ERROR
         command: Callable[[argparse.Namespace, Registry], int] = args._kvtier_registry_cmd
         try:
             loaded = registry if registry is not None else _load_registry()
