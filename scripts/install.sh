@@ -23,3 +23,5 @@ fi
 
 "$PY" -m pip install -q -e ".[dev,uring,mooncake-cpu]"
 "$PY" -m pip install -q -e examples/kvtier-example-backend
+# SGLang's storage classes, without its serving stack, for the integration tests.
+bash scripts/install-sglang.sh

@@ -115,7 +115,7 @@ def make_cache(
     **config: Any,
 ) -> TieredCache:
     """A small cache over a CPU device pool; ``instance`` plugs in a specific backend."""
-    settings = {**(geometry or GEOMETRY), "host_pages": 32, **config}
+    settings = {"backend": "memory", **(geometry or GEOMETRY), "host_pages": 32, **config}
     if instance is not None:
         _Shared.backend = instance
         settings["backend"] = "shared"

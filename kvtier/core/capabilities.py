@@ -15,9 +15,10 @@ load order. The layout order prefers the fewest and largest copies and I/O reque
 1. ``page_first_direct``: each (page, layer) block is contiguous on the host, matching a
    device pool's per-layer page, so a page moves as whole-block copies, and a stored page
    is two extents (K, V) or one (MLA).
-2. ``page_first``: a page is still two extents for storage, but device <-> host copies
-   are token-granular (a gather/scatter kernel).
-3. ``page_head``: head-major pages, useful for head-sharded storage; token-granular copies.
+2. ``page_first``: a page is still two extents (K, V) for storage, but each host block
+   interleaves layers per token, so a device <-> host copy is a strided copy per layer.
+3. ``page_head``: head-major pages, useful for head-sharded storage; the most strided
+   device <-> host copies of the four.
 4. ``layer_first``: the device's own order, but each stored page splits into
    2 x layers small extents, the most I/O requests per page.
 

@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 #: The storage backend an engine gets when it names none.
-DEFAULT_BACKEND = "memory"
+DEFAULT_BACKEND = "file"
 #: The value of ``io_backend`` / ``layout`` that lets capability resolution choose.
 AUTO = "auto"
 
