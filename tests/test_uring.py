@@ -171,6 +171,13 @@ def test_config_mirrors_the_file_backend_fields() -> None:
     assert UringConfig().root == FileConfig().root  # same default store, same format
 
 
+def test_every_option_is_documented() -> None:
+    doc = (Path(__file__).parent.parent / "docs" / "choosing-a-backend.md").read_text()
+    for name, field in UringConfig.model_fields.items():
+        assert f"| `{name}` |" in doc, f"docs/choosing-a-backend.md lacks option {name!r}"
+        assert field.description, f"UringConfig.{name} has no description"
+
+
 def test_o_direct_plan_is_refused_when_extents_cannot_align() -> None:
     odd = KVGeometry.mha(num_layers=2, num_kv_heads=1, head_dim=6, dtype="float16", page_size=3)
     context = BackendContext(geometry=odd, layout=Layout.PAGE_FIRST)
