@@ -132,18 +132,45 @@ def test_a_failing_probe_makes_resolution_fail_with_its_reason() -> None:
     assert "uring" in str(info.value) and "EPERM" in str(info.value)
 
 
+def test_forbidden_io_uring_is_listed_and_refused_at_resolution(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvtier import cli
+    from kvtier.backends import uring
+    from kvtier.core.capabilities import resolve
+    from kvtier.core.config import load_engine_config
+    from kvtier.plugins.manager import load_registry
+
+    reason = "io_uring_setup is forbidden here (EPERM): a seccomp profile blocks it"
+    monkeypatch.setattr(uring, "_probe_uncached", lambda: reason)
+    uring.probe_io_uring.cache_clear()
+    try:
+        registry = load_registry(autoload=False)
+        config = load_engine_config(
+            '{"backend": "uring", "num_layers": 2, "num_kv_heads": 2, "head_dim": 64}'
+        )
+        with pytest.raises(BackendUnavailableError) as info:
+            resolve(config, registry.backends, registry.io_backends)
+        assert info.value.reason == reason
+        assert "pip install 'kvtier[uring]'" in str(info.value)
+        cli.main(["backends"], registry=registry)
+        listing = capsys.readouterr().out
+        assert "uring" in listing and "EPERM" in listing
+        with pytest.raises(BackendUnavailableError, match="EPERM"):
+            UringBackend(UringConfig())  # built directly, it refuses too
+    finally:
+        uring.probe_io_uring.cache_clear()
+
+
 @pytest.mark.parametrize(
     ("code", "expected"),
     [(errno.EPERM, "forbidden"), (errno.ENOSYS, "no io_uring"), (errno.ENOMEM, "failed")],
 )
 def test_probe_explains_setup_errors(
-    monkeypatch: pytest.MonkeyPatch, code: int, expected: str
+    uring_ok: None, monkeypatch: pytest.MonkeyPatch, code: int, expected: str
 ) -> None:
-    liburing = (
-        pytest.importorskip("liburing")
-        if os.environ.get("KVTIER_REQUIRE_URING") != "1"
-        else __import__("liburing")
-    )
+    import liburing
+
     from kvtier.backends import uring
 
     def refuse(*args: object) -> None:
