@@ -592,6 +592,53 @@ def test_enospc_fails_only_that_page_and_leaves_nothing_partial(
             subprocess.run(["umount", str(mount)], check=False)
 
 
+def test_a_bug_mid_batch_leaves_no_temp_files_or_descriptors(
+    make: Callable[..., UringBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = make(queue_depth=2, capacity_bytes=10 * 5000)
+    datas = [_data(i, 5000) for i in range(6)]
+    real_open_temp = fs.open_temp
+    calls = 0
+
+    def failing_open_temp(final: Path, *, o_direct: bool = False) -> tuple[int, Path]:
+        nonlocal calls
+        calls += 1
+        if calls == 4:
+            raise RuntimeError("injected bug")
+        return real_open_temp(final, o_direct=o_direct)
+
+    backend.get(["warm"], [_blank(1)])  # the ring exists before counting descriptors
+    fds_before = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(fs, "open_temp", failing_open_temp)
+    with pytest.raises(RuntimeError, match="injected"):
+        backend.put([f"b{i}" for i in range(6)], [_page(d) for d in datas])
+    monkeypatch.setattr(fs, "open_temp", real_open_temp)
+    assert _temps(backend.store) == []
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    # Nothing stays reserved: the full capacity is usable again.
+    keys = [f"c{i}" for i in range(10)]
+    assert backend.put(keys, [_page(_data(i, 5000)) for i in range(10)]) == [True] * 10
+    assert backend.exists(keys) == [True] * 10
+
+
+def test_ring_survives_a_failing_callback(ring: Any, tmp_path: Path) -> None:
+    from kvtier.backends._uring_ring import IORequest, Op
+
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    os.write(fd, b"z" * 4096)
+
+    def boom(request: IORequest) -> None:
+        raise ValueError("callback bug")
+
+    requests = [IORequest(Op.READ, fd, [memoryview(bytearray(64))]) for _ in range(10)]
+    with pytest.raises(ValueError, match="callback bug"):
+        ring.run(requests, boom)
+    again = IORequest(Op.READ, fd, [memoryview(bytearray(64))])
+    ring.run([again])
+    os.close(fd)
+    assert again.ok and not ring.closed
+
+
 def test_capacity_evicts_least_recently_used(make: Callable[..., UringBackend]) -> None:
     backend = make(capacity_bytes=3000)
     assert backend.put(["a", "b", "c"], [_page(bytes([i]) * 1000) for i in range(3)]) == [True] * 3

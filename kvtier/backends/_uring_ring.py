@@ -235,7 +235,12 @@ class Ring:
                 if self._reap(pending, on_done) == 0 and self._inflight:
                     os.read(self._eventfd, 8)  # blocks with the GIL released
         except BaseException:
-            self._drain()
+            try:
+                self._drain()
+            finally:
+                if self._inflight:  # could not account for everything: retire the ring
+                    self._inflight.clear()
+                    self.close()
             raise
 
     def _start(self, request: IORequest, pending: deque[_Pending], on_done: OnDone | None) -> None:
@@ -342,13 +347,16 @@ class Ring:
 
     def _drain(self) -> None:
         """Wait for everything in flight (after an error) so no buffer is used after return."""
+        try:  # requests prepared before the error but not yet submitted go in now
+            liburing.io_uring_submit(self._ring)
+        except OSError:
+            return
         while self._inflight:
             try:
                 if self._reap(None) == 0:
                     os.read(self._eventfd, 8)
             except OSError:
-                break
-        self._inflight.clear()
+                return
 
 
 class RingPool:

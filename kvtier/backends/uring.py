@@ -206,6 +206,7 @@ class _Put:
     fd: int
     dir_fd: int = -1
     published: bool = False
+    finished: bool = False  # committed or failed: nothing left to clean up
 
 
 class UringBackend(StorageBackend):
@@ -293,6 +294,7 @@ class UringBackend(StorageBackend):
             log.warning(message, *args)
 
     def _fail_put(self, put: _Put, cause: int) -> None:
+        put.finished = True
         fs.unlink_quietly([put.tmp])
         self.index.release(put.nbytes)
         self._fail_cause(cause, put.final)
@@ -413,6 +415,9 @@ class UringBackend(StorageBackend):
                     self.index.release(nbytes)
                     self._fail_cause(exc.errno or errno.EIO, finals[index])
                     continue
+                except BaseException:
+                    self.index.release(nbytes)
+                    raise
                 put = _Put(index, key, finals[index], tmp, nbytes, fd)
                 live[index] = put
                 punt = self._punt(os.O_DIRECT if direct else 0)
@@ -483,12 +488,14 @@ class UringBackend(StorageBackend):
                         self._warn_once(
                             "fsync_errors", "uring backend: fsync of %s: %s", directory, exc
                         )
-        finally:
-            for put in live.values():  # only after an unexpected exception
+        finally:  # after an unexpected exception: close, remove and release what is left
+            for put in [*live.values(), *to_publish]:
                 for fd in (put.fd, put.dir_fd):
                     if fd >= 0:
                         os.close(fd)
-                if not put.published:
+                put.fd = put.dir_fd = -1
+                if not put.published and not put.finished:
+                    put.finished = True
                     fs.unlink_quietly([put.tmp])
                     self.index.release(put.nbytes)
         return results
@@ -500,6 +507,7 @@ class UringBackend(StorageBackend):
         return IORequest(Op.RENAME, -1, paths=(str(put.tmp), str(put.final)), tag=put)
 
     def _committed(self, put: _Put, results: list[bool]) -> None:
+        put.finished = True
         self.index.commit(put.key, put.nbytes)
         results[put.index] = True
         self._counters.add("puts")
