@@ -475,21 +475,33 @@ def test_a_root_written_by_one_backend_is_read_by_the_other(
 def test_publish_happens_only_after_the_whole_page_is_written(
     make: Callable[..., UringBackend], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """New pages are renamed inline, replacements through the ring; both only when whole."""
     backend = make(queue_depth=2, fsync="page")
-    datas = {f"w{i}": _data(i, 12000) for i in range(6)}
-    seen: list[tuple[bool, bytes]] = []
-    real = UringBackend._rename
+    seen: list[tuple[str, bool, bytes]] = []
+    real_replace = os.replace
+    real_rename = UringBackend._rename
 
-    def checking_rename(put: Any) -> Any:  # the rename is queued only now
-        seen.append((put.final.exists(), put.tmp.read_bytes()))
-        return real(put)
+    def checking_replace(src: Any, dst: Any, **kwargs: Any) -> None:
+        if str(dst).startswith(str(backend.store)):
+            seen.append(("inline", Path(dst).exists(), Path(src).read_bytes()))
+        real_replace(src, dst, **kwargs)
 
+    def checking_rename(put: Any) -> Any:  # the ring's rename is queued only now
+        seen.append(("ring", put.final.exists(), put.tmp.read_bytes()))
+        return real_rename(put)
+
+    monkeypatch.setattr(os, "replace", checking_replace)
     monkeypatch.setattr(UringBackend, "_rename", staticmethod(checking_rename))
-    keys = list(datas)
-    assert backend.put(keys, [_page(d, (4096, 5000)) for d in datas.values()]) == [True] * 6
-    assert sorted(body for _, body in seen) == sorted(datas.values())
-    assert not any(existed for existed, _ in seen)
-    assert [fs.page_path(backend.store, k).read_bytes() for k in keys] == list(datas.values())
+    keys = [f"w{i}" for i in range(6)]
+    for version in range(2):
+        datas = [_data(10 * version + i, 12000) for i in range(6)]
+        seen.clear()
+        assert backend.put(keys, [_page(d, (4096, 5000)) for d in datas]) == [True] * 6
+        assert sorted(body for _, _, body in seen) == sorted(datas)
+        assert {how for how, _, _ in seen} == ({"inline"} if version == 0 else {"ring"})
+        assert all(existed == (version == 1) for _, existed, _ in seen)
+        assert [fs.page_path(backend.store, k).read_bytes() for k in keys] == datas
+    assert _temps(backend.store) == []
 
 
 def test_overwrite_and_concurrent_writers_leave_one_whole_page(
