@@ -258,7 +258,8 @@ _TOML_END = re.compile(r"\s*\(at end of document\)\s*$")
 def _parse_toml(text: str, source: str) -> dict[str, Any]:
     """tomllib.loads with every failure turned into an ExtraConfigSyntaxError."""
     try:
-        return tomllib.loads(text)
+        parsed: dict[str, Any] = tomllib.loads(text)
+        return parsed
     except tomllib.TOMLDecodeError as exc:
         message = str(exc)
         match = _TOML_AT.search(message)
