@@ -63,23 +63,35 @@ import logging
 import os
 import stat
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from kvtier.core.errors import ConfigError, InvalidKeyError
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
+
+from kvtier.core.envelope import ENVELOPE_BYTES
+from kvtier.core.errors import ConfigError, InvalidFieldError, InvalidKeyError
+from kvtier.core.geometry import KVGeometry
 from kvtier.core.keys import MAX_KEY_LENGTH, validate_key
+from kvtier.core.layout import Layout
+from kvtier.core.storage import PageBuffers
 
 __all__ = [
+    "DIRECT_ALIGNMENT",
     "DIR_MODE",
     "FILE_MODE",
     "MAX_KEY_LENGTH",
     "PAGE_SUFFIX",
     "Durability",
     "FileIndex",
+    "FileStoreOptions",
+    "check_direct_plan",
     "check_key",
+    "default_root",
+    "direct_aligned",
     "ensure_private_dir",
     "fsync_dir",
     "is_no_space",
@@ -87,6 +99,7 @@ __all__ = [
     "page_path",
     "page_path_str",
     "prepare_store",
+    "probe_o_direct",
     "publish",
     "remove_stale_temps",
     "scan_pages",
@@ -104,6 +117,116 @@ PAGE_SUFFIX = ".kv"
 TEMP_SUFFIX = ".tmp"
 _temp_seq: dict[int, int] = {}
 _temp_lock = threading.Lock()
+#: O_DIRECT needs buffers, lengths and offsets aligned to the device's logical block;
+#: 4096 covers every common device and matches the envelope size.
+DIRECT_ALIGNMENT = 4096
+
+
+def default_root() -> Path:
+    """``<tempdir>/kvtier-<uid>/file``: private to this user, created 0700."""
+    return Path(tempfile.gettempdir()) / f"kvtier-{os.geteuid()}" / "file"
+
+
+class FileStoreOptions(BaseModel):
+    """Options every backend on this on-disk scheme takes (``file``, ``uring``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    root: Path = Field(
+        default_factory=default_root,
+        description="Directory holding the pages (created 0700; an existing one must be "
+        "private to this user). Default: <tempdir>/kvtier-<uid>/file.",
+    )
+    fsync: Durability = Field(
+        default="none",
+        description="Durability: 'none' survives a process crash, not a power cut; "
+        "'page' fsyncs each page and its directory; 'batch' fsyncs each page and each "
+        "touched directory once per batch.",
+    )
+    o_direct: bool = Field(
+        default=False,
+        description="Bypass the page cache (O_DIRECT). Needs extents that are multiples of "
+        "4096 bytes (checked at config time) and a filesystem that supports it (checked "
+        "at start-up).",
+    )
+    capacity_bytes: ByteSize | None = Field(
+        default=None,
+        gt=0,
+        description="Most bytes of pages kept; least recently used pages are evicted "
+        "beyond it. None: bounded only by min_free_bytes. An integer or '64GiB'.",
+    )
+    min_free_bytes: ByteSize = Field(
+        default=ByteSize(1 << 30),
+        ge=0,
+        description="Free space always left on the filesystem; pages are evicted (or the "
+        "put fails) rather than going below it.",
+    )
+    check_disk_on_miss: bool = Field(
+        default=True,
+        description="On an index miss, exists() stats the file once, so pages written by "
+        "other processes sharing the root are found.",
+    )
+
+
+def _extent_lengths(geometry: KVGeometry, layout: Layout) -> list[int]:
+    """The lengths of one page's payload extents in ``layout`` (see kvtier.core.layout)."""
+    per_layer = geometry.page_size * geometry.token_bytes_per_layer
+    if layout is Layout.LAYER_FIRST:
+        return [per_layer] * (geometry.kv_count * geometry.num_layers)
+    return [per_layer * geometry.num_layers] * geometry.kv_count
+
+
+def check_direct_plan(config: Any, context: Any, field: str) -> None:
+    """Refuse O_DIRECT at config time when the page's extents cannot be 4096-aligned.
+
+    ``field`` names the option in the error (``file.o_direct``, ``uring.o_direct``).
+    """
+    if not getattr(config, "o_direct", False):
+        return
+    geometry: KVGeometry = context.geometry
+    layout = Layout(context.layout)
+    lengths = _extent_lengths(geometry, layout)
+    if ENVELOPE_BYTES % DIRECT_ALIGNMENT == 0 and all(n % DIRECT_ALIGNMENT == 0 for n in lengths):
+        return
+    working = [
+        other.value
+        for other in Layout
+        if all(n % DIRECT_ALIGNMENT == 0 for n in _extent_lengths(geometry, other))
+    ]
+    hint = (
+        f"use layout {' or '.join(repr(w) for w in working)}, or set o_direct to false"
+        if working
+        else "set o_direct to false (no layout aligns this geometry)"
+    )
+    raise InvalidFieldError(
+        field,
+        f"O_DIRECT needs every extent to be a multiple of {DIRECT_ALIGNMENT} bytes, but "
+        f"layout {layout.value!r} cuts a page of {geometry.describe()} into extents of "
+        f"{lengths[0]} bytes; {hint}",
+        value=True,
+    )
+
+
+def direct_aligned(page: PageBuffers) -> bool:
+    """Whether every extent of ``page`` may be transferred with O_DIRECT."""
+    return all(e.ptr % DIRECT_ALIGNMENT == 0 and e.length % DIRECT_ALIGNMENT == 0 for e in page)
+
+
+def probe_o_direct(store: Path, root: Path) -> None:
+    """Refuse at start-up, with a ConfigError naming ``root``, a store that rejects O_DIRECT."""
+    probe = store / f".o_direct_probe.{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ConfigError(
+            f"o_direct is set but the filesystem holding {str(store)!r} refused "
+            f"O_DIRECT ({exc.strerror}); older tmpfs, some overlay and network "
+            "filesystems do not support it: choose a 'root' on a local disk or set "
+            "o_direct to false",
+            value=str(root),
+        ) from exc
+    os.close(fd)
+    os.unlink(probe)
 
 
 def check_key(key: str) -> str:
@@ -393,6 +516,15 @@ class FileIndex:
         """Bytes of the pages in this index."""
         with self._lock:
             return self._bytes
+
+    def stats(self) -> dict[str, int | float]:
+        """The index's part of a backend's ``stats()``: pages, bytes and evictions."""
+        return {
+            "pages": len(self),
+            "bytes": self.stored_bytes,
+            "evictions": self.evictions,
+            "evicted_bytes": self.evicted_bytes,
+        }
 
     def keys(self) -> list[str]:
         """The indexed keys, least recently used first."""

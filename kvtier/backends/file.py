@@ -13,20 +13,16 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field
+from pydantic import Field
 
 from kvtier.backends import _filestore as fs
-from kvtier.core.envelope import ENVELOPE_BYTES
-from kvtier.core.errors import ConfigError, InvalidFieldError, StorageError
-from kvtier.core.geometry import KVGeometry
-from kvtier.core.layout import Layout
+from kvtier.core.errors import StorageError
 from kvtier.core.specs import BackendSpec, Feature
 from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBackend
 from kvtier.plugins.hookspecs import hookimpl
@@ -35,52 +31,16 @@ __all__ = ["FILE_SPEC", "FileBackend", "FileConfig", "default_root", "validate_f
 
 log = logging.getLogger(__name__)
 
-#: O_DIRECT needs buffers, lengths and offsets aligned to the device's logical block;
-#: 4096 covers every common device.
-DIRECT_ALIGNMENT = 4096
+#: O_DIRECT alignment (kept here for importers; the shared value lives in _filestore).
+DIRECT_ALIGNMENT = fs.DIRECT_ALIGNMENT
 #: Linux accepts at most this many regions per preadv/pwritev call.
 _IOV_MAX = 1024
+default_root = fs.default_root
 
 
-def default_root() -> Path:
-    """``<tempdir>/kvtier-<uid>/file``: private to this user, created 0700."""
-    return Path(tempfile.gettempdir()) / f"kvtier-{os.geteuid()}" / "file"
+class FileConfig(fs.FileStoreOptions):
+    """Options of the ``file`` backend: the shared store options, plus the thread pool."""
 
-
-class FileConfig(BaseModel):
-    """Options of the ``file`` backend."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    root: Path = Field(
-        default_factory=default_root,
-        description="Directory holding the pages (created 0700; an existing one must be "
-        "private to this user). Default: <tempdir>/kvtier-<uid>/file.",
-    )
-    fsync: Literal["none", "page", "batch"] = Field(
-        default="none",
-        description="Durability: 'none' survives a process crash, not a power cut; "
-        "'page' fsyncs each page and its directory; 'batch' fsyncs each page and each "
-        "touched directory once per batch.",
-    )
-    o_direct: bool = Field(
-        default=False,
-        description="Bypass the page cache (O_DIRECT). Needs extents that are multiples of "
-        "4096 bytes (checked at config time) and a filesystem that supports it (checked "
-        "at start-up).",
-    )
-    capacity_bytes: ByteSize | None = Field(
-        default=None,
-        gt=0,
-        description="Most bytes of pages kept; least recently used pages are evicted "
-        "beyond it. None: bounded only by min_free_bytes. An integer or '64GiB'.",
-    )
-    min_free_bytes: ByteSize = Field(
-        default=ByteSize(1 << 30),
-        ge=0,
-        description="Free space always left on the filesystem; pages are evicted (or the "
-        "put fails) rather than going below it.",
-    )
     io_threads: int = Field(
         default=4,
         ge=1,
@@ -88,47 +48,11 @@ class FileConfig(BaseModel):
         description="Threads issuing reads and writes for one batch, so that several "
         "requests are in flight.",
     )
-    check_disk_on_miss: bool = Field(
-        default=True,
-        description="On an index miss, exists() stats the file once, so pages written by "
-        "other processes sharing the root are found.",
-    )
-
-
-def _extent_lengths(geometry: KVGeometry, layout: Layout) -> list[int]:
-    """The lengths of one page's payload extents in ``layout`` (see kvtier.core.layout)."""
-    per_layer = geometry.page_size * geometry.token_bytes_per_layer
-    if layout is Layout.LAYER_FIRST:
-        return [per_layer] * (geometry.kv_count * geometry.num_layers)
-    return [per_layer * geometry.num_layers] * geometry.kv_count
 
 
 def validate_file_plan(config: Any, context: Any) -> None:
     """Refuse O_DIRECT at config time when the page's extents cannot be 4096-aligned."""
-    if not getattr(config, "o_direct", False):
-        return
-    geometry: KVGeometry = context.geometry
-    layout = Layout(context.layout)
-    lengths = _extent_lengths(geometry, layout)
-    if ENVELOPE_BYTES % DIRECT_ALIGNMENT == 0 and all(n % DIRECT_ALIGNMENT == 0 for n in lengths):
-        return
-    working = [
-        other.value
-        for other in Layout
-        if all(n % DIRECT_ALIGNMENT == 0 for n in _extent_lengths(geometry, other))
-    ]
-    hint = (
-        f"use layout {' or '.join(repr(w) for w in working)}, or set o_direct to false"
-        if working
-        else "set o_direct to false (no layout aligns this geometry)"
-    )
-    raise InvalidFieldError(
-        "file.o_direct",
-        f"O_DIRECT needs every extent to be a multiple of {DIRECT_ALIGNMENT} bytes, but "
-        f"layout {layout.value!r} cuts a page of {geometry.describe()} into extents of "
-        f"{lengths[0]} bytes; {hint}",
-        value=True,
-    )
+    fs.check_direct_plan(config, context, "file.o_direct")
 
 
 def _check_keys(keys: Sequence[str]) -> None:
@@ -174,10 +98,6 @@ def _preadv_all(fd: int, views: list[memoryview]) -> int:
     return offset
 
 
-def _aligned(page: PageBuffers) -> bool:
-    return all(e.ptr % DIRECT_ALIGNMENT == 0 and e.length % DIRECT_ALIGNMENT == 0 for e in page)
-
-
 class FileBackend(StorageBackend):
     """Pages as files under ``root/<namespace>``; see :mod:`kvtier.backends._filestore`."""
 
@@ -190,7 +110,7 @@ class FileBackend(StorageBackend):
         self.store = fs.prepare_store(self.config.root, namespace)
         self._store_str = os.fspath(self.store)
         if self.config.o_direct:
-            self._probe_o_direct()
+            fs.probe_o_direct(self.store, self.config.root)
         self.index = fs.FileIndex(
             self.store,
             capacity_bytes=self.config.capacity_bytes,
@@ -211,21 +131,6 @@ class FileBackend(StorageBackend):
         return cls(config, context)
 
     # --- helpers -------------------------------------------------------------------------
-
-    def _probe_o_direct(self) -> None:
-        probe = self.store / f".o_direct_probe.{os.getpid()}"
-        try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise ConfigError(
-                f"o_direct is set but the filesystem holding {str(self.store)!r} refused "
-                f"O_DIRECT ({exc.strerror}); older tmpfs, some overlay and network "
-                "filesystems do not support it: choose a 'root' on a local disk or set "
-                "o_direct to false",
-                value=str(self.config.root),
-            ) from exc
-        os.close(fd)
-        os.unlink(probe)
 
     def _warn_once(self, what: str, message: str, *args: object) -> None:
         self._counters.add(what)
@@ -252,7 +157,7 @@ class FileBackend(StorageBackend):
     def _direct_for(self, page: PageBuffers) -> bool:
         if not self.config.o_direct:
             return False
-        if _aligned(page):
+        if fs.direct_aligned(page):
             return True
         self._warn_once(
             "o_direct_fallbacks",
@@ -398,13 +303,7 @@ class FileBackend(StorageBackend):
         return self.index.rebuild()
 
     def stats(self) -> dict[str, int | float]:
-        return {
-            **self._counters.snapshot(),
-            "pages": len(self.index),
-            "bytes": self.index.stored_bytes,
-            "evictions": self.index.evictions,
-            "evicted_bytes": self.index.evicted_bytes,
-        }
+        return {**self._counters.snapshot(), **self.index.stats()}
 
     def close(self) -> None:
         with self._lock:

@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field
+from pydantic import Field
 
 from kvtier.backends import _filestore as fs
-from kvtier.backends.file import default_root, validate_file_plan
-from kvtier.core.errors import BackendUnavailableError, ConfigError, InvalidFieldError, StorageError
+from kvtier.core.errors import BackendUnavailableError, StorageError
 from kvtier.core.specs import BackendSpec, Feature
 from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBackend
 from kvtier.plugins.hookspecs import hookimpl
@@ -41,57 +40,19 @@ __all__ = ["URING_SPEC", "UringBackend", "UringConfig", "probe_io_uring", "valid
 
 log = logging.getLogger(__name__)
 
-#: O_DIRECT needs buffers, lengths and file offsets aligned to the device's logical block;
-#: 4096 covers every common device and matches the envelope size.
-DIRECT_ALIGN = 4096
+#: O_DIRECT alignment (kept here for importers; the shared value lives in _filestore).
+DIRECT_ALIGN = fs.DIRECT_ALIGNMENT
 
 
-class UringConfig(BaseModel):
-    """Options of the ``uring`` backend: the file backend's, plus the queue."""
+class UringConfig(fs.FileStoreOptions):
+    """Options of the ``uring`` backend: the shared store options, plus the queue."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    root: Path = Field(
-        default_factory=default_root,
-        description="Directory holding the pages (created 0700; an existing one must be "
-        "private to this user). The 'file' backend's format and default root: either "
-        "backend reads pages the other wrote. Default: <tempdir>/kvtier-<uid>/file.",
-    )
     queue_depth: int = Field(
         default=32,
         ge=1,
         le=4096,
         description="Most requests in flight in each thread's ring; 8-64 keeps a local "
         "NVMe busy, 1 issues one request at a time.",
-    )
-    fsync: Literal["none", "page", "batch"] = Field(
-        default="none",
-        description="Durability: 'none' survives a process crash, not a power cut; "
-        "'page' fsyncs each page and its directory; 'batch' fsyncs each page and each "
-        "touched directory once per batch. Page fsyncs run in the ring, in parallel.",
-    )
-    o_direct: bool = Field(
-        default=False,
-        description="Bypass the page cache (O_DIRECT). Needs 4096-aligned extents and a "
-        "filesystem that supports it (not tmpfs); misaligned pages use buffered I/O, "
-        "logged once and counted as o_direct_fallbacks.",
-    )
-    capacity_bytes: ByteSize | None = Field(
-        default=None,
-        gt=0,
-        description="Most bytes of pages kept; least recently used pages are evicted "
-        "beyond it. None: bounded only by min_free_bytes. An integer or '64GiB'.",
-    )
-    min_free_bytes: ByteSize = Field(
-        default=ByteSize(1 << 30),
-        ge=0,
-        description="Free space always left on the filesystem; pages are evicted (or the "
-        "put fails) rather than going below it.",
-    )
-    check_disk_on_miss: bool = Field(
-        default=True,
-        description="On an index miss, exists() stats the file once, so pages written by "
-        "other processes sharing the root are found.",
     )
     submit_async: Literal["auto", "always", "never"] = Field(
         default="auto",
@@ -104,11 +65,7 @@ class UringConfig(BaseModel):
 
 def validate_uring_plan(config: Any, context: Any) -> None:
     """Refuse O_DIRECT at config time when the page's extents cannot be 4096-aligned."""
-    try:
-        validate_file_plan(config, context)
-    except InvalidFieldError as exc:
-        message = str(exc).removeprefix(f"{exc.path}: ")
-        raise InvalidFieldError("uring.o_direct", message, value=exc.value) from None
+    fs.check_direct_plan(config, context, "uring.o_direct")
 
 
 # --- availability --------------------------------------------------------------------
@@ -191,10 +148,6 @@ def probe_io_uring() -> str | None:
 # --- the backend ---------------------------------------------------------------------
 
 
-def _aligned(page: PageBuffers) -> bool:
-    return all(e.ptr % DIRECT_ALIGN == 0 and e.length % DIRECT_ALIGN == 0 for e in page)
-
-
 @dataclass(eq=False)
 class _Put:
     """One page being written: where, how big, and which result slot it fills."""
@@ -226,7 +179,7 @@ class UringBackend(StorageBackend):
         namespace = context.namespace if context is not None else "default"
         self.store = fs.prepare_store(self.config.root, namespace)
         if self.config.o_direct:
-            self._probe_o_direct()
+            fs.probe_o_direct(self.store, self.config.root)
         self._counters = Counters()
         self.index = fs.FileIndex(
             self.store,
@@ -246,20 +199,6 @@ class UringBackend(StorageBackend):
 
     # --- helpers ---------------------------------------------------------------------
 
-    def _probe_o_direct(self) -> None:
-        probe = self.store / f".o_direct_probe.{os.getpid()}"
-        try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise ConfigError(
-                f"o_direct is set but the filesystem holding {str(self.store)!r} refused "
-                f"O_DIRECT ({exc.strerror}); tmpfs and some overlay filesystems do not "
-                "support it: choose a 'root' on a local disk or set o_direct to false",
-                value=str(self.config.root),
-            ) from exc
-        os.close(fd)
-        os.unlink(probe)
-
     def _check(self, what: str, keys: Sequence[str], pages: Sequence[PageBuffers]) -> None:
         for key in keys:
             fs.check_key(key)
@@ -272,7 +211,7 @@ class UringBackend(StorageBackend):
         """Whether this page may use O_DIRECT; a misaligned one falls back, loudly."""
         if not self.config.o_direct:
             return False
-        if _aligned(page):
+        if fs.direct_aligned(page):
             return True
         self._warn_once(
             "o_direct_fallbacks",
@@ -546,13 +485,7 @@ class UringBackend(StorageBackend):
         return self.index.rebuild()
 
     def stats(self) -> dict[str, int | float]:
-        return {
-            **self._counters.snapshot(),
-            "pages": len(self.index),
-            "bytes": self.index.stored_bytes,
-            "evictions": self.index.evictions,
-            "evicted_bytes": self.index.evicted_bytes,
-        }
+        return {**self._counters.snapshot(), **self.index.stats()}
 
     def close(self) -> None:
         if not self._closed:
