@@ -16,13 +16,14 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ByteSize
 
 from kvtier import bench
 from kvtier.backends import _filestore as fs
@@ -146,7 +147,7 @@ def test_clear_keeps_other_namespaces(root: Path) -> None:
     geometry = KVGeometry.mha(num_layers=1, num_kv_heads=1, head_dim=64, page_size=16)
     ctx_a = BackendContext(geometry, Layout.PAGE_FIRST, namespace="tenant-a")
     ctx_b = BackendContext(geometry, Layout.PAGE_FIRST, namespace="tenant-b")
-    config = FileConfig(root=root, min_free_bytes=0)
+    config = FileConfig(root=root, min_free_bytes=ByteSize(0))
     a, b = FileBackend(config, ctx_a), FileBackend(config, ctx_b)
     a.put(["k"], [make_page(1)])
     b.put(["k"], [make_page(2)])
@@ -161,12 +162,13 @@ def test_clear_keeps_other_namespaces(root: Path) -> None:
 )
 def test_path_like_keys_are_refused_before_any_io(fb: FileBackend, root: Path, key: str) -> None:
     before = files_under(root.parent)
-    for call in (
+    calls: list[Callable[[], object]] = [
         lambda: fb.put([key], [make_page(1)]),
         lambda: fb.get([key], [make_page(1)]),
         lambda: fb.exists([key]),
         lambda: fb.delete([key]),
-    ):
+    ]
+    for call in calls:
         with pytest.raises((KvtierError, ValueError)) as info:
             call()
         assert isinstance(info.value, KvtierError)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
+from pydantic import ByteSize, ValidationError
 
 from kvtier.backends import _filestore as fs
 from kvtier.backends.file import FileBackend, FileConfig
@@ -423,11 +423,12 @@ def test_invalid_keys_raise_before_any_io(make: Callable[..., UringBackend]) -> 
     assert list(backend.store.rglob("*")) == []
 
 
+@pytest.mark.parametrize("queue_depth", [1, 3])
 @pytest.mark.parametrize("fsync", ["none", "page", "batch"])
 def test_each_durability_mode_publishes_whole_pages(
-    make: Callable[..., UringBackend], fsync: str
+    make: Callable[..., UringBackend], fsync: str, queue_depth: int
 ) -> None:
-    backend = make(fsync=fsync, queue_depth=3)
+    backend = make(fsync=fsync, queue_depth=queue_depth)
     datas = [_data(i, 7000) for i in range(10)]
     keys = [f"d{i}" for i in range(10)]
     assert backend.put(keys, [_page(d, (4096,)) for d in datas]) == [True] * 10
@@ -453,14 +454,14 @@ def test_a_root_written_by_one_backend_is_read_by_the_other(
     root = tmp_path / "root"
     datas = [_data(i, 4096 + 3000 * (i + 1)) for i in range(12)]
     keys = [f"x{i}" for i in range(12)]
-    file_backend = FileBackend(FileConfig(root=root, min_free_bytes=0))
+    file_backend = FileBackend(FileConfig(root=root, min_free_bytes=ByteSize(0)))
     try:
         if writer == "file":
             assert file_backend.put(keys, [_page(d, (4096,)) for d in datas]) == [True] * 12
             reader: Any = make()  # built afterwards: finds the pages by scanning
         else:
             assert make().put(keys, [_page(d, (4096,)) for d in datas]) == [True] * 12
-            reader = FileBackend(FileConfig(root=root, min_free_bytes=0))
+            reader = FileBackend(FileConfig(root=root, min_free_bytes=ByteSize(0)))
         assert reader.exists(keys) == [True] * 12
         outs = [_blank(len(d), (4096,)) for d in datas]
         assert reader.get(keys, outs) == [True] * 12
@@ -502,6 +503,46 @@ def test_publish_happens_only_after_the_whole_page_is_written(
         assert all(existed == (version == 1) for _, existed, _ in seen)
         assert [fs.page_path(backend.store, k).read_bytes() for k in keys] == datas
     assert _temps(backend.store) == []
+
+
+@pytest.mark.parametrize(
+    ("queue_depth", "batch", "submit_async", "inline"),
+    [
+        (1, 4, "auto", True),  # nothing can overlap: plain pwritev
+        (8, 1, "auto", True),  # a one-page put: plain pwritev
+        (8, 4, "auto", False),  # several pages in flight: the ring
+        (1, 4, "never", False),  # an explicit mode keeps every write in the ring
+        (1, 4, "always", False),
+    ],
+)
+def test_writes_that_cannot_overlap_are_plain_pwritev(
+    make: Callable[..., UringBackend],
+    monkeypatch: pytest.MonkeyPatch,
+    queue_depth: int,
+    batch: int,
+    submit_async: str,
+    inline: bool,
+) -> None:
+    from kvtier.backends import _uring_ring
+
+    backend = make(queue_depth=queue_depth, submit_async=submit_async)
+    ring_ops: list[Any] = []
+    real_prepare = _uring_ring.Ring._prepare
+
+    def recording(self: Any, request: Any, views: Any, offset: int) -> None:
+        ring_ops.append(request.op)
+        real_prepare(self, request, views, offset)
+
+    monkeypatch.setattr(_uring_ring.Ring, "_prepare", recording)
+    datas = [_data(i, 9000) for i in range(batch)]
+    keys = [f"i{i}" for i in range(batch)]
+    assert backend.put(keys, [_page(d, (4096, 5000)) for d in datas]) == [True] * batch
+    assert (_uring_ring.Op.WRITE not in ring_ops) == inline
+    assert [fs.page_path(backend.store, k).read_bytes() for k in keys] == datas
+    outs = [_blank(9000, (4096,)) for _ in keys]
+    assert backend.get(keys, outs) == [True] * batch  # reads still go through the ring
+    assert [_joined(o) for o in outs] == datas
+    assert _uring_ring.Op.READ in ring_ops
 
 
 def test_overwrite_and_concurrent_writers_leave_one_whole_page(
@@ -562,19 +603,21 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     return done.returncode == 0
 
 
+@pytest.mark.parametrize("submit_async", ["auto", "never"])  # pwritev inline / the ring
 def test_enospc_fails_only_that_page_and_leaves_nothing_partial(
     make: Callable[..., UringBackend],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
+    submit_async: str,
 ) -> None:
     mount = tmp_path / "small"
     mounted = _mount_tmpfs(mount, "512k")
     try:
         if mounted:
-            backend = make(root=mount / "root")
+            backend = make(root=mount / "root", submit_async=submit_async)
         else:  # no mount here: writes of the second page land in /dev/full (ENOSPC)
-            backend = make()
+            backend = make(submit_async=submit_async)
             real_open_temp = fs.open_temp
 
             def full_for_big(final: Path, *, o_direct: bool = False) -> tuple[int, Path]:

@@ -88,6 +88,7 @@ __all__ = [
     "Durability",
     "FileIndex",
     "FileStoreOptions",
+    "advance_views",
     "check_direct_plan",
     "check_key",
     "default_root",
@@ -101,6 +102,7 @@ __all__ = [
     "prepare_store",
     "probe_o_direct",
     "publish",
+    "pwritev_all",
     "remove_stale_temps",
     "scan_pages",
     "store_dir",
@@ -117,6 +119,8 @@ PAGE_SUFFIX = ".kv"
 TEMP_SUFFIX = ".tmp"
 _temp_seq: dict[int, int] = {}
 _temp_lock = threading.Lock()
+#: Linux accepts at most this many regions per preadv/pwritev call.
+IOV_MAX = 1024
 #: O_DIRECT needs buffers, lengths and offsets aligned to the device's logical block;
 #: 4096 covers every common device and matches the envelope size.
 DIRECT_ALIGNMENT = 4096
@@ -279,6 +283,30 @@ def open_temp(final: Path, *, o_direct: bool = False) -> tuple[int, Path]:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(directory, DIR_MODE)
         return os.open(tmp, flags, FILE_MODE), tmp
+
+
+def advance_views(views: list[memoryview], done: int) -> list[memoryview]:
+    """The regions left after the first ``done`` bytes were transferred."""
+    rest: list[memoryview] = []
+    for view in views:
+        if done >= view.nbytes:
+            done -= view.nbytes
+            continue
+        rest.append(view[done:] if done else view)
+        done = 0
+    return rest
+
+
+def pwritev_all(fd: int, views: list[memoryview]) -> int:
+    """Write every region at offset 0 onwards (resuming after short writes); bytes written."""
+    offset = 0
+    while views:
+        written = os.pwritev(fd, views[:IOV_MAX], offset)
+        if written <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += written
+        views = advance_views(views, written)
+    return offset
 
 
 def fsync_dir(directory: Path) -> None:

@@ -10,7 +10,6 @@ and are shared with the io_uring backend.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -33,8 +32,6 @@ log = logging.getLogger(__name__)
 
 #: O_DIRECT alignment (kept here for importers; the shared value lives in _filestore).
 DIRECT_ALIGNMENT = fs.DIRECT_ALIGNMENT
-#: Linux accepts at most this many regions per preadv/pwritev call.
-_IOV_MAX = 1024
 default_root = fs.default_root
 
 
@@ -60,41 +57,16 @@ def _check_keys(keys: Sequence[str]) -> None:
         fs.check_key(key)
 
 
-def _advance(views: list[memoryview], done: int) -> list[memoryview]:
-    """The regions left after the first ``done`` bytes were transferred."""
-    rest: list[memoryview] = []
-    for view in views:
-        if done >= view.nbytes:
-            done -= view.nbytes
-            continue
-        rest.append(view[done:] if done else view)
-        done = 0
-    return rest
-
-
-def _pwritev_all(fd: int, views: list[memoryview]) -> int:
-    """Write every region at offset 0 onwards, resuming after short writes."""
-    offset = 0
-    while views:
-        batch = views[:_IOV_MAX]
-        written = os.pwritev(fd, batch, offset)
-        if written <= 0:
-            raise OSError(errno.EIO, "pwritev wrote nothing")
-        offset += written
-        views = _advance(views, written)
-    return offset
-
-
 def _preadv_all(fd: int, views: list[memoryview]) -> int:
     """Fill every region from offset 0 onwards; stops early only at end of file."""
     offset = 0
     while views:
-        batch = views[:_IOV_MAX]
+        batch = views[: fs.IOV_MAX]
         got = os.preadv(fd, batch, offset)
         if got == 0:
             break
         offset += got
-        views = _advance(views, got)
+        views = fs.advance_views(views, got)
     return offset
 
 
@@ -251,7 +223,7 @@ class FileBackend(StorageBackend):
         try:
             fd, tmp = fs.open_temp(final, o_direct=direct)
             try:
-                _pwritev_all(fd, [e.view for e in page])
+                fs.pwritev_all(fd, [e.view for e in page])
                 if self.config.fsync != "none":
                     os.fdatasync(fd)
             finally:

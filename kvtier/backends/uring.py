@@ -59,7 +59,8 @@ class UringConfig(fs.FileStoreOptions):
         description="Whether reads and writes go to the kernel's io_uring workers "
         "(IOSQE_ASYNC) instead of being tried inline at submission, where page-cache "
         "copies hold the GIL. 'auto': buffered I/O goes to the workers when queue_depth "
-        "> 1, O_DIRECT and queue depth 1 are submitted inline.",
+        "> 1, O_DIRECT and queue depth 1 are submitted inline, and page writes that "
+        "cannot overlap (queue depth 1, a one-page put) are plain pwritev calls.",
     )
 
 
@@ -233,6 +234,17 @@ class UringBackend(StorageBackend):
             return mode == "always"
         return self.config.queue_depth > 1 and not open_flags & os.O_DIRECT
 
+    def _write_inline(self, batch: int) -> bool:
+        """Whether a put's page writes are plain ``os.pwritev`` calls in this thread.
+
+        'auto' does so when nothing can overlap (queue depth 1, or a batch of one page):
+        ext4 cannot take a buffered write without blocking, so io_uring hands every
+        one to a kernel worker (seen with the io_uring_queue_async_work tracepoint),
+        adding a hand-off and a wake-up per page to the same copy; ``os.pwritev`` also
+        releases the GIL. The rename, fsyncs and reads still go through the ring.
+        """
+        return self.config.submit_async == "auto" and (self.config.queue_depth == 1 or batch == 1)
+
     def _warn_once(self, what: str, message: str, *args: object) -> None:
         """Count ``what`` and log its first occurrence at WARNING."""
         self._counters.add(what)
@@ -346,6 +358,7 @@ class UringBackend(StorageBackend):
         finals = [fs.page_path(self.store, key) for key in keys]
         durability = self.config.fsync
         results = [False] * len(keys)
+        inline = self._write_inline(len(keys))
         live: dict[int, _Put] = {}  # index -> page not yet finished, for cleanup after a bug
         to_publish: list[_Put] = []
 
@@ -368,8 +381,19 @@ class UringBackend(StorageBackend):
                     raise
                 put = _Put(index, key, finals[index], tmp, nbytes, fd)
                 live[index] = put
-                punt = self._punt(os.O_DIRECT if direct else 0)
-                yield IORequest(Op.WRITE, fd, [e.view for e in page], tag=put, punt=punt)
+                views = [e.view for e in page]
+                if not inline:
+                    punt = self._punt(os.O_DIRECT if direct else 0)
+                    yield IORequest(Op.WRITE, fd, views, tag=put, punt=punt)
+                    continue
+                write = IORequest(Op.WRITE, fd, views, tag=put)
+                try:
+                    write.done = fs.pwritev_all(fd, views)
+                except OSError as exc:
+                    write.error = exc.errno or errno.EIO
+                follow_up = on_done(write)  # the rest of the chain as if the ring wrote it
+                if follow_up is not None:
+                    yield follow_up
 
         def on_done(request: IORequest) -> IORequest | None:
             put: _Put = request.tag
