@@ -7,14 +7,15 @@ fewer pages) and each queue depth (1, 8, 32) it times:
 - ``get ... cold``: the page cache of every page file is dropped before each repetition
   (``posix_fadvise(DONTNEED)`` per file, so other processes' caches are left alone);
 - ``get ... o_direct``: O_DIRECT reads into 4096-aligned memory;
-- ``put ...``: puts of new pages, buffered (fsync 'none') and O_DIRECT; the previous
-  repetition's pages are deleted and dirty data synced between repetitions, untimed.
+- ``put ...``: puts of new pages, buffered (fsync 'none') and O_DIRECT; before each
+  timed put the previous pages are deleted and after it the dirty data is synced, both
+  untimed, so every implementation starts from the same state.
 
 The uring backend runs at queue depth q, the file backend with q I/O threads (its way of
 keeping q requests in flight), the raw loop one request at a time in this thread. All
 three move the same bytes between the same aligned host buffers and files, interleaved
-in each repetition after a warm-up round (an eighth of the pages), and the median of the
-repetitions is reported (puts use one repetition fewer than gets: each writes new files).
+in each repetition (in an order rotated from one repetition to the next) after a warm-up
+round (an eighth of the pages), and the median of the repetitions is reported.
 """
 
 from __future__ import annotations
@@ -154,18 +155,25 @@ def measure(
     before: Callable[[str], Any],
     count: int,
     reps: int,
+    after: Callable[[], Any] | None = None,
 ) -> dict[str, float]:
     """Median seconds per implementation; ``run[name](n)`` moves the first n pages.
 
     One warm-up round moves an eighth of the pages; then ``reps`` rounds move all of them,
-    the implementations interleaved within each round; ``before(name)`` runs untimed.
+    the implementations interleaved within each round, and the order rotated from round
+    to round so that no implementation always follows the same one; ``before(name)`` and
+    ``after()`` run untimed around each timed call.
     """
     times: dict[str, list[float]] = {name: [] for name in run}
+    names = list(run)
     for rep in range(reps + 1):
         n = count if rep else max(1, count // 8)
-        for name, fn in run.items():
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
             before(name)
-            elapsed = timed(lambda fn=fn, n=n: fn(n))
+            elapsed = timed(lambda fn=run[name], n=n: fn(n))
+            if after is not None:
+                after()
             if rep:
                 times[name].append(elapsed)
     return {name: statistics.median(t) for name, t in times.items()}
@@ -181,8 +189,9 @@ def bench_size(
     depths: list[int],
     reps: int,
     modes: list[str],
+    ops: set[str],
 ) -> None:
-    """Every get and put case of one page size."""
+    """Every get and put case (of ``ops``) of one page size."""
     pages = make_pages(arena, count, payload, slots)
     nbytes = count * (HEADER + payload)
     keys = [f"{label.lower()}-{i}" for i in range(count)]
@@ -197,7 +206,7 @@ def bench_size(
         paths = [fs.page_path(uring.store, key) for key in keys]
     raw_write(raw_paths, pages, False)
     os.sync()
-    for mode in modes:
+    for mode in modes if "get" in ops else []:
         direct = mode == "o_direct"
         for depth in depths:
             with backends(root, depth, direct) as (uring, file):
@@ -218,7 +227,7 @@ def bench_size(
             threads = f"file backend ({min(depth, 64)} threads)"
             emit(case, rates["uring"], rates["file"], threads, target)
             emit(case, rates["uring"], rates["raw"], "os.preadv loop", None)
-    for mode in modes:
+    for mode in modes if "put" in ops else []:
         direct = mode == "o_direct"
         for depth in depths:
             with backends(root, depth, direct) as (uring, file):
@@ -235,11 +244,15 @@ def bench_size(
 
                 def fresh(name: str, removers: dict[str, Callable[[], Any]] = removers) -> None:
                     # New pages every time (a backup writes new keys), starting from a clean
-                    # page cache; both untimed.
+                    # page cache; untimed.
                     removers[name]()
                     os.sync()
 
-                seconds = measure(run, fresh, count, max(1, reps - 1))
+                # os.sync after each timed put (untimed): uring and file share their keys,
+                # so without it each would delete the other's still-dirty pages just before
+                # its own run and find the freed page cache warm, while the other finds
+                # written-back pages: on this VM that alone moved 8 MiB puts 0.2x-5x.
+                seconds = measure(run, fresh, count, reps, after=os.sync)
             rates = {name: gb / s for name, s in seconds.items()}
             case = f"put {count}x{label} {'buffered' if mode == 'cold' else mode} qd{depth}"
             threads = f"file backend ({min(depth, 64)} threads)"
@@ -259,6 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--depths", default="1,8,32", help="queue depths, comma-separated")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
+    parser.add_argument("--ops", default="get,put", help="operations: get, put or both")
+    parser.add_argument("--sizes", default="8MiB,128KiB", help="page sizes: 8MiB, 128KiB")
+    parser.add_argument("--modes", default=None, help="cold (buffered), o_direct or both")
+    parser.add_argument(
+        "--count-scale", type=float, default=1.0, help="scale the page counts (e.g. 0.25)"
+    )
     args = parser.parse_args(argv)
     reason = probe_io_uring()
     if reason is not None:
@@ -276,6 +295,16 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [("8MiB", 256, 8 * MiB, 48), ("128KiB", 4096, 128 * KiB, 4096)]
         reps = args.reps or 3
         modes = ["cold", "o_direct"]
+    if args.modes:
+        modes = args.modes.split(",")
+    wanted = set(args.sizes.split(","))
+    sizes = [
+        (label, max(8, int(count * args.count_scale)), payload, slots)
+        for label, count, payload, slots in sizes
+        if label in wanted
+    ]
+    sizes = [(label, count, payload, min(slots, count)) for label, count, payload, slots in sizes]
+    ops = set(args.ops.split(","))
     arena = Arena(max(slots * (HEADER + payload) for _, _, payload, slots in sizes))
     need = max(count * (HEADER + payload) for _, count, payload, _ in sizes) * 2
     free = shutil.disk_usage(parent).free
@@ -286,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         for label, count, payload, slots in sizes:
-            bench_size(root, arena, label, count, payload, slots, depths, reps, modes)
+            bench_size(root, arena, label, count, payload, slots, depths, reps, modes, ops)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
