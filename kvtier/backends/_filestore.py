@@ -96,6 +96,7 @@ __all__ = [
     "ensure_private_dir",
     "fsync_dir",
     "is_no_space",
+    "make_shard_dirs",
     "open_temp",
     "page_path",
     "page_path_str",
@@ -106,6 +107,7 @@ __all__ = [
     "remove_stale_temps",
     "scan_pages",
     "store_dir",
+    "temp_flags",
     "temp_path",
     "unlink_quietly",
 ]
@@ -270,18 +272,27 @@ def temp_path(final: Path) -> Path:
     return final.parent / f".{os.getpid()}.{tid}.{seq}{TEMP_SUFFIX}"
 
 
+def temp_flags(*, o_direct: bool = False) -> int:
+    """The open(2) flags of a fresh temp file: write-only, created here, never shared."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    return flags | os.O_DIRECT if o_direct else flags
+
+
+def make_shard_dirs(final: Path) -> None:
+    """Create the two shard directories above ``final`` (0700) where they are missing."""
+    for directory in (final.parent.parent, final.parent):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, DIR_MODE)
+
+
 def open_temp(final: Path, *, o_direct: bool = False) -> tuple[int, Path]:
     """Create a fresh 0600 temp file next to ``final`` (making shard dirs 0700 on demand)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    if o_direct:
-        flags |= os.O_DIRECT
+    flags = temp_flags(o_direct=o_direct)
     tmp = temp_path(final)
     try:
         return os.open(tmp, flags, FILE_MODE), tmp
     except FileNotFoundError:
-        for directory in (final.parent.parent, final.parent):
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(directory, DIR_MODE)
+        make_shard_dirs(final)
         return os.open(tmp, flags, FILE_MODE), tmp
 
 

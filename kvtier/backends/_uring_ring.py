@@ -43,6 +43,7 @@ class Op(enum.IntEnum):
     FSYNC = 2
     FDATASYNC = 3
     RENAME = 4
+    OPEN = 5
 
 
 @dataclass(eq=False)
@@ -63,6 +64,9 @@ class IORequest:
     #: UTF-8 buffer until submission, so they must be str (not Path, whose conversion
     #: makes a temporary) and stay alive: the request holds them until it completes.
     paths: tuple[str, str] | None = None
+    #: For OPEN: ``paths[0]`` is opened with these flags and mode; ``result`` is the fd.
+    open_flags: int = 0
+    mode: int = 0o600
     #: Hand this request to the kernel's io_uring workers (IOSQE_ASYNC) instead of trying
     #: it inline in io_uring_submit, which holds the GIL. Right for buffered I/O (inline
     #: page-cache copies hold the GIL; cold buffered reads inline retry readahead in small
@@ -70,6 +74,8 @@ class IORequest:
     punt: bool = False
     done: int = 0
     error: int = 0
+    #: For OPEN: the new file descriptor (the caller owns and closes it).
+    result: int = -1
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -279,6 +285,10 @@ class Ring:
             if request.paths is None or not all(type(p) is str for p in request.paths):
                 raise TypeError("a RENAME request needs paths=(old, new) as two str objects")
             liburing.io_uring_prep_rename(sqe, request.paths[0], request.paths[1])
+        elif request.op == Op.OPEN:
+            if request.paths is None or type(request.paths[0]) is not str:
+                raise TypeError("an OPEN request needs paths=(path, ...) with a str path")
+            liburing.io_uring_prep_open(sqe, request.paths[0], request.open_flags, request.mode)
         else:
             flags = liburing.IORING_FSYNC_DATASYNC if request.op == Op.FDATASYNC else 0
             liburing.io_uring_prep_fsync(sqe, request.fd, flags)
@@ -326,6 +336,12 @@ class Ring:
         request = item.request
         if result < 0:
             request.error = -result
+            return True
+        if request.op == Op.OPEN:
+            if pending is None:  # draining after an error: nobody will own this descriptor
+                os.close(result)
+            else:
+                request.result = result
             return True
         if request.op not in (Op.READ, Op.WRITE):
             return True

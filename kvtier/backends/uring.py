@@ -21,7 +21,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -159,6 +159,9 @@ class _Put:
     tmp: Path
     nbytes: int
     fd: int
+    views: list[memoryview] = field(default_factory=list)
+    direct: bool = False
+    made_dirs: bool = False
     dir_fd: int = -1
     published: bool = False
     finished: bool = False  # committed or failed: nothing left to clean up
@@ -370,6 +373,17 @@ class UringBackend(StorageBackend):
                     self._counters.add(f"put_failed_{reason}")
                     continue
                 direct = self._direct(page)
+                views = [e.view for e in page]
+                if not inline:  # the create goes through the ring too: ext4 creates are slow
+                    try:
+                        tmp = fs.temp_path(finals[index])
+                    except BaseException:
+                        self.index.release(nbytes)
+                        raise
+                    put = _Put(index, key, finals[index], tmp, nbytes, -1, views, direct)
+                    live[index] = put
+                    yield self._open(put)
+                    continue
                 try:
                     fd, tmp = fs.open_temp(finals[index], o_direct=direct)
                 except OSError as exc:
@@ -381,11 +395,6 @@ class UringBackend(StorageBackend):
                     raise
                 put = _Put(index, key, finals[index], tmp, nbytes, fd)
                 live[index] = put
-                views = [e.view for e in page]
-                if not inline:
-                    punt = self._punt(os.O_DIRECT if direct else 0)
-                    yield IORequest(Op.WRITE, fd, views, tag=put, punt=punt)
-                    continue
                 write = IORequest(Op.WRITE, fd, views, tag=put)
                 try:
                     write.done = fs.pwritev_all(fd, views)
@@ -397,6 +406,23 @@ class UringBackend(StorageBackend):
 
         def on_done(request: IORequest) -> IORequest | None:
             put: _Put = request.tag
+            if request.op == Op.OPEN:
+                if request.error == errno.ENOENT and not put.made_dirs:
+                    put.made_dirs = True  # a new shard: make its directories, open again
+                    try:
+                        fs.make_shard_dirs(put.final)
+                    except OSError as exc:
+                        del live[put.index]
+                        self._fail_put(put, exc.errno or errno.EIO)
+                        return None
+                    return self._open(put)
+                if request.error:
+                    del live[put.index]
+                    self._fail_put(put, request.error)
+                    return None
+                put.fd = request.result
+                punt = self._punt(os.O_DIRECT if put.direct else 0)
+                return IORequest(Op.WRITE, put.fd, put.views, tag=put, punt=punt)
             if request.op == Op.WRITE and request.ok and durability != "none":
                 return IORequest(Op.FDATASYNC, put.fd, tag=put)
             if request.op in (Op.WRITE, Op.FDATASYNC):
@@ -482,6 +508,17 @@ class UringBackend(StorageBackend):
                     fs.unlink_quietly([put.tmp])
                     self.index.release(put.nbytes)
         return results
+
+    @staticmethod
+    def _open(put: _Put) -> IORequest:
+        """Create ``put``'s temp file (0600, O_EXCL) through the ring."""
+        from kvtier.backends._uring_ring import IORequest, Op
+
+        tmp = str(put.tmp)
+        flags = fs.temp_flags(o_direct=put.direct)
+        return IORequest(
+            Op.OPEN, -1, paths=(tmp, tmp), open_flags=flags, mode=fs.FILE_MODE, tag=put
+        )
 
     @staticmethod
     def _rename(put: _Put) -> IORequest:
