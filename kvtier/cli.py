@@ -284,17 +284,22 @@ def _capability_matrix(entry: dict[str, Any], indent: int = 6) -> list[str]:
     return lines
 
 
+def _entry_head(entry: dict[str, Any], suffix: str = "") -> list[str]:
+    """The lines every listed backend starts with: name, status, install hint, origin."""
+    lines = ["", f"  {entry['name']}  [{_status_text(entry)}]{suffix}"]
+    if not entry["available"] and entry["install_hint"]:
+        lines += _wrap("install:", entry["install_hint"])
+    lines += _wrap("plugin:", _origin_text(entry))
+    if entry["description"]:
+        lines += _wrap("description:", entry["description"])
+    return lines
+
+
 def render_backends(report: dict[str, Any]) -> str:
     """The human-readable listing of :func:`backends_report`."""
     lines = [f"Storage backends ({len(report['backends'])})"]
     for entry in report["backends"]:
-        lines.append("")
-        lines.append(f"  {entry['name']}  [{_status_text(entry)}]")
-        if not entry["available"] and entry["install_hint"]:
-            lines += _wrap("install:", entry["install_hint"])
-        lines += _wrap("plugin:", _origin_text(entry))
-        if entry["description"]:
-            lines += _wrap("description:", entry["description"])
+        lines += _entry_head(entry)
         lines += _wrap("layouts:", _list(entry["layouts"]))
         lines += _wrap("attention:", _list(entry["attention"]))
         lines += _wrap("operations:", _list(entry["operations"]))
@@ -304,13 +309,7 @@ def render_backends(report: dict[str, Any]) -> str:
         lines += _fields_table(entry["config"])
     lines += ["", f"IO backends ({len(report['io_backends'])})"]
     for entry in report["io_backends"]:
-        lines.append("")
-        lines.append(f"  {entry['name']}  [{_status_text(entry)}]  priority {entry['priority']}")
-        if not entry["available"] and entry["install_hint"]:
-            lines += _wrap("install:", entry["install_hint"])
-        lines += _wrap("plugin:", _origin_text(entry))
-        if entry["description"]:
-            lines += _wrap("description:", entry["description"])
+        lines += _entry_head(entry, f"  priority {entry['priority']}")
         lines += _wrap("devices:", _list(entry["devices"]))
         lines.append("    capabilities (x = executes):")
         lines += _capability_matrix(entry)
