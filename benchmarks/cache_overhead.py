@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from _common import interleaved_medians
 
 from kvtier._cache_sim import fill_pages
 from kvtier.backends.memory import MemoryBackend, MemoryConfig
@@ -82,17 +82,6 @@ def _open(geometry: dict[str, Any], pages: int, options: dict[str, Any]) -> Tier
     )
     device = TorchDevicePool(config.geometry(), pages * geometry["page_size"])
     return TieredCache.open(config, device, options=options, registry=_registry())
-
-
-def _rounds(cases: dict[str, Callable[[], float]], reps: int) -> dict[str, float]:
-    """Warm each case up, then ``reps`` interleaved rounds; the median seconds of each."""
-    for case in cases.values():
-        case()
-    samples: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(reps):
-        for name, case in cases.items():
-            samples[name].append(case())
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 class _Setup:
@@ -217,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for clock, label in ((time.perf_counter, "wall"), (time.process_time, "CPU")):
             small.clock = clock
-            med = _rounds({"cache": small.cycle, "raw": small.raw_cycle}, reps)
+            med = interleaved_medians({"cache": small.cycle, "raw": small.raw_cycle}, reps)
             overhead_us = max((med["cache"] - med["raw"]) / small_pages * 1e6, 1e-3)
             lines.append(
                 _line(
@@ -239,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     large = _Setup(LARGE, large_pages, options)
     try:
         nbytes = large_pages * large.cache.geometry.bytes_per_page
-        med = _rounds(
+        med = interleaved_medians(
             {
                 "prefetch_load": large.cache_prefetch_load,
                 "raw_get_load": large.raw_get_load,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import xxhash
+from _common import interleaved_medians
 
 from kvtier.backends.file import FileBackend, FileConfig
 from kvtier.backends.memory import MemoryBackend, MemoryConfig
@@ -60,17 +60,6 @@ def median_rate(fn: Callable[[], Any], nbytes: int) -> Callable[[], float]:
         return nbytes / (CLOCK() - start) / 1e9
 
     return once
-
-
-def interleaved(cases: dict[str, Callable[[], float]], reps: int) -> dict[str, float]:
-    """Run every case once for warm-up, then ``reps`` rounds in turn; medians."""
-    for case in cases.values():
-        case()
-    samples: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(reps):
-        for name, case in cases.items():
-            samples[name].append(case())
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def line(case: str, ours: float, base: float, base_name: str, target: float | None) -> dict:
@@ -152,7 +141,7 @@ def main() -> None:
             cases[f"xxh3_128 over {EXTENTS_PER_PAGE} extents/page (envelope)"] = median_rate(
                 lambda: [payload_checksum(extents) for extents in payloads], total
             )
-        rates = interleaved(cases, reps)
+        rates = interleaved_medians(cases, reps)
         out += [
             line(f"{name}, {regime}", rate, rates["memcpy"], "memcpy of the same bytes", None)
             for name, rate in rates.items()
@@ -178,7 +167,7 @@ def main() -> None:
 
                 return run
 
-            get_rates = interleaved(
+            get_rates = interleaved_medians(
                 {
                     "get": median_rate(preadv(False), total),
                     "get+verify": median_rate(preadv(True), total),
@@ -211,7 +200,7 @@ def main() -> None:
             header = PageStore(backend, pool, fingerprint=FP, verify="header")
             threaded = PageStore(backend, pool, fingerprint=FP, checksum_workers=2)
             assert all(full.put(keys, order))
-            rates = interleaved(
+            rates = interleaved_medians(
                 {
                     "full": median_rate(lambda s=full: s.get(keys, order), total),
                     "header": median_rate(lambda s=header: s.get(keys, order), total),
