@@ -6,9 +6,9 @@ Importing kvtier loads no plugin: the registry is built on first use
 
 from __future__ import annotations
 
+from kvtier._version import __version__
 from kvtier.cache import (
     BackupHandle,
-    CacheClosedError,
     CacheOptions,
     PrefetchHandle,
     TieredCache,
@@ -26,6 +26,7 @@ from kvtier.core.device_pool import DevicePool, MHADevicePool, MLADevicePool, To
 from kvtier.core.envelope import ENVELOPE_BYTES, Rejection
 from kvtier.core.errors import (
     BackendUnavailableError,
+    CacheClosedError,
     ConfigError,
     DuplicatePluginError,
     ExtraConfigSyntaxError,
@@ -54,8 +55,6 @@ from kvtier.core.pagestore import PageStore
 from kvtier.core.specs import BackendSpec, Capability, Feature, IOBackendSpec, Operation
 from kvtier.core.storage import BackendContext, PageBuffers, StorageBackend
 from kvtier.plugins.hookspecs import hookimpl, hookspec
-
-__version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_BACKEND",

@@ -13,11 +13,12 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from kvtier.core.errors import PrometheusMissingError
+
 __all__ = [
     "LATENCY_BUCKETS",
     "CacheStats",
     "Histogram",
-    "PrometheusMissingError",
     "prometheus_collector",
 ]
 
@@ -44,10 +45,6 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 
 #: The latency histograms a cache keeps, one per operation.
 OPERATIONS = ("backup", "device_to_host", "storage_put", "prefetch", "storage_get", "load")
-
-
-class PrometheusMissingError(ImportError):
-    """``prometheus_client`` is not installed; the message names the extra that brings it."""
 
 
 class Histogram:
@@ -193,10 +190,7 @@ def prometheus_collector(
             HistogramMetricFamily,
         )
     except ImportError:
-        raise PrometheusMissingError(
-            "Prometheus exposition needs prometheus_client; install it with "
-            "pip install 'kvtier[prometheus]' (or pip install prometheus_client)"
-        ) from None
+        raise PrometheusMissingError() from None
 
     class _Collector:
         """Reads one stats snapshot per scrape and yields kvtier_* metric families."""

@@ -35,9 +35,11 @@ from kvtier._cache_workers import Job, WorkerGroup
 from kvtier.core.capabilities import ResolvedPlan, resolve
 from kvtier.core.config import EngineConfig, load_engine_config, validate_model
 from kvtier.core.errors import (
+    CacheClosedError,
     InvalidFieldError,
     KvtierError,
     PoolExhaustedError,
+    PrometheusMissingError,
     TransferError,
 )
 from kvtier.core.geometry import AttentionKind, KVGeometry
@@ -67,10 +69,6 @@ PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 
 #: Host-pool size when the engine config gives neither ``host_pages`` nor ``host_bytes``.
 DEFAULT_HOST_BYTES = 1 << 30
-
-
-class CacheClosedError(KvtierError, RuntimeError):
-    """An operation was asked of a TieredCache after ``close()``; open a new one."""
 
 
 class CacheOptions(BaseModel):
@@ -891,15 +889,10 @@ class TieredCache:
 
     def prometheus_text(self) -> str:
         """This cache's metrics in the Prometheus text exposition format."""
-        from kvtier._cache_stats import PrometheusMissingError
-
         try:
             from prometheus_client import CollectorRegistry, generate_latest
         except ImportError:
-            raise PrometheusMissingError(
-                "Prometheus exposition needs prometheus_client; install it with "
-                "pip install 'kvtier[prometheus]' (or pip install prometheus_client)"
-            ) from None
+            raise PrometheusMissingError() from None
         registry = CollectorRegistry()
         registry.register(self.prometheus_collector())
         return generate_latest(registry).decode("utf-8")

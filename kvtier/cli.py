@@ -16,6 +16,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvtier._version import __version__
 from kvtier.core.capabilities import ResolvedPlan, resolve
 from kvtier.core.config import (
     AUTO,
@@ -527,7 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="log kvtier's decisions (what `auto` picked) to stderr",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="_kvtier_command", metavar="COMMAND", required=True)
     backends = sub.add_parser(
         "backends",
@@ -549,12 +550,6 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(_kvtier_registry_cmd=_cmd_check)
     _add_bench(sub)
     return parser
-
-
-def _version() -> str:
-    from kvtier import __version__
-
-    return __version__
 
 
 def main(argv: Sequence[str] | None = None, *, registry: Registry | None = None) -> int:

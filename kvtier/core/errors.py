@@ -14,8 +14,10 @@ from typing import Any
 
 __all__ = [
     "BackendUnavailableError",
+    "CacheClosedError",
     "ConfigError",
     "DuplicatePluginError",
+    "ExtentError",
     "ExtraConfigSyntaxError",
     "IntegrityError",
     "InvalidFieldError",
@@ -23,9 +25,11 @@ __all__ = [
     "KvtierError",
     "MissingFieldError",
     "NotAnObjectError",
+    "OperationNotDeclaredError",
     "PageError",
     "PluginError",
     "PoolExhaustedError",
+    "PrometheusMissingError",
     "StorageError",
     "TransferError",
     "UnknownKeyError",
@@ -179,6 +183,46 @@ class PoolExhaustedError(KvtierError, MemoryError):
 
 class TransferError(KvtierError, ValueError):
     """A device <-> host transfer was asked for something it cannot do; nothing was written."""
+
+
+class OperationNotDeclaredError(TransferError):
+    """A transfer the engine config did not declare, so start-up never checked it can run.
+
+    ``operation`` is the :class:`~kvtier.core.specs.Operation` value that was asked for.
+    """
+
+    def __init__(self, operation: str, call: str, declared: Iterable[str]) -> None:
+        self.operation = operation
+        self.declared = tuple(declared)
+        super().__init__(
+            f"{call} is the {operation!r} operation, which this cache's config does not "
+            f"declare (it declares: {', '.join(self.declared) or '(none)'}); add "
+            f"{operation!r} to the engine config's 'operations' so that start-up checks "
+            "that the IO backend and layout can run it",
+            value=operation,
+        )
+
+
+class ExtentError(KvtierError, ValueError):
+    """Memory that cannot be an extent: not host memory, not contiguous, or read-only."""
+
+
+# --- the cache and optional features --------------------------------------------------
+
+
+class CacheClosedError(KvtierError, RuntimeError):
+    """An operation was asked of a TieredCache after ``close()``; open a new one."""
+
+
+class PrometheusMissingError(KvtierError, ImportError):
+    """``prometheus_client`` is not installed; the message names the extra that brings it."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "Prometheus exposition needs prometheus_client; install it with "
+            "pip install 'kvtier[prometheus]' (or pip install prometheus_client)",
+            value="prometheus_client",
+        )
 
 
 # --- storage --------------------------------------------------------------------------

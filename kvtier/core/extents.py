@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from kvtier.core.errors import ExtentError
+
 __all__ = ["Extent", "extent_of_tensor", "extent_of_view"]
 
 
@@ -25,9 +27,17 @@ class Extent(NamedTuple):
 def extent_of_tensor(tensor: torch.Tensor) -> Extent:
     """A zero-copy extent over a contiguous CPU tensor's bytes (pinned memory included)."""
     if tensor.device.type != "cpu":
-        raise ValueError(f"extents need host memory, got a tensor on {tensor.device}")
+        raise ExtentError(
+            f"extents need host memory, got a tensor on {tensor.device}; copy it to the CPU "
+            "(pinned memory is fine) first",
+            value=str(tensor.device),
+        )
     if not tensor.is_contiguous():
-        raise ValueError("extents need a contiguous tensor region")
+        raise ExtentError(
+            f"extents need a contiguous tensor region, got strides {tuple(tensor.stride())}; "
+            "pass tensor.contiguous() or one contiguous slice per extent",
+            value=tuple(tensor.stride()),
+        )
     length = tensor.numel() * tensor.element_size()
     ptr = tensor.data_ptr()
     view = (
@@ -42,7 +52,11 @@ def extent_of_view(view: memoryview) -> Extent:
     """An extent over a writable, contiguous byte memoryview."""
     view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
     if view.readonly:
-        raise ValueError("extents must be writable so that gets can fill them in place")
+        raise ExtentError(
+            "extents must be writable so that gets can fill them in place; pass a "
+            "memoryview of a bytearray or of writable memory",
+            value=view,
+        )
     length = view.nbytes
     ptr = ctypes.addressof(ctypes.c_char.from_buffer(view)) if length else 0
     return Extent(view, ptr, length)

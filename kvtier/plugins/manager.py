@@ -24,6 +24,7 @@ from typing import Any
 
 import pluggy
 
+from kvtier._version import __version__
 from kvtier.core.errors import DuplicatePluginError, PluginError
 from kvtier.core.specs import BackendSpec, IOBackendSpec
 from kvtier.plugins import hookspecs
@@ -127,7 +128,7 @@ def _make(
             continue
         module = _import_builtin(module_name)
         if module is not None:
-            add(module_name, module, PluginInfo(module_name, "kvtier", _kvtier_version()))
+            add(module_name, module, PluginInfo(module_name, "kvtier", __version__))
 
     for name, plugin in plugins:
         add(name, plugin, PluginInfo(name))
@@ -162,10 +163,6 @@ def _make(
     return _Loaded(pm, infos)
 
 
-def _kvtier_version() -> str:
-    from kvtier import __version__
-
-    return __version__
 
 
 def _collect(
