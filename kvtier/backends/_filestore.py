@@ -72,15 +72,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
-from kvtier.core.envelope import ENVELOPE_BYTES
 from kvtier.core.errors import ConfigError, InvalidFieldError, InvalidKeyError
 from kvtier.core.geometry import KVGeometry
 from kvtier.core.keys import MAX_KEY_LENGTH, validate_key
-from kvtier.core.layout import Layout
+from kvtier.core.layout import (
+    ALIGNMENT,
+    Layout,
+    block_aligned_layouts,
+    extent_bytes,
+    extents_block_aligned,
+)
 from kvtier.core.storage import PageBuffers
 
 __all__ = [
-    "DIRECT_ALIGNMENT",
     "DIR_MODE",
     "FILE_MODE",
     "MAX_KEY_LENGTH",
@@ -123,9 +127,6 @@ _temp_seq: dict[int, int] = {}
 _temp_lock = threading.Lock()
 #: Linux accepts at most this many regions per preadv/pwritev call.
 IOV_MAX = 1024
-#: O_DIRECT needs buffers, lengths and offsets aligned to the device's logical block;
-#: 4096 covers every common device and matches the envelope size.
-DIRECT_ALIGNMENT = 4096
 
 
 def default_root() -> Path:
@@ -174,31 +175,19 @@ class FileStoreOptions(BaseModel):
     )
 
 
-def _extent_lengths(geometry: KVGeometry, layout: Layout) -> list[int]:
-    """The lengths of one page's payload extents in ``layout`` (see kvtier.core.layout)."""
-    per_layer = geometry.page_size * geometry.token_bytes_per_layer
-    if layout is Layout.LAYER_FIRST:
-        return [per_layer] * (geometry.kv_count * geometry.num_layers)
-    return [per_layer * geometry.num_layers] * geometry.kv_count
-
-
 def check_direct_plan(config: Any, context: Any, field: str) -> None:
-    """Refuse O_DIRECT at config time when the page's extents cannot be 4096-aligned.
+    """Refuse O_DIRECT at config time when the page's extents cannot be block aligned.
 
-    ``field`` names the option in the error (``file.o_direct``, ``uring.o_direct``).
+    ``field`` names the option in the error (``file.o_direct``, ``uring.o_direct``); the
+    layouts suggested instead are those of the geometry's attention kind that align.
     """
     if not getattr(config, "o_direct", False):
         return
     geometry: KVGeometry = context.geometry
     layout = Layout(context.layout)
-    lengths = _extent_lengths(geometry, layout)
-    if ENVELOPE_BYTES % DIRECT_ALIGNMENT == 0 and all(n % DIRECT_ALIGNMENT == 0 for n in lengths):
+    if extents_block_aligned(geometry, layout):
         return
-    working = [
-        other.value
-        for other in Layout
-        if all(n % DIRECT_ALIGNMENT == 0 for n in _extent_lengths(geometry, other))
-    ]
+    working = [other.value for other in block_aligned_layouts(geometry) if other is not layout]
     hint = (
         f"use layout {' or '.join(repr(w) for w in working)}, or set o_direct to false"
         if working
@@ -206,16 +195,16 @@ def check_direct_plan(config: Any, context: Any, field: str) -> None:
     )
     raise InvalidFieldError(
         field,
-        f"O_DIRECT needs every extent to be a multiple of {DIRECT_ALIGNMENT} bytes, but "
+        f"O_DIRECT needs every extent to be a multiple of {ALIGNMENT} bytes, but "
         f"layout {layout.value!r} cuts a page of {geometry.describe()} into extents of "
-        f"{lengths[0]} bytes; {hint}",
+        f"{extent_bytes(geometry, layout)} bytes; {hint}",
         value=True,
     )
 
 
 def direct_aligned(page: PageBuffers) -> bool:
     """Whether every extent of ``page`` may be transferred with O_DIRECT."""
-    return all(e.ptr % DIRECT_ALIGNMENT == 0 and e.length % DIRECT_ALIGNMENT == 0 for e in page)
+    return all(e.ptr % ALIGNMENT == 0 and e.length % ALIGNMENT == 0 for e in page)
 
 
 def probe_o_direct(store: Path, root: Path) -> None:

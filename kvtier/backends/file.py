@@ -22,6 +22,7 @@ from pydantic import Field
 
 from kvtier.backends import _filestore as fs
 from kvtier.core.errors import StorageError
+from kvtier.core.layout import ALIGNMENT
 from kvtier.core.specs import BackendSpec, Feature
 from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBackend
 from kvtier.plugins.hookspecs import hookimpl
@@ -30,8 +31,6 @@ __all__ = ["FILE_SPEC", "FileBackend", "FileConfig", "default_root", "validate_f
 
 log = logging.getLogger(__name__)
 
-#: O_DIRECT alignment (kept here for importers; the shared value lives in _filestore).
-DIRECT_ALIGNMENT = fs.DIRECT_ALIGNMENT
 default_root = fs.default_root
 
 
@@ -135,7 +134,7 @@ class FileBackend(StorageBackend):
             "o_direct_fallbacks",
             "file backend: a page's extents are not %d-byte aligned; using buffered I/O "
             "for such pages (counted as o_direct_fallbacks)",
-            DIRECT_ALIGNMENT,
+            ALIGNMENT,
         )
         return False
 

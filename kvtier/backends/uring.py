@@ -29,6 +29,7 @@ from pydantic import Field
 
 from kvtier.backends import _filestore as fs
 from kvtier.core.errors import BackendUnavailableError, StorageError
+from kvtier.core.layout import ALIGNMENT
 from kvtier.core.specs import BackendSpec, Feature
 from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBackend
 from kvtier.plugins.hookspecs import hookimpl
@@ -40,8 +41,6 @@ __all__ = ["URING_SPEC", "UringBackend", "UringConfig", "probe_io_uring", "valid
 
 log = logging.getLogger(__name__)
 
-#: O_DIRECT alignment (kept here for importers; the shared value lives in _filestore).
-DIRECT_ALIGN = fs.DIRECT_ALIGNMENT
 
 
 class UringConfig(fs.FileStoreOptions):
@@ -221,7 +220,7 @@ class UringBackend(StorageBackend):
             "o_direct_fallbacks",
             "uring backend: a page's extents are not %d-byte aligned; using buffered I/O "
             "for such pages (counted as o_direct_fallbacks)",
-            DIRECT_ALIGN,
+            ALIGNMENT,
         )
         return False
 

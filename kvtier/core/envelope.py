@@ -17,7 +17,7 @@ import xxhash
 
 from kvtier.core.errors import InvalidFieldError
 from kvtier.core.extents import Extent
-from kvtier.core.layout import Layout
+from kvtier.core.layout import ALIGNMENT, Layout
 
 __all__ = [
     "ENVELOPE_BYTES",
@@ -34,9 +34,10 @@ __all__ = [
     "write_envelope",
 ]
 
-#: Bytes reserved for the envelope in front of every stored page. 4096 keeps the payload
-#: aligned for O_DIRECT on storage and the header slot aligned in the host pool.
-ENVELOPE_BYTES = 4096
+#: Bytes reserved for the envelope in front of every stored page: one alignment block,
+#: which keeps the payload aligned for O_DIRECT on storage and the header slot aligned in
+#: the host pool.
+ENVELOPE_BYTES = ALIGNMENT
 
 #: First 8 bytes of every envelope.
 MAGIC = b"KVTIERPG"

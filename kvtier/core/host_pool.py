@@ -25,6 +25,8 @@ from kvtier.core.layout import (
     align_up,
     check_layout,
     has_page_axis,
+    page_blocks,
+    page_view,
     pool_shape,
     region_stride_bytes,
 )
@@ -163,20 +165,9 @@ class HostPool:
         else:
             self.buffer = kv_tensors[0]
 
-    def _page_blocks(self, page: int) -> list[torch.Tensor]:
-        g = self.geometry
-        ps = g.page_size
-        blocks: list[torch.Tensor] = []
-        for tensor in self.kv_buffers:
-            if self.layout is Layout.LAYER_FIRST:
-                blocks.extend(
-                    tensor[layer, page * ps : (page + 1) * ps] for layer in range(g.num_layers)
-                )
-            elif self.layout is Layout.PAGE_FIRST:
-                blocks.append(tensor[page * ps : (page + 1) * ps])
-            else:
-                blocks.append(tensor[page])
-        return blocks
+    def page_view(self, kv: int) -> torch.Tensor:
+        """One kv of the pool as ``[page, *page_axes(layout)]`` (a view, see layout.py)."""
+        return page_view(self.kv_buffers[kv], self.geometry, self.layout)
 
     def _check_page(self, page: object) -> int:
         if isinstance(page, bool) or not isinstance(page, int):
@@ -193,7 +184,11 @@ class HostPool:
         page = self._check_page(page)
         cached = self._extent_cache.get(page)
         if cached is None:
-            cached = tuple(extent_of_tensor(block) for block in self._page_blocks(page))
+            cached = tuple(
+                extent_of_tensor(block)
+                for tensor in self.kv_buffers
+                for block in page_blocks(tensor, self.geometry, self.layout, page)
+            )
             self._extent_cache[page] = cached
         return list(cached)
 

@@ -31,7 +31,7 @@ from kvtier.core.device_pool import DevicePool, layer_buffers
 from kvtier.core.errors import TransferError, UnsupportedCombinationError
 from kvtier.core.geometry import AttentionKind, KVGeometry
 from kvtier.core.host_pool import HostPool
-from kvtier.core.layout import Layout, check_layout, layouts_for
+from kvtier.core.layout import Layout, check_layout, layouts_for, page_axes, page_view
 from kvtier.core.specs import Capability, EmptyConfig, IOBackendSpec, Operation
 
 __all__ = [
@@ -45,13 +45,7 @@ __all__ = [
     "full_matrix",
 ]
 
-#: Axis order of one page of one kv in the host pool, per layout (the page axis leads).
-_NATIVE_AXES: dict[Layout, tuple[str, ...]] = {
-    Layout.LAYER_FIRST: ("layer", "token", "head", "dim"),
-    Layout.PAGE_FIRST: ("token", "layer", "head", "dim"),
-    Layout.PAGE_FIRST_DIRECT: ("layer", "token", "head", "dim"),
-    Layout.PAGE_HEAD: ("head", "token", "layer", "dim"),
-}
+#: Axis order of a device pool's memory of one kv (see kvtier.core.device_pool).
 _DEVICE_AXES = ("layer", "token", "head", "dim")
 
 
@@ -369,22 +363,13 @@ class IOBackend(ABC):
         return view
 
     def _build_host_pages(self, host: HostPool, kv: int, layer: int | None) -> torch.Tensor:
-        g = self.geometry
-        t = _raw(host.kv_buffers[kv])
-        n, ps, width = host.num_pages, g.page_size, t.shape[-1]
-        if self.layout is Layout.LAYER_FIRST:
-            view = t.view(g.num_layers, n, ps, g.num_kv_heads, width).movedim(1, 0)
-        elif self.layout is Layout.PAGE_FIRST:
-            view = t.view(n, ps, g.num_layers, g.num_kv_heads, width)
-        else:
-            view = t
+        view = page_view(_raw(host.kv_buffers[kv]), self.geometry, self.layout)
         if layer is not None:
-            view = view.select(1 + _NATIVE_AXES[self.layout].index("layer"), layer)
+            view = view.select(1 + page_axes(self.layout).index("layer"), layer)
         return view
 
     def _native_axes(self, layer: int | None) -> tuple[str, ...]:
-        axes = _NATIVE_AXES[self.layout]
-        return axes if layer is None else tuple(a for a in axes if a != "layer")
+        return page_axes(self.layout, without_layer=layer is not None)
 
     def _device_views(self, plan: TransferPlan) -> list[tuple[int | None, list[torch.Tensor]]]:
         """Device memory per kv in host-native axis order, as (layer, [tensor per kv]).

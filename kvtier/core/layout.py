@@ -19,27 +19,42 @@ Alignment (see :func:`extents_aligned`): the host pool starts every kv region at
 4096-byte boundary and pads the page stride of the layouts that have a page axis
 (``page_first_direct``, ``page_head``) to a multiple of 4096, so their extents are always
 4096-aligned. ``page_first`` and ``layer_first`` pack pages densely, so their extents are
-aligned exactly when the extent size is a multiple of 4096.
+aligned exactly when the extent size is a multiple of 4096. O_DIRECT also needs every
+extent's length to be a multiple of the block (:func:`extents_block_aligned`).
+
+This module is the one home of layout knowledge: the host pool, the IO backends, the
+storage backends and the engine adapters ask it for shapes, axis orders, extents and
+lengths rather than deriving them again.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
-from kvtier.core.errors import InvalidFieldError
+from kvtier.core.errors import InvalidFieldError, did_you_mean
 from kvtier.core.geometry import AttentionKind, KVGeometry
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ALIGNMENT",
+    "PAGE_AXES",
     "Layout",
     "align_up",
+    "block_aligned_layouts",
     "check_layout",
     "extent_bytes",
     "extent_count",
     "extents_aligned",
+    "extents_block_aligned",
     "has_page_axis",
     "is_page_major",
     "layouts_for",
+    "page_axes",
+    "page_blocks",
+    "page_view",
     "pool_shape",
     "region_stride_bytes",
 ]
@@ -87,8 +102,6 @@ def check_layout(geometry: KVGeometry, layout: Layout | str) -> Layout:
     try:
         resolved = Layout(layout)
     except ValueError:
-        from kvtier.core.errors import did_you_mean
-
         names = [item.value for item in allowed]
         raise InvalidFieldError(
             "layout",
@@ -164,3 +177,66 @@ def extents_aligned(geometry: KVGeometry, layout: Layout | str, alignment: int =
     if has_page_axis(layout):
         return True
     return extent_bytes(geometry, layout) % alignment == 0
+
+
+def extents_block_aligned(
+    geometry: KVGeometry, layout: Layout | str, alignment: int = ALIGNMENT
+) -> bool:
+    """Whether every extent starts *and* ends on an ``alignment`` boundary (O_DIRECT's rule)."""
+    return (
+        extents_aligned(geometry, layout, alignment)
+        and extent_bytes(geometry, layout) % alignment == 0
+    )
+
+
+def block_aligned_layouts(geometry: KVGeometry, alignment: int = ALIGNMENT) -> list[Layout]:
+    """The layouts of the geometry's attention kind whose extents are all block aligned."""
+    return [
+        layout
+        for layout in layouts_for(geometry.attention)
+        if extents_block_aligned(geometry, layout, alignment)
+    ]
+
+
+#: Axis order of one page of one kv in the host pool, per layout (``page_view``'s order
+#: after its leading page axis).
+PAGE_AXES: dict[Layout, tuple[str, ...]] = {
+    Layout.LAYER_FIRST: ("layer", "token", "head", "dim"),
+    Layout.PAGE_FIRST: ("token", "layer", "head", "dim"),
+    Layout.PAGE_FIRST_DIRECT: ("layer", "token", "head", "dim"),
+    Layout.PAGE_HEAD: ("head", "token", "layer", "dim"),
+}
+
+
+def page_axes(layout: Layout | str, *, without_layer: bool = False) -> tuple[str, ...]:
+    """The axis order of one page of one kv (optionally with the layer axis dropped)."""
+    axes = PAGE_AXES[Layout(layout)]
+    return tuple(a for a in axes if a != "layer") if without_layer else axes
+
+
+def page_view(tensor: torch.Tensor, geometry: KVGeometry, layout: Layout | str) -> torch.Tensor:
+    """One kv of a pool (``pool_shape`` without the kv axis) as ``[page, *page_axes]``.
+
+    A view, never a copy: ``page_view(...)[p]`` is page ``p`` of that kv in place.
+    """
+    layout = Layout(layout)
+    g = geometry
+    if layout is Layout.LAYER_FIRST:
+        layers, tokens = tensor.shape[0], tensor.shape[1]
+        pages = tokens // g.page_size
+        return tensor.view(layers, pages, g.page_size, *tensor.shape[2:]).movedim(1, 0)
+    if layout is Layout.PAGE_FIRST:
+        pages = tensor.shape[0] // g.page_size
+        return tensor.view(pages, g.page_size, *tensor.shape[1:])
+    return tensor
+
+
+def page_blocks(
+    tensor: torch.Tensor, geometry: KVGeometry, layout: Layout | str, page: int
+) -> list[torch.Tensor]:
+    """The contiguous blocks of page ``page`` in one kv tensor: its extents, in order.
+
+    One block for the page-major layouts; one per layer for ``layer_first``.
+    """
+    block = page_view(tensor, geometry, layout)[page]
+    return list(block.unbind(0)) if Layout(layout) is Layout.LAYER_FIRST else [block]

@@ -66,6 +66,7 @@ from kvtier.core.errors import (
 )
 from kvtier.core.extents import Extent
 from kvtier.core.geometry import AttentionKind, KVGeometry, dtype_from_name, dtype_name
+from kvtier.core.host_pool import aligned_empty
 from kvtier.core.keys import Namespace, external_key
 from kvtier.core.layout import Layout, layouts_for
 from kvtier.core.pagestore import PageStore
@@ -97,7 +98,6 @@ log = logging.getLogger(__name__)
 #: The key of kvtier's own section in SGLang's storage extra-config.
 SECTION = "kvtier"
 _LABEL = "extra-config 'kvtier' section"
-_ALIGNMENT = 4096
 _DOCS = "docs/sglang.md"
 
 
@@ -166,13 +166,6 @@ class SGLangSection(BaseModel):
 
 
 # --- the host pool, seen as kvtier pages ---------------------------------------------------
-
-
-def _aligned_slab(nbytes: int) -> torch.Tensor:
-    """A uint8 tensor of ``nbytes`` starting on a 4096-byte boundary (its storage keeps it)."""
-    backing = torch.empty(nbytes + _ALIGNMENT, dtype=torch.uint8)
-    offset = (-backing.data_ptr()) % _ALIGNMENT
-    return backing[offset : offset + nbytes]
 
 
 def _extent_at(address: int, length: int) -> Extent:
@@ -310,7 +303,7 @@ class SGLangPages:
         self._low = storage.data_ptr()
         self._high = self._low + storage.nbytes()
         #: One ENVELOPE_BYTES slot per host page; untouched slots cost no memory.
-        self._headers = _aligned_slab(self.num_pages * ENVELOPE_BYTES)
+        self._headers = aligned_empty(self.num_pages * ENVELOPE_BYTES)[1]
         self._header_cache: dict[int, Extent] = {}
         self._extent_cache: dict[int, tuple[Extent, ...]] = {}
         self._scratch: dict[int, tuple[Extent, ...]] = {}
@@ -399,7 +392,7 @@ class SGLangPages:
 
     def add_scratch(self, tensors: Sequence[torch.Tensor]) -> list[int]:
         """Register caller tensors (one flat page each) as scratch pages; returns their ids."""
-        slab = _aligned_slab(len(tensors) * ENVELOPE_BYTES)
+        slab = aligned_empty(len(tensors) * ENVELOPE_BYTES)[1]
         ids = []
         with self._lock:
             for i, tensor in enumerate(tensors):

@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import pytest
 
 from kvtier.core.config import validate_model
+from kvtier.core.envelope import ENVELOPE_BYTES
 from kvtier.core.geometry import AttentionKind, KVGeometry, dtype_name
 from kvtier.core.host_pool import HostPool
 from kvtier.core.keys import Namespace, PageKeyer
@@ -307,7 +308,7 @@ class RoundTripTests:
         h = kit.open()
         a, b = h.pool.allocate(2)
         h.fill([a], seed=3)
-        h.pool.header_extent(a).view[:] = _random_bytes(random.Random(3), 4096)
+        h.pool.header_extent(a).view[:] = _random_bytes(random.Random(3), ENVELOPE_BYTES)
         (key,) = h.keys(1)
         assert h.backend.put([key], [h.pool.page_buffers(a)]) == [True]
         h.scribble([b])
