@@ -40,7 +40,7 @@ from kvtier.backends.memory import MemoryBackend, MemoryConfig
 from kvtier.cache import TieredCache
 from kvtier.core.config import load_engine_config
 from kvtier.core.device_pool import TorchDevicePool
-from kvtier.core.specs import BackendSpec
+from kvtier.core.specs import ALL_ATTENTION, ALL_LAYOUTS, ALL_OPERATIONS, BackendSpec
 from kvtier.core.storage import BackendContext, StorageBackend
 from kvtier.plugins.hookspecs import hookimpl
 from kvtier.plugins.manager import load_registry
@@ -67,7 +67,15 @@ class _Plugin:
     @staticmethod
     @hookimpl
     def kvtier_register_backends(register: Any) -> None:
-        register(BackendSpec(name="bench_memory", factory=_factory))
+        register(
+            BackendSpec(
+                name="bench_memory",
+                factory=_factory,
+                layouts=ALL_LAYOUTS,
+                attention=ALL_ATTENTION,
+                operations=ALL_OPERATIONS,
+            )
+        )
 
 
 def _registry() -> Registry:

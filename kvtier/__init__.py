@@ -52,11 +52,23 @@ from kvtier.core.io import IOBackend, TransferPlan
 from kvtier.core.keys import Namespace, PageKeyer, external_key, validate_key
 from kvtier.core.layout import Layout
 from kvtier.core.pagestore import PageStore
-from kvtier.core.specs import BackendSpec, Capability, Feature, IOBackendSpec, Operation
+from kvtier.core.specs import (
+    ALL_ATTENTION,
+    ALL_LAYOUTS,
+    ALL_OPERATIONS,
+    BackendSpec,
+    Capability,
+    Feature,
+    IOBackendSpec,
+    Operation,
+)
 from kvtier.core.storage import BackendContext, PageBuffers, StorageBackend
 from kvtier.plugins.hookspecs import hookimpl, hookspec
 
 __all__ = [
+    "ALL_ATTENTION",
+    "ALL_LAYOUTS",
+    "ALL_OPERATIONS",
     "DEFAULT_BACKEND",
     "ENVELOPE_BYTES",
     "AttentionKind",

@@ -26,7 +26,7 @@ from kvtier.core.errors import (
     UnknownKeyError,
     UnknownNameError,
 )
-from kvtier.core.specs import BackendSpec
+from kvtier.core.specs import ALL_ATTENTION, ALL_LAYOUTS, ALL_OPERATIONS, BackendSpec
 from kvtier.core.storage import BackendContext, PageBuffers, StorageBackend
 from kvtier.plugins.hookspecs import hookimpl
 from kvtier.plugins.manager import load_registry
@@ -92,7 +92,15 @@ class TestPlugin:
     @staticmethod
     @hookimpl
     def kvtier_register_backends(register: Any) -> None:
-        register(BackendSpec(name="shared", factory=_shared_factory))
+        register(
+            BackendSpec(
+                name="shared",
+                factory=_shared_factory,
+                layouts=ALL_LAYOUTS,
+                attention=ALL_ATTENTION,
+                operations=ALL_OPERATIONS,
+            )
+        )
 
 
 def cache_registry() -> Registry:

@@ -9,7 +9,12 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from kvtier.core.capabilities import LAYOUT_PREFERENCE, namespace_for, resolve
+from kvtier.core.capabilities import (
+    LAYOUT_PREFERENCE,
+    namespace_for,
+    resolve,
+    working_combinations,
+)
 from kvtier.core.config import EngineConfig
 from kvtier.core.errors import (
     BackendUnavailableError,
@@ -23,7 +28,15 @@ from kvtier.core.errors import (
 from kvtier.core.geometry import AttentionKind
 from kvtier.core.keys import Namespace
 from kvtier.core.layout import Layout
-from kvtier.core.specs import BackendSpec, Capability, IOBackendSpec, Operation
+from kvtier.core.specs import (
+    ALL_ATTENTION,
+    ALL_LAYOUTS,
+    ALL_OPERATIONS,
+    BackendSpec,
+    Capability,
+    IOBackendSpec,
+    Operation,
+)
 from kvtier.core.storage import BackendContext
 
 MHA = AttentionKind.MHA
@@ -68,7 +81,12 @@ BROKEN = IOBackendSpec(
     capabilities=caps(list(Layout), [MHA, MLA], ALL_OPS),
 )
 
-MEM = BackendSpec(name="mem", factory=_factory, config_model=MemOpts)
+EVERYTHING: dict[str, Any] = {
+    "layouts": ALL_LAYOUTS,
+    "attention": ALL_ATTENTION,
+    "operations": ALL_OPERATIONS,
+}
+MEM = BackendSpec(name="mem", factory=_factory, config_model=MemOpts, **EVERYTHING)
 PICKY = BackendSpec(
     name="picky",
     factory=_factory,
@@ -330,7 +348,9 @@ def test_validate_plan_sees_config_and_context() -> None:
         if context.layout is not Layout.LAYER_FIRST:
             raise InvalidFieldError("extra_config.o_direct", "needs layout layer_first")
 
-    spec = BackendSpec(name="checked", factory=_factory, config_model=MemOpts, validate_plan=check)
+    spec = BackendSpec(
+        name="checked", factory=_factory, config_model=MemOpts, validate_plan=check, **EVERYTHING
+    )
     with pytest.raises(InvalidFieldError, match="needs layout layer_first"):
         resolve(config(backend="checked"), {"checked": spec}, IO)
     plan = resolve(config(backend="checked", layout="layer_first"), {"checked": spec}, IO)
@@ -342,7 +362,7 @@ def test_validate_plan_raising_a_bug_is_a_plugin_error() -> None:
     def check(cfg: Any, context: BackendContext) -> None:
         raise TypeError("oops")
 
-    spec = BackendSpec(name="buggy", factory=_factory, validate_plan=check)
+    spec = BackendSpec(name="buggy", factory=_factory, validate_plan=check, **EVERYTHING)
     with pytest.raises(PluginError, match="backend 'buggy': validate_plan raised TypeError"):
         resolve(config(backend="buggy"), {"buggy": spec}, IO)
 
@@ -379,3 +399,34 @@ def test_summary_and_json() -> None:
     assert data["io_backend"] == "fast" and data["layout"] == "page_first_direct"
     assert data["backend_config"] == {"capacity_bytes": 5}
     assert data["geometry"]["bytes_per_page"] == plan.geometry.bytes_per_page
+
+
+# --- conservative declarations -----------------------------------------------------------
+
+
+def test_a_spec_that_declares_nothing_supports_nothing() -> None:
+    bare = BackendSpec(name="bare", factory=_factory)
+    assert (bare.layouts, bare.attention, bare.operations) == (frozenset(),) * 3
+    for attention in ("mha", "mla"):
+        assert working_combinations(bare, IO, AttentionKind(attention), frozenset(WHOLE)) == []
+        with pytest.raises(UnsupportedCombinationError, match="does not support attention"):
+            resolve(config(backend="bare", attention=attention), {"bare": bare}, IO)
+    # declaring the attention kind alone is not enough: layouts and operations are listed too
+    mha_only = BackendSpec(name="half", factory=_factory, attention=frozenset({MHA}))
+    with pytest.raises(UnsupportedCombinationError, match=r"does not support operation\(s\)"):
+        resolve(config(backend="half"), {"half": mha_only}, IO)
+    no_layout = BackendSpec(
+        name="nolayout", factory=_factory, attention=frozenset({MHA}), operations=ALL_OPERATIONS
+    )
+    with pytest.raises(UnsupportedCombinationError) as info:
+        resolve(config(backend="nolayout"), {"nolayout": no_layout}, IO)
+    assert info.value.supported == ()
+
+
+def test_an_io_spec_that_declares_nothing_executes_nothing() -> None:
+    idle = IOBackendSpec(name="idle", factory=_factory, priority=100)
+    assert idle.capabilities == frozenset()
+    plan = resolve(config(), BACKENDS, {**IO, "idle": idle})
+    assert plan.io_backend.name != "idle"  # the highest priority, but it runs nothing
+    with pytest.raises(UnsupportedCombinationError, match="IO backend 'idle' has no layout"):
+        resolve(config(io_backend="idle"), BACKENDS, {"idle": idle})

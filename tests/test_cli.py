@@ -16,7 +16,16 @@ import kvtier
 from kvtier.cli import main
 from kvtier.core.geometry import AttentionKind
 from kvtier.core.layout import Layout
-from kvtier.core.specs import BackendSpec, Capability, Feature, IOBackendSpec, Operation
+from kvtier.core.specs import (
+    ALL_ATTENTION,
+    ALL_LAYOUTS,
+    ALL_OPERATIONS,
+    BackendSpec,
+    Capability,
+    Feature,
+    IOBackendSpec,
+    Operation,
+)
 from kvtier.plugins.registry import PluginInfo, Registry
 
 
@@ -48,6 +57,9 @@ SHELF = BackendSpec(
     factory=_factory,
     config_model=ShelfOpts,
     description="A test shelf.",
+    layouts=ALL_LAYOUTS,
+    attention=ALL_ATTENTION,
+    operations=ALL_OPERATIONS,
     features=frozenset({Feature.ZERO_COPY}),
 )
 VAULT = BackendSpec(
@@ -55,6 +67,9 @@ VAULT = BackendSpec(
     factory="kvtier_no_such_module:Vault",
     requires=("kvtier_no_such_module",),
     install_hint="pip install 'kvtier[vault]'",
+    layouts=ALL_LAYOUTS,
+    attention=ALL_ATTENTION,
+    operations=ALL_OPERATIONS,
     io_backends=frozenset({"copy"}),
 )
 

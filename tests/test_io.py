@@ -35,7 +35,16 @@ from kvtier.core.io import (
     full_matrix,
 )
 from kvtier.core.layout import Layout, layouts_for
-from kvtier.core.specs import BackendSpec, Capability, EmptyConfig, IOBackendSpec, Operation
+from kvtier.core.specs import (
+    ALL_ATTENTION,
+    ALL_LAYOUTS,
+    ALL_OPERATIONS,
+    BackendSpec,
+    Capability,
+    EmptyConfig,
+    IOBackendSpec,
+    Operation,
+)
 
 SPECS = [DIRECT_SPEC, KERNEL_SPEC]
 DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn"]
@@ -282,7 +291,13 @@ UNDECLARED = [
 
 
 def _reference_backend() -> BackendSpec:
-    return BackendSpec(name="ref", factory=lambda *a: None)
+    return BackendSpec(
+        name="ref",
+        factory=lambda *a: None,
+        layouts=ALL_LAYOUTS,
+        attention=ALL_ATTENTION,
+        operations=ALL_OPERATIONS,
+    )
 
 
 @pytest.mark.parametrize(("spec", "cap"), UNDECLARED)

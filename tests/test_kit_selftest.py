@@ -12,7 +12,7 @@ import pytest
 from kvtier.backends.memory import MemoryBackend, MemoryConfig
 from kvtier.core.errors import InvalidFieldError
 from kvtier.core.extents import extent_of_view
-from kvtier.core.specs import BackendSpec, Feature
+from kvtier.core.specs import ALL_ATTENTION, ALL_LAYOUTS, ALL_OPERATIONS, BackendSpec, Feature
 from kvtier.core.storage import PageBuffers
 from kvtier.testing import (
     ConcurrencyTests,
@@ -31,7 +31,15 @@ from kvtier.testing import (
 def env_for(
     tmp_path: Path, factory: Callable[..., Any], features: frozenset[Feature] = frozenset()
 ) -> KitEnv:
-    spec = BackendSpec(name="broken", factory=factory, config_model=MemoryConfig, features=features)
+    spec = BackendSpec(
+        name="broken",
+        factory=factory,
+        config_model=MemoryConfig,
+        layouts=ALL_LAYOUTS,
+        attention=ALL_ATTENTION,
+        operations=ALL_OPERATIONS,
+        features=features,
+    )
     return KitEnv(spec, {}, (), tmp_path)
 
 

@@ -23,7 +23,7 @@ from pydantic import Field
 from kvtier.backends import _filestore as fs
 from kvtier.core.errors import StorageError
 from kvtier.core.layout import ALIGNMENT
-from kvtier.core.specs import BackendSpec, Feature
+from kvtier.core.specs import ALL_ATTENTION, ALL_LAYOUTS, ALL_OPERATIONS, BackendSpec, Feature
 from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBackend
 from kvtier.plugins.hookspecs import hookimpl
 
@@ -290,6 +290,9 @@ FILE_SPEC = BackendSpec(
     config_model=FileConfig,
     description="One file per page on local disk: atomic publish, LRU capacity, "
     "vectored I/O straight from host-pool extents.",
+    layouts=ALL_LAYOUTS,
+    attention=ALL_ATTENTION,
+    operations=ALL_OPERATIONS,
     features=frozenset({Feature.PERSISTENT, Feature.SHARED_PROCESSES, Feature.ZERO_COPY}),
     validate_plan=validate_file_plan,
 )

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
-from kvtier.core.specs import BackendSpec
+from kvtier.core.specs import ALL_ATTENTION, ALL_LAYOUTS, ALL_OPERATIONS, BackendSpec
 from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBackend
 from kvtier.plugins.hookspecs import hookimpl
 
@@ -127,6 +127,9 @@ MEMORY_SPEC = BackendSpec(
     factory=MemoryBackend.from_config,
     config_model=MemoryConfig,
     description="In-process pages with LRU eviction; the reference implementation.",
+    layouts=ALL_LAYOUTS,
+    attention=ALL_ATTENTION,
+    operations=ALL_OPERATIONS,
     features=frozenset(),
 )
 

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
 
-from kvtier.core.specs import BackendSpec, Feature
+from kvtier.core.specs import ALL_ATTENTION, ALL_LAYOUTS, ALL_OPERATIONS, BackendSpec, Feature
 from kvtier.plugins.hookspecs import hookimpl
 
 __all__ = ["MOONCAKE_SPEC", "MooncakeConfig", "parse_master_address", "probe_mooncake"]
@@ -162,6 +162,9 @@ MOONCAKE_SPEC = BackendSpec(
     requires=("mooncake",),
     install_hint=INSTALL_HINT,
     probe=probe_mooncake,
+    layouts=ALL_LAYOUTS,
+    attention=ALL_ATTENTION,
+    operations=ALL_OPERATIONS,
     features=frozenset({Feature.SHARED_PROCESSES, Feature.SHARED_NODES, Feature.ZERO_COPY}),
 )
 

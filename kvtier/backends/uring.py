@@ -30,7 +30,7 @@ from pydantic import Field
 from kvtier.backends import _filestore as fs
 from kvtier.core.errors import BackendUnavailableError, StorageError
 from kvtier.core.layout import ALIGNMENT
-from kvtier.core.specs import BackendSpec, Feature
+from kvtier.core.specs import ALL_ATTENTION, ALL_LAYOUTS, ALL_OPERATIONS, BackendSpec, Feature
 from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBackend
 from kvtier.plugins.hookspecs import hookimpl
 
@@ -562,6 +562,9 @@ URING_SPEC = BackendSpec(
     requires=("liburing",),
     install_hint="pip install 'kvtier[uring]'",
     probe=probe_io_uring,
+    layouts=ALL_LAYOUTS,
+    attention=ALL_ATTENTION,
+    operations=ALL_OPERATIONS,
     features=frozenset({Feature.PERSISTENT, Feature.SHARED_PROCESSES, Feature.ZERO_COPY}),
     validate_plan=validate_uring_plan,
 )

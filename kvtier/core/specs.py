@@ -3,7 +3,10 @@
 Declarations are plain frozen dataclasses, so capability resolution needs no plugin
 machinery and declaring a backend imports none of its optional dependencies: the factory
 may be a lazy ``"module:attribute"`` string that is imported only when the backend is
-built. Defaults are conservative: a backend supports only what it lists.
+built. Declarations are conservative: a spec supports what it lists and nothing else, so
+a backend that lists no layout, attention kind or operation supports none, and an IO
+backend that lists no capability executes nothing. A backend that stores any page lists
+:data:`ALL_LAYOUTS`, :data:`ALL_ATTENTION` and :data:`ALL_OPERATIONS`.
 """
 
 from __future__ import annotations
@@ -163,13 +166,15 @@ class BackendSpec(_SpecBase):
     """A storage backend's declaration.
 
     ``factory(config, context)`` builds the backend from its validated ``config_model``
-    instance and a :class:`kvtier.core.storage.BackendContext`. ``io_backends`` of None
-    means the backend pairs with any IO backend (it only ever sees host memory).
+    instance and a :class:`kvtier.core.storage.BackendContext`. ``layouts``,
+    ``attention`` and ``operations`` list what the backend supports; each is empty (so
+    nothing is supported) unless declared. ``io_backends`` of None means the backend pairs
+    with any IO backend: it only ever sees host memory, never the device side.
     """
 
-    layouts: frozenset[Layout] = ALL_LAYOUTS
-    attention: frozenset[AttentionKind] = ALL_ATTENTION
-    operations: frozenset[Operation] = ALL_OPERATIONS
+    layouts: frozenset[Layout] = frozenset()
+    attention: frozenset[AttentionKind] = frozenset()
+    operations: frozenset[Operation] = frozenset()
     io_backends: frozenset[str] | None = None
     features: frozenset[Feature] = field(default_factory=frozenset)
     #: Optional plan check run during capability resolution, before anything is built:

@@ -33,6 +33,11 @@ def kvtier_register_backends(register: Callable[[kvtier.BackendSpec], None]) -> 
             description="Example plugin: pages as rows of one SQLite file.",
             requires=("sqlite3",),
             install_hint="SQLite ships with CPython; rebuild Python with sqlite3 support",
+            # Declarations are conservative: list what the backend supports. It stores
+            # opaque bytes, so every layout, attention kind and operation works.
+            layouts=kvtier.ALL_LAYOUTS,
+            attention=kvtier.ALL_ATTENTION,
+            operations=kvtier.ALL_OPERATIONS,
             features=frozenset({kvtier.Feature.PERSISTENT, kvtier.Feature.SHARED_PROCESSES}),
         )
     )
