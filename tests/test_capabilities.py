@@ -11,7 +11,10 @@ from pydantic import BaseModel, ConfigDict
 
 from kvtier.core.capabilities import (
     LAYOUT_PREFERENCE,
-    namespace_for,
+    build_backend,
+    build_host_pool,
+    build_io_backend,
+    open_page_store,
     resolve,
     working_combinations,
 )
@@ -21,12 +24,13 @@ from kvtier.core.errors import (
     InvalidFieldError,
     MissingFieldError,
     PluginError,
+    StorageError,
     UnknownKeyError,
     UnknownNameError,
     UnsupportedCombinationError,
 )
 from kvtier.core.geometry import AttentionKind
-from kvtier.core.keys import Namespace
+from kvtier.core.keys import Namespace, layout_namespace
 from kvtier.core.layout import Layout
 from kvtier.core.specs import (
     ALL_ATTENTION,
@@ -37,7 +41,7 @@ from kvtier.core.specs import (
     IOBackendSpec,
     Operation,
 )
-from kvtier.core.storage import BackendContext
+from kvtier.core.storage import BackendContext, StorageBackend
 
 MHA = AttentionKind.MHA
 MLA = AttentionKind.MLA
@@ -379,10 +383,28 @@ def test_context_and_namespace() -> None:
         plan.layout,
         plan.geometry,
     )
-    assert ctx.namespace == Namespace("llama", plan.geometry.fingerprint, "t1").id
-    assert ctx.namespace == namespace_for("llama", plan.geometry.fingerprint, "t1")
+    # the namespace is (model, layout, geometry, tenant), computed once; the store's scope
+    # adds the rank suffix, so one MHA rank's clear() never removes another rank's pages
+    fingerprint = plan.geometry.fingerprint
+    assert plan.namespace == layout_namespace("llama", plan.layout, fingerprint, "t1")
+    assert plan.namespace == Namespace(f"llama|{plan.layout.value}", fingerprint, "t1")
+    assert plan.rank_suffix == "_r1of4"
+    assert ctx.namespace == plan.namespace.id + "_r1of4"
     other = resolve(config(tp_rank=1, tp_size=4, model="llama", tenant="t2"), BACKENDS, IO)
     assert other.context.namespace != ctx.namespace
+    relaid = resolve(
+        config(tp_rank=1, tp_size=4, model="llama", tenant="t1", layout="layer_first"),
+        BACKENDS,
+        IO,
+    )
+    assert relaid.layout is not plan.layout and relaid.namespace != plan.namespace
+    tokens = list(range(64 * 2))
+    assert not set(relaid.keyer().keys(tokens)) & set(plan.keyer().keys(tokens))
+    keys = plan.keyer().keys(tokens)
+    assert len(keys) == 2 and all(k.startswith(plan.namespace.id) for k in keys)
+    assert all(k.endswith("_r1of4") for k in keys)
+    mla = resolve(config(attention="mla", tp_rank=1, tp_size=4), BACKENDS, IO)
+    assert mla.rank_suffix == "" and mla.context.namespace == mla.namespace.id
 
 
 def test_summary_and_json() -> None:
@@ -430,3 +452,127 @@ def test_an_io_spec_that_declares_nothing_executes_nothing() -> None:
     assert plan.io_backend.name != "idle"  # the highest priority, but it runs nothing
     with pytest.raises(UnsupportedCombinationError, match="IO backend 'idle' has no layout"):
         resolve(config(io_backend="idle"), BACKENDS, {"idle": idle})
+
+
+# --- building from the plan: the one door to a plugin's factory ---------------------------
+
+
+class _Recorder(StorageBackend):
+    """A do-nothing backend that records attach and close."""
+
+    def __init__(self, config: Any = None, context: Any = None, attach_error: bool = False):
+        self.context = context
+        self.attached: list[Any] = []
+        self.closed = 0
+        self.attach_error = attach_error
+
+    def attach(self, pool: Any) -> None:
+        if self.attach_error:
+            raise RuntimeError("cannot register memory")
+        self.attached.append(pool)
+
+    def exists(self, keys: Any) -> list[bool]:
+        return [False] * len(keys)
+
+    def get(self, keys: Any, pages: Any) -> list[bool]:
+        return [False] * len(keys)
+
+    def put(self, keys: Any, pages: Any) -> list[bool]:
+        return [False] * len(keys)
+
+    def delete(self, keys: Any) -> list[bool]:
+        return [False] * len(keys)
+
+    def clear(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def _spec_with(factory: Any) -> dict[str, BackendSpec]:
+    return {"made": BackendSpec(name="made", factory=factory, **EVERYTHING)}
+
+
+def test_build_backend_passes_the_plan_and_checks_the_result() -> None:
+    seen: list[Any] = []
+
+    def factory(cfg: Any, context: BackendContext) -> StorageBackend:
+        seen.append((cfg, context))
+        return _Recorder(cfg, context)
+
+    plan = resolve(config(backend="made", model="m", tenant="t"), _spec_with(factory), IO)
+    backend = build_backend(plan)
+    assert isinstance(backend, _Recorder)
+    assert seen == [(plan.backend_config, plan.context)]
+
+
+def test_a_stray_factory_exception_is_a_plugin_error_naming_the_plugin() -> None:
+    def broken(cfg: Any, context: Any) -> Any:
+        raise KeyError("endpoint")
+
+    plan = resolve(config(backend="made"), _spec_with(broken), IO)
+    with pytest.raises(PluginError) as info:
+        build_backend(plan)
+    message = str(info.value)
+    assert "backend 'made': its factory raised KeyError('endpoint')" in message
+    assert f"module {__name__!r}" in message
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_a_kvtier_error_from_a_factory_passes_through() -> None:
+    def refuses(cfg: Any, context: Any) -> Any:
+        raise StorageError("the master at 127.0.0.1:1 is not answering", value=1)
+
+    plan = resolve(config(backend="made"), _spec_with(refuses), IO)
+    with pytest.raises(StorageError, match="not answering"):
+        build_backend(plan)
+
+
+def test_a_factory_returning_something_else_is_refused() -> None:
+    plan = resolve(config(backend="made"), _spec_with(lambda cfg, ctx: {"not": "a backend"}), IO)
+    with pytest.raises(PluginError, match=r"returned dict, not a kvtier\.StorageBackend"):
+        build_backend(plan)
+    # the same door for IO backends
+    odd_io = IOBackendSpec(
+        name="odd", factory=lambda *a: object(), capabilities=SLOW.capabilities, priority=50
+    )
+    plan = resolve(config(), BACKENDS, {"odd": odd_io})
+    with pytest.raises(PluginError, match=r"IO backend 'odd': its factory returned object"):
+        build_io_backend(plan)
+
+
+def test_build_io_backend_and_host_pool_follow_the_plan() -> None:
+    from kvtier.core.io import DIRECT_SPEC, KERNEL_SPEC, IOBackend
+
+    builtin = {s.name: s for s in (DIRECT_SPEC, KERNEL_SPEC)}
+    plan = resolve(config(layout="page_head", host_pages=3), BACKENDS, builtin)
+    io = build_io_backend(plan)
+    assert isinstance(io, IOBackend) and io.layout is Layout.PAGE_HEAD
+    assert io.name == plan.io_backend.name
+    pool = build_host_pool(plan, pin_memory=False)
+    assert (pool.num_pages, pool.layout, pool.geometry) == (3, Layout.PAGE_HEAD, plan.geometry)
+    assert build_host_pool(plan, num_pages=2, pin_memory=False).num_pages == 2
+    sized = resolve(config(host_bytes=10 * plan.geometry.bytes_per_page), BACKENDS, builtin)
+    assert 0 < build_host_pool(sized, pin_memory=False).num_pages < 10  # headers take room
+
+
+def test_open_page_store_attaches_the_pool_and_closes_the_backend_on_failure() -> None:
+    made: list[_Recorder] = []
+
+    def factory(cfg: Any, context: Any) -> StorageBackend:
+        made.append(_Recorder(cfg, context, attach_error=len(made) == 1))
+        return made[-1]
+
+    plan = resolve(config(backend="made", verify="header", host_pages=2), _spec_with(factory), IO)
+    pool = build_host_pool(plan, pin_memory=False)
+    store = open_page_store(plan, pool, checksum_workers=2)
+    assert store.backend is made[0] and made[0].attached == [pool]
+    assert (store.verify, store.fingerprint, store.checksum_workers) == (
+        "header",
+        plan.geometry.fingerprint,
+        2,
+    )
+    with pytest.raises(PluginError, match=r"backend 'made': attach raised RuntimeError"):
+        open_page_store(plan, pool)
+    assert made[1].closed == 1

@@ -1,9 +1,19 @@
-"""Capability resolution: check a config against what the backends declared, before building.
+"""From a config to objects: resolve it against the declarations, then build from the plan.
 
-:func:`resolve` is handed the registry's mappings (it imports nothing from
-``kvtier.plugins``) and either returns a :class:`ResolvedPlan` that is known to work or
-raises a config error that lists what would. Nothing is allocated and no thread is
-started here, so an impossible plan fails at start-up, not at the first transfer.
+This module is the one path every consumer takes (TieredCache, the engine adapters, the
+bench, the conformance kit):
+
+1. :func:`resolve` is handed the registry's mappings (it imports nothing from
+   ``kvtier.plugins``) and either returns a :class:`ResolvedPlan` that is known to work
+   or raises a config error that lists what would. Nothing is allocated and no thread is
+   started, so an impossible plan fails at start-up, not at the first transfer. The plan
+   carries everything the objects need, computed once: the validated backend and IO
+   backend configs, the key namespace (model, layout, geometry, tenant), the rank suffix
+   and the :class:`BackendContext`; the backend's ``validate_plan`` has run.
+2. :func:`build_backend` and :func:`build_io_backend` turn a plan into objects. They are
+   the only code that calls a plugin's factory: a stray exception from it becomes a
+   :class:`PluginError` naming the plugin, and a factory that returns the wrong type is
+   refused. :func:`build_host_pool` and :func:`open_page_store` finish the stack.
 
 ``auto`` ordering
 -----------------
@@ -37,18 +47,32 @@ from pydantic import BaseModel
 
 from kvtier.core.config import AUTO, EngineConfig, validate_model
 from kvtier.core.errors import (
-    ConfigError,
+    KvtierError,
     PluginError,
     UnknownNameError,
     UnsupportedCombinationError,
 )
 from kvtier.core.geometry import AttentionKind, KVGeometry
-from kvtier.core.keys import Namespace
+from kvtier.core.host_pool import HostPool
+from kvtier.core.io import IOBackend
+from kvtier.core.keys import Namespace, PageKeyer, layout_namespace, rank_suffix
 from kvtier.core.layout import Layout, layouts_for
+from kvtier.core.pagestore import PageMemory, PageStore
 from kvtier.core.specs import BackendSpec, IOBackendSpec, Operation
-from kvtier.core.storage import BackendContext
+from kvtier.core.storage import BackendContext, StorageBackend
 
-__all__ = ["LAYOUT_PREFERENCE", "ResolvedPlan", "namespace_for", "resolve", "working_combinations"]
+__all__ = [
+    "DEFAULT_HOST_BYTES",
+    "LAYOUT_PREFERENCE",
+    "ResolvedPlan",
+    "build_backend",
+    "build_host_pool",
+    "build_io_backend",
+    "check_backend",
+    "open_page_store",
+    "resolve",
+    "working_combinations",
+]
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +85,8 @@ LAYOUT_PREFERENCE: tuple[Layout, ...] = (
 )
 
 
-def namespace_for(model: str, fingerprint: str, tenant: str | None) -> str:
-    """The key namespace id of (model, geometry, tenant): the one :mod:`kvtier.core.keys` uses."""
-    return Namespace(model, fingerprint, tenant).id
+#: Host-pool size when the engine config gives neither ``host_pages`` nor ``host_bytes``.
+DEFAULT_HOST_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -75,11 +98,32 @@ class ResolvedPlan:
     backend: BackendSpec
     backend_config: BaseModel
     io_backend: IOBackendSpec
+    io_config: BaseModel
     layout: Layout
     operations: frozenset[Operation]
+    #: The key namespace: model, layout, geometry fingerprint and tenant.
+    namespace: Namespace
+    #: ``_r<rank>of<size>`` for MHA under tensor parallelism, else "".
+    rank_suffix: str
+    #: What the backend factory receives; its ``namespace`` is the store's scope, the
+    #: namespace id plus the rank suffix (a rank's ``clear`` never touches another's).
     context: BackendContext
     #: What ``auto`` picked and why, one line each.
     notes: list[str] = field(default_factory=list)
+
+    def keyer(self) -> PageKeyer:
+        """The page keyer of this plan: its namespace, page size, attention and rank."""
+        return PageKeyer(
+            self.namespace,
+            self.geometry.page_size,
+            self.geometry.attention,
+            self.context.tp_rank,
+            self.context.tp_size,
+        )
+
+    def declares(self, operation: Operation) -> bool:
+        """Whether the engine config declared ``operation`` (so resolution checked it)."""
+        return operation in self.operations
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly description (``kvtier check --json``)."""
@@ -101,6 +145,7 @@ class ResolvedPlan:
             "tp_rank": self.context.tp_rank,
             "tp_size": self.context.tp_size,
             "namespace": self.context.namespace,
+            "io_config": self.io_config.model_dump(mode="json"),
             "verify": self.config.verify,
             "backend_config": self.backend_config.model_dump(mode="json"),
             "notes": list(self.notes),
@@ -209,19 +254,73 @@ def _lookup(kind: str, name: str, specs: Mapping[str, Any]) -> Any:
         raise UnknownNameError(kind, name, specs) from None
 
 
+def check_backend(
+    config: EngineConfig,
+    backends: Mapping[str, BackendSpec],
+    io_backends: Mapping[str, IOBackendSpec],
+    *,
+    options_at: str = "extra_config",
+) -> tuple[BackendSpec, BaseModel]:
+    """The part of :func:`resolve` that needs no geometry: the backend and its options.
+
+    Checks the backend's name and availability, that it supports the config's attention
+    kind and operations, and validates its options (``config.extra_config``) against its
+    config model; ``options_at`` is where the operator wrote them, for the errors. An
+    engine adapter that learns the geometry only later (SGLang hands its host pool over
+    after construction) calls this first, to fail at construction; :func:`resolve` runs it
+    as its first step.
+    """
+    backend: BackendSpec = _lookup("backend", config.backend, backends)
+    backend.ensure_available()
+    attention = config.attention
+    operations = frozenset(config.operations)
+
+    def supported() -> list[str]:
+        working = working_combinations(backend, io_backends, attention, operations)
+        return [_combo(io.name, lay) for io, lay in working]
+
+    if attention not in backend.attention:
+        raise UnsupportedCombinationError(
+            f"backend {backend.name!r} does not support attention {attention.value!r} "
+            f"(it supports: {_names(a.value for a in backend.attention)})",
+            value=attention.value,
+            supported=supported(),
+        )
+    unsupported_ops = operations - backend.operations
+    if unsupported_ops:
+        raise UnsupportedCombinationError(
+            f"backend {backend.name!r} does not support operation(s) "
+            f"{_names(op.value for op in unsupported_ops)} "
+            f"(it supports: {_names(op.value for op in backend.operations)})",
+            value=sorted(op.value for op in unsupported_ops),
+            supported=supported(),
+        )
+    backend_config = validate_model(
+        backend.config_model,
+        config.extra_config,
+        where=options_at,
+        label=f"{options_at} of backend {backend.name!r}",
+    )
+    return backend, backend_config
+
+
 def resolve(
     config: EngineConfig,
     backends: Mapping[str, BackendSpec],
     io_backends: Mapping[str, IOBackendSpec],
+    *,
+    options_at: str = "extra_config",
 ) -> ResolvedPlan:
     """Check ``config`` against the declarations and return the plan, or raise ConfigError.
 
-    Order: names, availability, geometry, backend capabilities, extra-config, the
-    (IO backend, layout) pair (``auto`` picks the best working one), the backend's own
-    ``validate_plan``. Nothing is allocated.
+    Order: the backend (:func:`check_backend`: name, availability, attention kind,
+    operations, its options, named in errors by ``options_at``), the IO backend's name,
+    the geometry, the (IO backend, layout) pair (``auto`` picks the best working one),
+    the backend's own ``validate_plan``. Nothing is allocated.
     """
-    backend: BackendSpec = _lookup("backend", config.backend, backends)
-    backend.ensure_available()
+    backend, backend_config = check_backend(
+        config, backends, io_backends, options_at=options_at
+    )
     explicit_io: IOBackendSpec | None = None
     if config.io_backend != AUTO:
         explicit_io = _lookup("IO backend", config.io_backend, io_backends)
@@ -239,22 +338,6 @@ def resolve(
         f"backend {backend.name!r} with attention {attention.value!r} and operations {ops_text}"
     )
 
-    if attention not in backend.attention:
-        raise UnsupportedCombinationError(
-            f"backend {backend.name!r} does not support attention {attention.value!r} "
-            f"(it supports: {_names(a.value for a in backend.attention)})",
-            value=attention.value,
-            supported=supported,
-        )
-    unsupported_ops = operations - backend.operations
-    if unsupported_ops:
-        raise UnsupportedCombinationError(
-            f"backend {backend.name!r} does not support operation(s) "
-            f"{_names(op.value for op in unsupported_ops)} "
-            f"(it supports: {_names(op.value for op in backend.operations)})",
-            value=sorted(op.value for op in unsupported_ops),
-            supported=supported,
-        )
     if layout_wanted is not None and layout_wanted not in layouts_for(attention):
         raise UnsupportedCombinationError(
             f"layout {layout_wanted.value!r} does not exist for {attention.value.upper()} "
@@ -269,13 +352,6 @@ def resolve(
             value=explicit_io.name,
             supported=supported,
         )
-
-    backend_config = validate_model(
-        backend.config_model,
-        config.extra_config,
-        where="extra_config",
-        label=f"extra_config of backend {backend.name!r}",
-    )
 
     candidates = [
         (io, lay)
@@ -313,32 +389,127 @@ def resolve(
         notes.append(note)
         log.info("kvtier: %s", note)
 
+    namespace = layout_namespace(config.model, layout, geometry.fingerprint, config.tenant)
+    suffix = rank_suffix(attention, config.tp_rank, config.tp_size)
     context = BackendContext(
         geometry=geometry,
         layout=layout,
         tp_rank=config.tp_rank,
         tp_size=config.tp_size,
-        namespace=namespace_for(config.model, geometry.fingerprint, config.tenant),
+        namespace=namespace.id + suffix,
+    )
+    io_config = validate_model(
+        io.config_model, {}, where="io_backend", label=f"config of IO backend {io.name!r}"
     )
     if backend.validate_plan is not None:
-        try:
-            backend.validate_plan(backend_config, context)
-        except ConfigError:
-            raise
-        except Exception as exc:
-            raise PluginError(
-                f"backend {backend.name!r}: validate_plan raised {exc!r} instead of a "
-                f"ConfigError; this is a bug in the plugin that declares it",
-                value=exc,
-            ) from exc
+        _plugin_call(backend, "validate_plan", backend.validate_plan, backend_config, context)
     return ResolvedPlan(
         config=config,
         geometry=geometry,
         backend=backend,
         backend_config=backend_config,
         io_backend=io,
+        io_config=io_config,
         layout=layout,
         operations=operations,
+        namespace=namespace,
+        rank_suffix=suffix,
         context=context,
         notes=notes,
     )
+
+
+# --- building from a plan -----------------------------------------------------------------
+
+
+def _origin(spec: BackendSpec | IOBackendSpec) -> str:
+    """Where a spec's code lives, to name the plugin in an error."""
+    factory = spec.factory
+    if isinstance(factory, str):
+        return factory.partition(":")[0]
+    return getattr(factory, "__module__", None) or type(factory).__name__
+
+
+def _plugin_call(spec: BackendSpec | IOBackendSpec, what: str, call: Any, *args: Any) -> Any:
+    """Call a plugin's code; a stray (non-kvtier) exception becomes a PluginError."""
+    try:
+        return call(*args)
+    except KvtierError:
+        raise
+    except Exception as exc:
+        raise PluginError(
+            f"{spec.kind} {spec.name!r}: {what} raised {exc!r} instead of a kvtier error; "
+            f"this is a bug in the plugin that declares it (module {_origin(spec)!r})",
+            value=exc,
+        ) from exc
+
+
+def _construct(spec: BackendSpec | IOBackendSpec, expected: type, *args: Any) -> Any:
+    """The one call of a plugin factory: import it, call it, check what it returned."""
+    factory = spec.load_factory()
+    built = _plugin_call(spec, "its factory", factory, *args)
+    if not isinstance(built, expected):
+        raise PluginError(
+            f"{spec.kind} {spec.name!r}: its factory returned {type(built).__name__}, not a "
+            f"kvtier.{expected.__name__}; this is a bug in the plugin that declares it "
+            f"(module {_origin(spec)!r})",
+            value=spec.name,
+        )
+    return built
+
+
+def build_backend(plan: ResolvedPlan) -> StorageBackend:
+    """The plan's storage backend, built from its validated config and context."""
+    backend: StorageBackend = _construct(
+        plan.backend, StorageBackend, plan.backend_config, plan.context
+    )
+    return backend
+
+
+def build_io_backend(plan: ResolvedPlan) -> IOBackend:
+    """The plan's IO backend, for its geometry and layout."""
+    io: IOBackend = _construct(
+        plan.io_backend, IOBackend, plan.io_config, plan.geometry, plan.layout
+    )
+    return io
+
+
+def build_host_pool(
+    plan: ResolvedPlan, *, num_pages: int | None = None, pin_memory: bool | None = None
+) -> HostPool:
+    """A host pool in the plan's layout: ``num_pages``, else the config's size.
+
+    The config gives ``host_pages`` or ``host_bytes``; with neither the pool takes
+    :data:`DEFAULT_HOST_BYTES`.
+    """
+    config = plan.config
+    pages = num_pages if num_pages is not None else config.host_pages
+    if pages is not None:
+        return HostPool(plan.geometry, plan.layout, num_pages=pages, pin_memory=pin_memory)
+    size = config.host_bytes or DEFAULT_HOST_BYTES
+    return HostPool(plan.geometry, plan.layout, size_bytes=size, pin_memory=pin_memory)
+
+
+def open_page_store(
+    plan: ResolvedPlan, pool: PageMemory, *, checksum_workers: int = 1
+) -> PageStore:
+    """Build the plan's backend and put a :class:`PageStore` over ``pool`` in front of it.
+
+    A kvtier :class:`HostPool` is attached to the backend first (backends that register
+    memory, such as Mooncake, do it once here). The caller closes ``store.backend``; if
+    anything fails here, the backend is closed before the error propagates.
+    """
+    backend = build_backend(plan)
+    try:
+        if isinstance(pool, HostPool):
+            _plugin_call(plan.backend, "attach", backend.attach, pool)
+        return PageStore(
+            backend,
+            pool,
+            fingerprint=plan.geometry.fingerprint,
+            verify=plan.config.verify,
+            checksum_workers=checksum_workers,
+        )
+    except BaseException:
+        backend.close()
+        raise

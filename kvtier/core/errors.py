@@ -19,6 +19,7 @@ __all__ = [
     "DuplicatePluginError",
     "ExtentError",
     "ExtraConfigSyntaxError",
+    "InjectedFault",
     "IntegrityError",
     "InvalidFieldError",
     "InvalidKeyError",
@@ -237,6 +238,10 @@ class InvalidKeyError(KvtierError, ValueError):
 
     Raised before any I/O: a path-like key is a bug in the caller, never a miss.
     """
+
+
+class InjectedFault(StorageError):
+    """Raised on purpose by the testing kit's ``FaultyBackend`` when its ``error_rate`` fires."""
 
 
 class IntegrityError(StorageError):

@@ -42,6 +42,7 @@ __all__ = [
     "KernelIOBackend",
     "TransferPlan",
     "capability_table",
+    "check_device_slots",
     "full_matrix",
 ]
 
@@ -58,6 +59,60 @@ def full_matrix(operations: Iterable[Operation] = tuple(Operation)) -> frozenset
         for layout in layouts_for(attention)
         for op in ops
     )
+
+
+def check_device_slots(
+    device_slots: Any,
+    *,
+    page_size: int,
+    pages: int | None = None,
+    num_slots: int | None = None,
+) -> torch.Tensor:
+    """The one device-slot validator: ``device_slots`` as int64, or a TransferError.
+
+    Checks, in order, that it is a 1-D integer tensor, that it holds ``pages *
+    page_size`` slots (when ``pages`` is given) and that every slot is below
+    ``num_slots`` and not negative (when ``num_slots`` is given). Each fault has one
+    message, wherever it is found (TieredCache, an IO backend), and the offending value
+    as ``.value``. The tensor stays on its device.
+    """
+    if not isinstance(device_slots, torch.Tensor):
+        raise TransferError(
+            "device_slots must be an int64 torch.Tensor (1-D, one token slot per entry), "
+            f"got {type(device_slots).__name__}",
+            value=device_slots,
+        )
+    if device_slots.dtype.is_floating_point or device_slots.dtype.is_complex or (
+        device_slots.dtype == torch.bool
+    ):
+        raise TransferError(
+            f"device_slots must hold integers, got {device_slots.dtype}",
+            value=device_slots.dtype,
+        )
+    if device_slots.dim() != 1:
+        raise TransferError(
+            f"device_slots must be 1-D, got shape {tuple(device_slots.shape)}",
+            value=tuple(device_slots.shape),
+        )
+    if pages is not None and device_slots.numel() != pages * page_size:
+        expected = pages * page_size
+        raise TransferError(
+            f"{device_slots.numel()} device slots for {pages} pages; expected {expected} "
+            f"(= pages x page_size {page_size}): pass {expected}",
+            value=device_slots.numel(),
+        )
+    slots = device_slots.to(torch.int64)
+    if num_slots is not None and slots.numel():
+        low, high = int(slots.min()), int(slots.max())
+        if low < 0 or high >= num_slots:
+            bad = low if low < 0 else high
+            position = int((slots == bad).nonzero()[0, 0])
+            raise TransferError(
+                f"device slot {bad} is out of range (position {position} of the slots): "
+                f"the device pool has slots 0..{num_slots - 1}",
+                value=bad,
+            )
+    return slots
 
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
@@ -269,7 +324,12 @@ class IOBackend(ABC):
                 value=host.layout,
             )
         pages = self._pages(host, host_pages)
-        slots = self._slots(device, device_slots, len(pages))
+        slots = check_device_slots(
+            device_slots,
+            page_size=g.page_size,
+            pages=len(pages),
+            num_slots=device.num_slots,
+        )
         if not pages:
             return None
         is_backup = operation in (Operation.BACKUP_ALL, Operation.BACKUP_LAYER)
@@ -309,46 +369,6 @@ class IOBackend(ABC):
                     value=page,
                 )
         return pages
-
-    def _slots(self, device: DevicePool, device_slots: Any, num_pages: int) -> torch.Tensor:
-        if not isinstance(device_slots, torch.Tensor):
-            raise TransferError(
-                f"device_slots must be an int64 torch.Tensor, got {type(device_slots).__name__}",
-                value=device_slots,
-            )
-        if device_slots.dtype.is_floating_point or device_slots.dtype in (
-            torch.bool,
-            torch.complex64,
-            torch.complex128,
-        ):
-            raise TransferError(
-                f"device_slots must hold integers, got {device_slots.dtype}",
-                value=device_slots.dtype,
-            )
-        if device_slots.dim() != 1:
-            raise TransferError(
-                f"device_slots must be 1-D, got shape {tuple(device_slots.shape)}",
-                value=tuple(device_slots.shape),
-            )
-        expected = num_pages * self.geometry.page_size
-        if device_slots.numel() != expected:
-            raise TransferError(
-                f"{device_slots.numel()} device slots for {num_pages} host pages; expected "
-                f"{expected} (= pages x page_size {self.geometry.page_size})",
-                value=device_slots.numel(),
-            )
-        slots = device_slots.to(torch.int64)
-        if slots.numel():
-            low, high = int(slots.min()), int(slots.max())
-            if low < 0 or high >= device.num_slots:
-                bad = low if low < 0 else high
-                position = int((slots == bad).nonzero()[0, 0])
-                raise TransferError(
-                    f"device slot {bad} (position {position}) is out of range: the device "
-                    f"pool has slots 0..{device.num_slots - 1}",
-                    value=bad,
-                )
-        return slots
 
     # --- views shared by implementations --------------------------------------------
 

@@ -28,6 +28,7 @@ import torch
 
 from kvtier.core.errors import InvalidFieldError, InvalidKeyError
 from kvtier.core.geometry import AttentionKind
+from kvtier.core.layout import Layout
 
 __all__ = [
     "KEY_CHARSET",
@@ -35,6 +36,8 @@ __all__ = [
     "Namespace",
     "PageKeyer",
     "external_key",
+    "layout_namespace",
+    "rank_suffix",
     "token_bytes",
     "validate_key",
 ]
@@ -212,8 +215,24 @@ def _packed_bytes(tokens: Sequence[int]) -> bytes:
     return _little_endian(packed.tobytes())
 
 
-def _rank_suffix(attention: AttentionKind, tp_rank: int, tp_size: int) -> str:
-    return f"_r{tp_rank}of{tp_size}" if attention is AttentionKind.MHA and tp_size > 1 else ""
+def rank_suffix(attention: AttentionKind | str, tp_rank: int, tp_size: int) -> str:
+    """``_r<rank>of<size>`` where ranks hold different heads (MHA under TP), else ``""``.
+
+    MLA ranks hold the same latent, so their pages are shared and carry no suffix.
+    """
+    per_rank = AttentionKind(attention) is AttentionKind.MHA and tp_size > 1
+    return f"_r{tp_rank}of{tp_size}" if per_rank else ""
+
+
+def layout_namespace(
+    model: str, layout: Layout | str, fingerprint: str, tenant: str | None = None
+) -> Namespace:
+    """The namespace of the pages a (model, host-pool layout, geometry, tenant) writes.
+
+    The layout orders a page's bytes, so the same tokens stored from two layouts are two
+    different pages: the layout is part of the namespace, never shared by two layouts.
+    """
+    return Namespace(f"{model}|{Layout(layout).value}", fingerprint, tenant)
 
 
 def external_key(namespace: Namespace, raw: str, rank_suffix: str = "") -> str:
@@ -261,7 +280,7 @@ class PageKeyer:
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         #: ``_r<rank>of<size>`` where ranks hold different heads (MHA under TP), else "".
-        self.rank_suffix = _rank_suffix(self.attention, tp_rank, tp_size)
+        self.rank_suffix = rank_suffix(self.attention, tp_rank, tp_size)
         self._prefix = f"{namespace.id}-"
         self._hasher = hashlib.blake2b(key=namespace.digest, digest_size=_DIGEST_BYTES)
         iv = self._hasher.copy()

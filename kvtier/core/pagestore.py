@@ -29,7 +29,7 @@ from kvtier.core.keys import validate_key
 from kvtier.core.layout import Layout
 from kvtier.core.storage import Counters, StorageBackend
 
-__all__ = ["PagePool", "PageStore", "VerifyMode"]
+__all__ = ["PageMemory", "PageStore", "VerifyMode"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,12 @@ _VERIFY_MODES = ("full", "header")
 _R = TypeVar("_R")
 
 
-class PagePool(Protocol):
-    """What a PageStore needs of a host pool (``kvtier.core.host_pool.HostPool`` has it)."""
+class PageMemory(Protocol):
+    """The memory of pages, as a PageStore needs it: each page's envelope slot and extents.
+
+    ``kvtier.core.host_pool.HostPool`` has it; an engine adapter can serve the engine's own
+    host pool through it (the SGLang adapter does).
+    """
 
     @property
     def layout(self) -> Layout: ...
@@ -57,7 +61,7 @@ class PageStore:
     def __init__(
         self,
         backend: StorageBackend,
-        pool: PagePool,
+        pool: PageMemory,
         *,
         fingerprint: str,
         verify: VerifyMode = "full",

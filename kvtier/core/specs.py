@@ -16,7 +16,7 @@ import importlib
 import importlib.util
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -135,7 +135,8 @@ class _SpecBase:
     #: here (a kernel feature missing, say), or None. It must be cheap and never raise.
     probe: Callable[[], str | None] | None = None
 
-    _kind = "backend"
+    #: What the spec declares, as errors name it ("backend", "IO backend").
+    kind: ClassVar[str] = "backend"
 
     def unavailable_reason(self) -> str | None:
         """Why this cannot be used here (missing modules, a failed probe), or None."""
@@ -153,12 +154,12 @@ class _SpecBase:
         """Raise :class:`BackendUnavailableError` with the install hint if unusable here."""
         reason = self.unavailable_reason()
         if reason is not None:
-            raise BackendUnavailableError(self._kind, self.name, reason, self.install_hint)
+            raise BackendUnavailableError(self.kind, self.name, reason, self.install_hint)
 
     def load_factory(self) -> Callable[..., Any]:
         """Import (if lazy) and return the factory; dependencies are checked first."""
         self.ensure_available()
-        return _load_factory(self._kind, self.name, self.factory)
+        return _load_factory(self.kind, self.name, self.factory)
 
 
 @dataclass(frozen=True)
@@ -182,10 +183,10 @@ class BackendSpec(_SpecBase):
     #: work (for example O_DIRECT with extents that cannot be 4096-aligned).
     validate_plan: Callable[[Any, Any], None] | None = None
 
-    _kind = "backend"
+    kind: ClassVar[str] = "backend"
 
     def __post_init__(self) -> None:
-        _check_name(self._kind, self.name)
+        _check_name(self.kind, self.name)
         for attr, enum_type in (
             ("layouts", Layout),
             ("attention", AttentionKind),
@@ -211,10 +212,10 @@ class IOBackendSpec(_SpecBase):
     #: Preference when ``io_backend="auto"``: the highest priority that fits wins.
     priority: int = 0
 
-    _kind = "IO backend"
+    kind: ClassVar[str] = "IO backend"
 
     def __post_init__(self) -> None:
-        _check_name(self._kind, self.name)
+        _check_name(self.kind, self.name)
         object.__setattr__(
             self,
             "capabilities",
