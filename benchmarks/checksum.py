@@ -31,8 +31,10 @@ from typing import Any
 import xxhash
 from _common import interleaved_medians
 
-from kvtier.backends.file import FileBackend, FileConfig
-from kvtier.backends.memory import MemoryBackend, MemoryConfig
+from kvtier.backends.file import FileConfig
+from kvtier.backends.file.backend import FileBackend
+from kvtier.backends.memory import MemoryConfig
+from kvtier.backends.memory.backend import MemoryBackend
 from kvtier.core.envelope import payload_checksum
 from kvtier.core.geometry import KVGeometry
 from kvtier.core.host_pool import HostPool

@@ -40,8 +40,9 @@ from pathlib import Path
 
 import torch
 
-from kvtier.backends import _filestore as fs
-from kvtier.backends.file import FileBackend, FileConfig
+from kvtier.backends.file import FileConfig
+from kvtier.backends.file.backend import FileBackend
+from kvtier.backends.filestore import paths as fs_paths
 from kvtier.core.geometry import KVGeometry
 from kvtier.core.host_pool import HostPool
 from kvtier.core.keys import Namespace, PageKeyer
@@ -271,7 +272,7 @@ def exists_case(backend: FileBackend, keyer: PageKeyer, reps: int) -> None:
     keys = keyer.keys(list(range(n * GEOMETRY.page_size)))
     for key in keys:
         backend.index.touch(key, 1)  # indexed, as after a start-up scan
-    paths = [fs.page_path_str(os.fspath(backend.store), key) for key in keys]
+    paths = [fs_paths.page_path_str(os.fspath(backend.store), key) for key in keys]
     for path in paths[:: n // 100]:  # a few real files, the rest misses: both sides equal
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         Path(path).touch()

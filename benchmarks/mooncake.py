@@ -4,7 +4,7 @@
 
 Starts its own ``mooncake_master`` on loopback. Pages are 8 MiB MLA pages in a
 ``page_first`` host pool (one 8 MiB payload extent plus the 4 KiB envelope header slot,
-in two registered slabs). Our side is ``MooncakeStore.put/get`` (batch_remove for
+in two registered slabs). Our side is ``MooncakeBackend.put/get`` (batch_remove for
 replace-on-put, then the multi-buffer batch calls); the baseline is the same client's
 ``batch_put_from`` / ``batch_get_into`` of each page's 8 MiB payload. Both move the same
 pool memory, interleaved, after a warm-up; medians of ``--reps`` (7). Throughput counts
@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from kvtier.backends._mooncake_store import MooncakeStore
 from kvtier.backends.mooncake import MooncakeConfig
+from kvtier.backends.mooncake.backend import MooncakeBackend
 from kvtier.core.geometry import KVGeometry
 from kvtier.core.host_pool import HostPool
 from kvtier.core.layout import Layout
@@ -68,7 +68,7 @@ def run_case(case: str, pages: int, reps: int, storage_node: bool) -> list[dict[
             global_segment_size=0 if storage_node else segment,
         )
         context = BackendContext(GEOMETRY, Layout.PAGE_FIRST, namespace="bench")
-        backend = MooncakeStore(config, context)
+        backend = MooncakeBackend(config, context)
         try:
             pool = HostPool(GEOMETRY, Layout.PAGE_FIRST, num_pages=pages, pin_memory=False)
             backend.attach(pool)

@@ -35,9 +35,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kvtier.backends import _filestore as fs
-from kvtier.backends.file import FileBackend, FileConfig
-from kvtier.backends.uring import UringBackend, UringConfig, probe_io_uring
+from kvtier.backends.file import FileConfig
+from kvtier.backends.file.backend import FileBackend
+from kvtier.backends.filestore import paths as fs_paths
+from kvtier.backends.uring import UringConfig, probe_io_uring
+from kvtier.backends.uring.backend import UringBackend
 from kvtier.core.extents import Extent
 
 HEADER = 4096
@@ -203,7 +205,7 @@ def bench_size(
     # Write the data set once for each reader, synced so it can be dropped from the cache.
     with backends(root, 32, False) as (uring, _file):
         assert all(uring.put(keys, pages))
-        paths = [fs.page_path(uring.store, key) for key in keys]
+        paths = [fs_paths.page_path(uring.store, key) for key in keys]
     raw_write(raw_paths, pages, False)
     os.sync()
     for mode in modes if "get" in ops else []:

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import errno
-import io
-import json
 import mmap
 import os
 import signal
@@ -25,9 +22,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ByteSize
 
-from kvtier import bench
-from kvtier.backends import _filestore as fs
-from kvtier.backends.file import FILE_SPEC, FileBackend, FileConfig, validate_file_plan
+from kvtier.backends.file import FILE_SPEC, FileConfig, validate_file_plan
+from kvtier.backends.file.backend import FileBackend
+from kvtier.backends.filestore import paths as fs_paths
+from kvtier.backends.filestore import startup as fs_startup
+from kvtier.backends.filestore import writes as fs_writes
 from kvtier.core.errors import ConfigError, InvalidFieldError, KvtierError, StorageError
 from kvtier.core.extents import Extent, extent_of_view
 from kvtier.core.geometry import KVGeometry
@@ -101,7 +100,7 @@ def test_one_file_per_page_sharded_with_private_modes(fb: FileBackend, root: Pat
     for p in paths:
         assert stat.S_IMODE(p.stat().st_mode) == 0o600
         assert p.stat().st_size == 3 * REGION
-        assert p == fs.page_path(fb.store, p.name[:-3])
+        assert p == fs_paths.page_path(fb.store, p.name[:-3])
         assert len(p.relative_to(fb.store).parts) == 3  # aa/bb/key.kv
     for d in [root, fb.store, *(p.parent for p in paths), *(p.parent.parent for p in paths)]:
         assert stat.S_IMODE(d.stat().st_mode) == 0o700
@@ -236,7 +235,7 @@ def test_index_is_rebuilt_from_disk_in_mtime_order(root: Path) -> None:
     b = backend(root)
     for i, key in enumerate(["old", "mid", "new"]):
         b.put([key], [make_page(i)])
-        os.utime(fs.page_path(b.store, key), (1000 + i, 1000 + i))
+        os.utime(fs_paths.page_path(b.store, key), (1000 + i, 1000 + i))
     b.close()
     again = backend(root)
     assert again.index.keys() == ["old", "mid", "new"]
@@ -252,7 +251,7 @@ def test_capacity_evicts_least_recently_used(root: Path) -> None:
     assert b.get(["a"], [make_page(0)]) == [True]  # a is now most recently used
     assert b.put(["d"], [make_page(4)]) == [True]
     assert b.exists(["a", "b", "c", "d"]) == [True, False, True, True]
-    assert not fs.page_path(b.store, "b").exists()
+    assert not fs_paths.page_path(b.store, "b").exists()
     s = b.stats()
     assert s["evictions"] == 1 and s["bytes"] == 3 * 3 * REGION
 
@@ -269,7 +268,7 @@ def test_page_larger_than_capacity_fails_that_put_only(root: Path) -> None:
     b = backend(root, capacity_bytes=2 * REGION)
     assert b.put(["big", "small"], [make_page(1), make_page(2, regions=1)]) == [False, True]
     assert b.stats()["put_failed_page_larger_than_capacity"] == 1
-    assert files_under(root) == [fs.page_path(b.store, "small")]
+    assert files_under(root) == [fs_paths.page_path(b.store, "small")]
 
 
 def test_min_free_space_guard_refuses_and_keeps_serving(root: Path) -> None:
@@ -309,7 +308,7 @@ def test_other_process_pages_found_by_stat_on_index_miss(root: Path) -> None:
 @pytest.mark.parametrize("mode", ["none", "page", "batch"])
 def test_fsync_modes(root: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     synced: list[str] = []
-    real_fdatasync, real_fsync_dir = os.fdatasync, fs.fsync_dir
+    real_fdatasync, real_fsync_dir = os.fdatasync, fs_writes.fsync_dir
 
     def fdatasync(fd: int) -> None:
         synced.append("file")
@@ -320,13 +319,13 @@ def test_fsync_modes(root: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> 
         real_fsync_dir(directory)
 
     monkeypatch.setattr(os, "fdatasync", fdatasync)
-    monkeypatch.setattr(fs, "fsync_dir", fsync_dir)
+    monkeypatch.setattr(fs_writes, "fsync_dir", fsync_dir)
     b = backend(root, fsync=mode, io_threads=1)
     keys = ["same-a", "same-b", "same-c"]
     assert b.put(keys, [make_page(1), make_page(2), make_page(3)]) == [True] * 3
     out = [make_page(0) for _ in keys]
     assert b.get(keys, out) == [True] * 3
-    dirs = {fs.page_path(b.store, k).parent for k in keys}
+    dirs = {fs_paths.page_path(b.store, k).parent for k in keys}
     if mode == "none":
         assert synced == []
     elif mode == "page":
@@ -459,7 +458,7 @@ def dead_pid() -> int:
 def test_stale_temp_files_are_removed_at_start_up(root: Path) -> None:
     b = backend(root)
     b.put(["k"], [make_page(1)])
-    leaf = fs.page_path(b.store, "k").parent
+    leaf = fs_paths.page_path(b.store, "k").parent
     stale = leaf / f".{dead_pid()}.1.1.tmp"
     stale.write_bytes(b"half a page")
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -470,7 +469,7 @@ def test_stale_temp_files_are_removed_at_start_up(root: Path) -> None:
         assert not stale.exists()
         assert live.exists()  # a live writer's temp file is left alone
         assert again.exists(["k"]) == [True]
-        assert fs.remove_stale_temps(b.store, max_age=0) == 1  # ... until it is too old
+        assert fs_startup.remove_stale_temps(b.store, max_age=0) == 1  # ... until it is too old
     finally:
         sleeper.kill()
         sleeper.wait()
@@ -480,7 +479,8 @@ CHILD = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
-    from kvtier.backends.file import FileBackend, FileConfig
+    from kvtier.backends.file import FileConfig
+    from kvtier.backends.file.backend import FileBackend
     from kvtier.core.extents import extent_of_view
 
     root, mode, key = sys.argv[1:4]
@@ -606,10 +606,10 @@ def test_factory_builds_from_validated_config(root: Path) -> None:
 def test_publish_exchanges_over_an_existing_page(tmp_path: Path) -> None:
     final = tmp_path / "page.kv"
     for content in (b"old", b"new", b"newer"):
-        fd, tmp = fs.open_temp(final)
+        fd, tmp = fs_paths.open_temp(final)
         os.write(fd, content)
         os.close(fd)
-        fs.publish(tmp, final)
+        fs_writes.publish(tmp, final)
         assert final.read_bytes() == content
         assert sorted(p.name for p in tmp_path.iterdir()) == ["page.kv"]
 
@@ -624,69 +624,16 @@ def test_publish_falls_back_to_rename_without_exchange(
         ctypes.set_errno(errno.EINVAL)
         return -1
 
-    monkeypatch.setattr(fs, "_renameat2", no_exchange)
+    monkeypatch.setattr(fs_writes, "_renameat2", no_exchange)
     final = tmp_path / "page.kv"
     final.write_bytes(b"old")
-    fd, tmp = fs.open_temp(final)
+    fd, tmp = fs_paths.open_temp(final)
     os.write(fd, b"new")
     os.close(fd)
-    fs.publish(tmp, final)
+    fs_writes.publish(tmp, final)
     assert final.read_bytes() == b"new" and calls == [1]
-    assert fs._renameat2 is None  # not tried again
+    assert fs_writes._renameat2 is None  # not tried again
     assert sorted(p.name for p in tmp_path.iterdir()) == ["page.kv"]
-
-
-# --- kvtier bench (runs on the file backend by default) -------------------------------
-
-SMALL = ["--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "64", "--page-size", "16"]
-
-
-def bench_args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    return parser.parse_args([*SMALL, "--pages", "6", "--rounds", "1", *argv])
-
-
-def test_bench_round_trip_verifies_and_reports(tmp_path: Path) -> None:
-    result = bench.run_bench(bench_args("--batch", "4", "--workdir", str(tmp_path)))
-    out = result.to_dict()
-    assert out["ok"] is True and out["failures"] == []
-    assert out["backend"] == "file" and out["pages"] == 6 and out["batch"] == 4
-    assert out["stored_bytes_per_page"] == out["page_bytes"] + 4096
-    for name in ("put", "get", "raw_put", "raw_get", "device_to_host", "host_to_device"):
-        assert out[name]["gbps"] > 0 and out[name]["p99_ms"] >= out[name]["p50_ms"] >= 0
-    assert set(out["ratio"]) == {"put", "get"}
-    assert out["store_stats"]["hits"] == 12 and out["store_stats"]["invalid"] == 0
-    assert list(tmp_path.iterdir()) == []  # the temporary pages are gone
-    assert "bit-exact" in result.report()
-
-
-def test_bench_json_on_stdout(capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench.run(bench_args("--json", "--no-raw", "--layout", "layer_first")) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["layout"] == "layer_first" and "ratio" not in out and out["ok"]
-
-
-def test_bench_reports_failed_pages_with_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
-    # a memory backend too small for one page: every put fails, nothing comes back
-    args = bench_args("--backend", "memory", "--extra-config", '{"capacity_bytes": 1024}')
-    assert bench.run(args) == 1
-    assert "put of page 0 failed" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--extra-config", '{"root": '], "extra-config"),
-        (["--extra-config", '{"fsycn": "page"}'], "fsync"),
-        (["--kv-lora-rank", "64"], "MLA geometry option"),
-        (["--backend", "fiel"], "did you mean 'file'"),
-        (["--pages", "0"], "--pages"),
-    ],
-)
-def test_bench_rejects_bad_options_before_running(argv: list[str], message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        bench.run_bench(bench_args(*argv))
 
 
 def test_docs_list_every_option_with_its_description() -> None:
@@ -702,21 +649,6 @@ def test_exists_without_disk_lookups_still_refuses_bad_keys(root: Path) -> None:
     assert blind.exists(["good", "absent"]) == [True, False]
     with pytest.raises(KvtierError):
         blind.exists(["good", "../etc/passwd"])
-
-
-def test_bench_progress_bar_only_on_a_terminal() -> None:
-    class Terminal(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
-    tty, pipe = Terminal(), io.StringIO()
-    for stream in (tty, pipe):
-        bar = bench.Progress(4, stream, enabled=True)
-        for _ in range(4):
-            bar.step("put")
-        bar.close()
-    assert "100%" in tty.getvalue() and "put" in tty.getvalue()
-    assert pipe.getvalue() == ""
 
 
 # --- index invariants under random operations ------------------------------------------
@@ -763,14 +695,3 @@ def test_index_matches_disk_and_capacity_under_random_operations(
             assert set(on_disk) <= set(model)
             assert not list(root.rglob(".*.tmp"))
         b.close()
-
-
-def test_kvtier_bench_command(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvtier.cli import main
-
-    argv = ["bench", *SMALL, "--pages", "3", "--rounds", "1", "--json", "--no-raw"]
-    assert main(argv) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["ok"] and out["backend"] == "file" and out["pages"] == 3
-    assert main(["bench", "--backend", "fiel"]) == 2
-    assert "did you mean 'file'" in capsys.readouterr().err

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kvtier.backends.memory import MemoryBackend, MemoryConfig
+from kvtier.backends.memory import MemoryConfig
+from kvtier.backends.memory.backend import MemoryBackend
 from kvtier.core.extents import Extent, extent_of_view
 
 

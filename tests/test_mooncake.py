@@ -94,13 +94,13 @@ def open_backend(mooncake_master: MooncakeMaster) -> Iterator[Any]:
     def build(
         *, namespace: str | None = None, layout: Layout = Layout.PAGE_FIRST, **overrides: Any
     ) -> Any:
-        from kvtier.backends._mooncake_store import MooncakeStore
+        from kvtier.backends.mooncake.backend import MooncakeBackend
 
         address = overrides.pop("master_address", mooncake_master.address)
         context = BackendContext(
             GEOMETRY, layout, namespace=namespace or f"t-{uuid.uuid4().hex[:12]}"
         )
-        backend = MooncakeStore(_config(address, **overrides), context)
+        backend = MooncakeBackend(_config(address, **overrides), context)
         opened.append(backend)
         return backend
 
@@ -330,7 +330,7 @@ def test_unregistered_memory_is_staged_and_counted(
     pool = _pool(Layout.PAGE_FIRST)  # never attached
     src, dst = pool.allocate(2), pool.allocate(2)
     expected = _fill(pool, src, seed=9)
-    with caplog.at_level(logging.WARNING, logger="kvtier.backends._mooncake_store"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.backends.mooncake.backend"):
         assert backend.put(["s0", "s1"], [pool.page_buffers(p) for p in src]) == [True, True]
         assert backend.get(["s0", "s1"], [pool.page_buffers(p) for p in dst]) == [True, True]
     assert [_content(pool, p) for p in dst] == expected
@@ -358,7 +358,7 @@ def test_two_processes_share_pages_through_one_master(
     child = textwrap.dedent(
         f"""
         import hashlib, json, sys, torch
-        from kvtier.backends._mooncake_store import MooncakeStore
+        from kvtier.backends.mooncake.backend import MooncakeBackend
         from kvtier.backends.mooncake import MooncakeConfig
         from kvtier.core.geometry import KVGeometry
         from kvtier.core.host_pool import HostPool
@@ -367,7 +367,7 @@ def test_two_processes_share_pages_through_one_master(
         g = KVGeometry.mha(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16",
                            page_size=16)
         cfg = MooncakeConfig(master_address={mooncake_master.address!r}, global_segment_size=0)
-        b = MooncakeStore(cfg, BackendContext(g, Layout.LAYER_FIRST, namespace="shared-ns"))
+        b = MooncakeBackend(cfg, BackendContext(g, Layout.LAYER_FIRST, namespace="shared-ns"))
         pool = HostPool(g, Layout.LAYER_FIRST, num_pages=4, pin_memory=False)
         b.attach(pool)
         pages = pool.allocate(4)
@@ -415,14 +415,14 @@ def test_master_not_running_fails_fast_with_a_clear_error(open_backend: Any) -> 
 
 def test_master_killed_mid_run_then_back(mooncake_master: MooncakeMaster) -> None:
     """Calls fail fast and counted while the master is gone; the client recovers after."""
-    from kvtier.backends._mooncake_store import MooncakeStore
+    from kvtier.backends.mooncake.backend import MooncakeBackend
 
     master = MooncakeMaster().start()
     backend = None
     try:
         context = BackendContext(GEOMETRY, Layout.PAGE_FIRST, namespace="faults")
         config = _config(master.address, global_segment_size=16 << 20, retry_interval_s=0.2)
-        backend = MooncakeStore(config, context)
+        backend = MooncakeBackend(config, context)
         pool = _pool(Layout.PAGE_FIRST)
         backend.attach(pool)
         pages = pool.allocate(2)
@@ -466,7 +466,7 @@ def test_master_killed_mid_run_then_back(mooncake_master: MooncakeMaster) -> Non
 
 _CLOSE_CHILD = """
 import json, sys, time
-from kvtier.backends._mooncake_store import MooncakeStore
+from kvtier.backends.mooncake.backend import MooncakeBackend
 from kvtier.backends.mooncake import MooncakeConfig
 from kvtier.core.geometry import KVGeometry
 from kvtier.core.host_pool import HostPool
@@ -475,7 +475,7 @@ from kvtier.core.storage import BackendContext
 g = KVGeometry.mha(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", page_size=16)
 cfg = MooncakeConfig(master_address=sys.argv[1], global_segment_size=16 << 20,
                      op_timeout_s=0.5)
-b = MooncakeStore(cfg, BackendContext(g, Layout.PAGE_FIRST, namespace="close"))
+b = MooncakeBackend(cfg, BackendContext(g, Layout.PAGE_FIRST, namespace="close"))
 pool = HostPool(g, Layout.PAGE_FIRST, num_pages=2, pin_memory=False)
 b.attach(pool)
 (page,) = pool.allocate(1)
@@ -558,7 +558,7 @@ def test_docs_config_table_is_generated_from_the_model() -> None:
 
 
 def test_every_mooncake_error_code_has_a_name() -> None:
-    from kvtier.backends._mooncake_store import ERROR_NAMES, error_name
+    from kvtier.backends.mooncake.backend import ERROR_NAMES, error_name
 
     assert error_name(-704) == "OBJECT_NOT_FOUND"
     assert error_name(-706) == "OBJECT_HAS_LEASE"

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvtier.backends.memory import MemoryBackend
+from kvtier.backends.memory.backend import MemoryBackend
 from kvtier.core.envelope import ENVELOPE_BYTES
 from kvtier.core.errors import InvalidFieldError, InvalidKeyError, PageError
 from kvtier.core.extents import Extent, extent_of_view

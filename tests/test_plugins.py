@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import kvtier
-from kvtier.backends.memory import MemoryBackend
+from kvtier.backends.memory.backend import MemoryBackend
 from kvtier.core.errors import DuplicatePluginError, PluginError, UnknownNameError
 from kvtier.plugins import hookspecs, manager
 from kvtier.plugins.manager import load_registry
@@ -25,7 +25,7 @@ def _plugin_declaring(*names: str) -> types.SimpleNamespace:
     @kvtier.hookimpl
     def kvtier_register_backends(register: Callable[[kvtier.BackendSpec], None]) -> None:
         for name in names:
-            register(kvtier.BackendSpec(name=name, factory=MemoryBackend.from_config))
+            register(kvtier.BackendSpec(name=name, factory=MemoryBackend))
 
     return types.SimpleNamespace(kvtier_register_backends=kvtier_register_backends)
 

@@ -22,9 +22,11 @@ from typing import Any
 import pytest
 from pydantic import ByteSize, ValidationError
 
-from kvtier.backends import _filestore as fs
-from kvtier.backends.file import FileBackend, FileConfig
-from kvtier.backends.uring import URING_SPEC, UringBackend, UringConfig, validate_uring_plan
+from kvtier.backends.file import FileConfig
+from kvtier.backends.file.backend import FileBackend
+from kvtier.backends.filestore import paths as fs_paths
+from kvtier.backends.uring import URING_SPEC, UringConfig, validate_uring_plan
+from kvtier.backends.uring.backend import UringBackend
 from kvtier.core.errors import (
     BackendUnavailableError,
     InvalidFieldError,
@@ -91,7 +93,7 @@ def _data(seed: int, size: int) -> bytes:
 
 
 def _temps(root: Path) -> list[Path]:
-    return [p for p in root.rglob(f"*{fs.TEMP_SUFFIX}")]
+    return [p for p in root.rglob(f"*{fs_paths.TEMP_SUFFIX}")]
 
 
 # --- declaration and availability (no io_uring needed) ---------------------------------
@@ -100,9 +102,9 @@ def _temps(root: Path) -> list[Path]:
 def test_declaring_the_plugin_imports_no_liburing() -> None:
     code = (
         "import sys, kvtier.backends.uring as u\n"
-        "assert u.URING_SPEC.factory.endswith(':UringBackend.from_config')\n"
+        "assert u.URING_SPEC.factory.endswith(':UringBackend')\n"
         "assert 'liburing' not in sys.modules, 'liburing imported at declaration'\n"
-        "assert 'kvtier.backends._uring_ring' not in sys.modules\n"
+        "assert 'kvtier.backends.uring.ring' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -136,14 +138,14 @@ def test_forbidden_io_uring_is_listed_and_refused_at_resolution(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from kvtier import cli
-    from kvtier.backends import uring
+    from kvtier.backends.uring import probe
     from kvtier.core.capabilities import resolve
     from kvtier.core.config import load_engine_config
     from kvtier.plugins.manager import load_registry
 
     reason = "io_uring_setup is forbidden here (EPERM): a seccomp profile blocks it"
-    monkeypatch.setattr(uring, "_probe_uncached", lambda: reason)
-    uring.probe_io_uring.cache_clear()
+    monkeypatch.setattr(probe, "_probe_uncached", lambda: reason)
+    probe.probe_io_uring.cache_clear()
     try:
         registry = load_registry(autoload=False)
         config = load_engine_config(
@@ -159,7 +161,7 @@ def test_forbidden_io_uring_is_listed_and_refused_at_resolution(
         with pytest.raises(BackendUnavailableError, match="EPERM"):
             UringBackend(UringConfig())  # built directly, it refuses too
     finally:
-        uring.probe_io_uring.cache_clear()
+        probe.probe_io_uring.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -171,15 +173,15 @@ def test_probe_explains_setup_errors(
 ) -> None:
     import liburing
 
-    from kvtier.backends import uring
+    from kvtier.backends.uring import probe
 
     def refuse(*args: object) -> None:
         raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(liburing, "io_uring_queue_init", refuse)
     monkeypatch.setattr(liburing, "io_uring_queue_exit", lambda ring: None)
-    monkeypatch.setattr(uring, "_sysctl_disabled", lambda: None)
-    reason = uring._probe_uncached()
+    monkeypatch.setattr(probe, "_sysctl_disabled", lambda: None)
+    reason = probe._probe_uncached()
     assert reason is not None and expected in reason
 
 
@@ -218,7 +220,7 @@ def test_o_direct_plan_is_refused_when_extents_cannot_align() -> None:
 
 @pytest.fixture
 def ring(uring_ok: None) -> Iterator[Any]:
-    from kvtier.backends._uring_ring import Ring
+    from kvtier.backends.uring.ring import Ring
 
     r = Ring(4)
     yield r
@@ -226,7 +228,7 @@ def ring(uring_ok: None) -> Iterator[Any]:
 
 
 def test_ring_keeps_at_most_queue_depth_in_flight(uring_ok: None, tmp_path: Path) -> None:
-    from kvtier.backends._uring_ring import IORequest, Op, Ring
+    from kvtier.backends.uring.ring import IORequest, Op, Ring
 
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
     os.write(fd, os.urandom(64 * 1024))
@@ -244,7 +246,7 @@ def test_ring_keeps_at_most_queue_depth_in_flight(uring_ok: None, tmp_path: Path
 
 
 def test_ring_consumes_requests_lazily(ring: Any, tmp_path: Path) -> None:
-    from kvtier.backends._uring_ring import IORequest, Op
+    from kvtier.backends.uring.ring import IORequest, Op
 
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
     os.write(fd, b"x" * 4096)
@@ -269,7 +271,7 @@ def test_ring_consumes_requests_lazily(ring: Any, tmp_path: Path) -> None:
 
 
 def test_ring_maps_errors_to_their_request_only(ring: Any, tmp_path: Path) -> None:
-    from kvtier.backends._uring_ring import IORequest, Op
+    from kvtier.backends.uring.ring import IORequest, Op
 
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
     good = [IORequest(Op.WRITE, fd, [memoryview(b"abcd")], offset=4 * i) for i in range(5)]
@@ -285,7 +287,7 @@ def test_ring_maps_errors_to_their_request_only(ring: Any, tmp_path: Path) -> No
 
 
 def test_ring_opens_files_and_reports_a_failed_open(ring: Any, tmp_path: Path) -> None:
-    from kvtier.backends._uring_ring import IORequest, Op
+    from kvtier.backends.uring.ring import IORequest, Op
 
     path = str(tmp_path / "new")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
@@ -304,7 +306,7 @@ def test_ring_opens_files_and_reports_a_failed_open(ring: Any, tmp_path: Path) -
 
 
 def test_ring_short_read_at_end_of_file_is_not_ok(ring: Any, tmp_path: Path) -> None:
-    from kvtier.backends._uring_ring import IORequest, Op
+    from kvtier.backends.uring.ring import IORequest, Op
 
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
     os.write(fd, b"12345")
@@ -317,7 +319,7 @@ def test_ring_short_read_at_end_of_file_is_not_ok(ring: Any, tmp_path: Path) -> 
 
 
 def test_ring_resubmits_the_rest_of_a_short_read(ring: Any) -> None:
-    from kvtier.backends._uring_ring import IORequest, Op
+    from kvtier.backends.uring.ring import IORequest, Op
 
     read_fd, write_fd = os.pipe()
     os.write(write_fd, b"abc")  # available at submission: the first read returns 3 bytes
@@ -334,7 +336,7 @@ def test_ring_resubmits_the_rest_of_a_short_read(ring: Any) -> None:
 
 
 def test_ring_handles_more_regions_than_iov_max(ring: Any, tmp_path: Path) -> None:
-    from kvtier.backends._uring_ring import IOV_MAX, IORequest, Op
+    from kvtier.backends.uring.ring import IOV_MAX, IORequest, Op
 
     count = IOV_MAX * 2 + 7
     src = bytearray(os.urandom(count * 3))
@@ -350,7 +352,7 @@ def test_ring_handles_more_regions_than_iov_max(ring: Any, tmp_path: Path) -> No
 
 def test_waiting_releases_the_gil(ring: Any) -> None:
     """The read completes only when another Python thread has run 200k iterations."""
-    from kvtier.backends._uring_ring import IORequest, Op
+    from kvtier.backends.uring.ring import IORequest, Op
 
     read_fd, write_fd = os.pipe()
     # A watchdog outside Python writes 'W' after 20 s, so a held GIL fails instead of hanging.
@@ -382,7 +384,7 @@ def test_waiting_releases_the_gil(ring: Any) -> None:
 
 
 def test_ring_refuses_use_after_close(uring_ok: None) -> None:
-    from kvtier.backends._uring_ring import Ring
+    from kvtier.backends.uring.ring import Ring
 
     r = Ring(2)
     r.close()
@@ -425,7 +427,7 @@ def test_misses_and_wrong_sizes_are_false(make: Callable[..., UringBackend]) -> 
 def test_truncated_page_reads_as_false(make: Callable[..., UringBackend]) -> None:
     backend = make()
     assert backend.put(["t"], [_page(b"y" * 9000, (4096,))]) == [True]
-    os.truncate(fs.page_path(backend.store, "t"), 5000)
+    os.truncate(fs_paths.page_path(backend.store, "t"), 5000)
     out = _blank(9000, (4096,))
     assert backend.get(["t"], [out]) == [False]
 
@@ -453,9 +455,9 @@ def test_each_durability_mode_publishes_whole_pages(
     assert backend.put(keys, [_page(d, (4096,)) for d in datas]) == [True] * 10
     assert _temps(backend.store) == []
     for key, data in zip(keys, datas, strict=True):
-        path = fs.page_path(backend.store, key)
+        path = fs_paths.page_path(backend.store, key)
         assert path.read_bytes() == data
-        assert (path.stat().st_mode & 0o777) == fs.FILE_MODE
+        assert (path.stat().st_mode & 0o777) == fs_paths.FILE_MODE
 
 
 def test_root_is_private(make: Callable[..., UringBackend], tmp_path: Path) -> None:
@@ -463,7 +465,7 @@ def test_root_is_private(make: Callable[..., UringBackend], tmp_path: Path) -> N
     assert backend.put(["p"], [_page(b"1" * 10)]) == [True]
     for directory in [tmp_path / "root", backend.store, *backend.store.rglob("*")]:
         if directory.is_dir():
-            assert (directory.stat().st_mode & 0o777) == fs.DIR_MODE
+            assert (directory.stat().st_mode & 0o777) == fs_paths.DIR_MODE
 
 
 @pytest.mark.parametrize("writer", ["file", "uring"])
@@ -520,7 +522,7 @@ def test_publish_happens_only_after_the_whole_page_is_written(
         assert sorted(body for _, _, body in seen) == sorted(datas)
         assert {how for how, _, _ in seen} == ({"inline"} if version == 0 else {"ring"})
         assert all(existed == (version == 1) for _, existed, _ in seen)
-        assert [fs.page_path(backend.store, k).read_bytes() for k in keys] == datas
+        assert [fs_paths.page_path(backend.store, k).read_bytes() for k in keys] == datas
     assert _temps(backend.store) == []
 
 
@@ -542,26 +544,26 @@ def test_writes_that_cannot_overlap_are_plain_pwritev(
     submit_async: str,
     inline: bool,
 ) -> None:
-    from kvtier.backends import _uring_ring
+    from kvtier.backends.uring import ring
 
     backend = make(queue_depth=queue_depth, submit_async=submit_async)
     ring_ops: list[Any] = []
-    real_prepare = _uring_ring.Ring._prepare
+    real_prepare = ring.Ring._prepare
 
     def recording(self: Any, request: Any, views: Any, offset: int) -> None:
         ring_ops.append(request.op)
         real_prepare(self, request, views, offset)
 
-    monkeypatch.setattr(_uring_ring.Ring, "_prepare", recording)
+    monkeypatch.setattr(ring.Ring, "_prepare", recording)
     datas = [_data(i, 9000) for i in range(batch)]
     keys = [f"i{i}" for i in range(batch)]
     assert backend.put(keys, [_page(d, (4096, 5000)) for d in datas]) == [True] * batch
-    assert (_uring_ring.Op.WRITE not in ring_ops) == inline
-    assert [fs.page_path(backend.store, k).read_bytes() for k in keys] == datas
+    assert (ring.Op.WRITE not in ring_ops) == inline
+    assert [fs_paths.page_path(backend.store, k).read_bytes() for k in keys] == datas
     outs = [_blank(9000, (4096,)) for _ in keys]
     assert backend.get(keys, outs) == [True] * batch  # reads still go through the ring
     assert [_joined(o) for o in outs] == datas
-    assert _uring_ring.Op.READ in ring_ops
+    assert ring.Op.READ in ring_ops
 
 
 def test_overwrite_and_concurrent_writers_leave_one_whole_page(
@@ -604,7 +606,7 @@ def test_stale_temps_of_dead_writers_are_never_read_and_are_cleaned(
 ) -> None:
     first = make()
     assert first.put(["s"], [_page(b"a" * 100)]) == [True]
-    final = fs.page_path(first.store, "s")
+    final = fs_paths.page_path(first.store, "s")
     stale = final.parent / ".999999999.1.1.tmp"  # a writer that died mid-put
     stale.write_bytes(b"b" * 40)
     out = _blank(100)
@@ -639,7 +641,7 @@ def test_enospc_fails_only_that_page_and_leaves_nothing_partial(
             pytest.skip("cannot mount a small tmpfs here to fill")
         else:  # no mount here: writes of the second page land in /dev/full (ENOSPC)
             backend = make(submit_async=submit_async)
-            real_open_temp = fs.open_temp
+            real_open_temp = fs_paths.open_temp
 
             def full_for_big(final: Path, *, o_direct: bool = False) -> tuple[int, Path]:
                 fd, tmp = real_open_temp(final, o_direct=o_direct)
@@ -648,7 +650,7 @@ def test_enospc_fails_only_that_page_and_leaves_nothing_partial(
                     return os.open("/dev/full", os.O_WRONLY), tmp
                 return fd, tmp
 
-            monkeypatch.setattr(fs, "open_temp", full_for_big)
+            monkeypatch.setattr(fs_paths, "open_temp", full_for_big)
         small = _data(1, 100_000)
         assert backend.put(["small1"], [_page(small, (4096,))]) == [True]
         with caplog.at_level(logging.WARNING, logger="kvtier.backends.uring"):
@@ -657,7 +659,7 @@ def test_enospc_fails_only_that_page_and_leaves_nothing_partial(
         assert backend.exists(["small1", "big", "small2"]) == [True, False, True]
         assert backend.stats()["put_failed_no_space"] == 1
         assert _temps(backend.store) == []
-        assert not fs.page_path(backend.store, "big").exists()
+        assert not fs_paths.page_path(backend.store, "big").exists()
         assert any("full" in r.getMessage() for r in caplog.records)
         out = _blank(len(small), (4096,))  # still serving
         assert backend.get(["small1"], [out]) == [True] and _joined(out) == small
@@ -673,7 +675,7 @@ def test_a_bug_mid_batch_leaves_no_temp_files_or_descriptors(
 ) -> None:
     backend = make(queue_depth=2, capacity_bytes=10 * 5000)
     datas = [_data(i, 5000) for i in range(6)]
-    real_temp_path = fs.temp_path
+    real_temp_path = fs_paths.temp_path
     calls = 0
 
     def failing_temp_path(final: Path) -> Path:
@@ -685,10 +687,10 @@ def test_a_bug_mid_batch_leaves_no_temp_files_or_descriptors(
 
     backend.get(["warm"], [_blank(1)])  # the ring exists before counting descriptors
     fds_before = len(os.listdir("/proc/self/fd"))
-    monkeypatch.setattr(fs, "temp_path", failing_temp_path)
+    monkeypatch.setattr(fs_paths, "temp_path", failing_temp_path)
     with pytest.raises(RuntimeError, match="injected"):
         backend.put([f"b{i}" for i in range(6)], [_page(d) for d in datas])
-    monkeypatch.setattr(fs, "temp_path", real_temp_path)
+    monkeypatch.setattr(fs_paths, "temp_path", real_temp_path)
     assert _temps(backend.store) == []
     assert len(os.listdir("/proc/self/fd")) == fds_before
     # Nothing stays reserved: the full capacity is usable again.
@@ -698,7 +700,7 @@ def test_a_bug_mid_batch_leaves_no_temp_files_or_descriptors(
 
 
 def test_ring_survives_a_failing_callback(ring: Any, tmp_path: Path) -> None:
-    from kvtier.backends._uring_ring import IORequest, Op
+    from kvtier.backends.uring.ring import IORequest, Op
 
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
     os.write(fd, b"z" * 4096)
@@ -850,7 +852,7 @@ def test_another_thread_keeps_running_during_a_large_batch(
         assert backend.put(keys, [_page(d, (4096,)) for d in datas]) == [True] * 32
         during_put = counter - before
         for key in keys:  # synced pages: drop them so the reads wait on the disk
-            fd = os.open(fs.page_path(backend.store, key), os.O_RDONLY)
+            fd = os.open(fs_paths.page_path(backend.store, key), os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
         outs = [_blank(len(d), (4096,)) for d in datas]
@@ -893,11 +895,11 @@ def test_pages_through_the_pagestore_reject_corruption(
             buffer[:] = os.urandom(len(buffer))
     keys = ["pa", "pb", "pc"]
     assert PageStore(backend, source, fingerprint="geo1").put(keys, [0, 1, 2]) == [True] * 3
-    flipped = fs.page_path(backend.store, "pb")
+    flipped = fs_paths.page_path(backend.store, "pb")
     raw = bytearray(flipped.read_bytes())
     raw[4096 + 10] ^= 0x01
     flipped.write_bytes(bytes(raw))
-    os.truncate(fs.page_path(backend.store, "pc"), 4096 + 100)
+    os.truncate(fs_paths.page_path(backend.store, "pc"), 4096 + 100)
     store = PageStore(backend, target, fingerprint="geo1")
     assert store.get(keys, [0, 1, 2]) == [True, False, False]
     assert target.buffers[0][1:] == source.buffers[0][1:]

@@ -9,28 +9,12 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field
-
-from kvtier.core.specs import ALL_ATTENTION, ALL_LAYOUTS, ALL_OPERATIONS, BackendSpec
+from kvtier.backends.memory.config import MemoryConfig
 from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBackend
-from kvtier.plugins.hookspecs import hookimpl
 
-__all__ = ["MemoryBackend", "MemoryConfig"]
-
-
-class MemoryConfig(BaseModel):
-    """Options of the ``memory`` backend."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    capacity_bytes: ByteSize = Field(
-        default=ByteSize(1 << 30),
-        gt=0,
-        description="Most bytes held; the least recently used pages go first. "
-        "An integer or a size such as '512MiB'.",
-    )
+__all__ = ["MemoryBackend"]
 
 
 class MemoryBackend(StorageBackend):
@@ -45,11 +29,6 @@ class MemoryBackend(StorageBackend):
         self._bytes = 0
         self._lock = threading.Lock()
         self._counters = Counters()
-
-    @classmethod
-    def from_config(cls, config: MemoryConfig, context: BackendContext) -> MemoryBackend:
-        """The factory kvtier calls with the validated config."""
-        return cls(config, context)
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
@@ -120,21 +99,3 @@ class MemoryBackend(StorageBackend):
 
     def close(self) -> None:
         self.clear()
-
-
-MEMORY_SPEC = BackendSpec(
-    name="memory",
-    factory=MemoryBackend.from_config,
-    config_model=MemoryConfig,
-    description="In-process pages with LRU eviction; the reference implementation.",
-    layouts=ALL_LAYOUTS,
-    attention=ALL_ATTENTION,
-    operations=ALL_OPERATIONS,
-    features=frozenset(),
-)
-
-
-@hookimpl
-def kvtier_register_backends(register: Callable[[BackendSpec], None]) -> None:
-    """Declare the ``memory`` backend."""
-    register(MEMORY_SPEC)

@@ -4,7 +4,7 @@ Pages are written with ``os.pwritev`` straight from the host pool's extents into
 file and published by an atomic rename; they are read back with ``os.preadv`` straight
 into the extents. No staging copy, no bytes objects. Batches run on a small thread pool
 (the calls release the GIL), so cold reads keep several requests in flight. The on-disk
-scheme, index, LRU capacity and free-space guard live in :mod:`kvtier.backends._filestore`
+scheme, index, LRU capacity and free-space guard live in :mod:`kvtier.backends.filestore`
 and are shared with the io_uring backend.
 """
 
@@ -18,59 +18,33 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
-
-from kvtier.backends import _filestore as fs
+from kvtier.backends.file.config import FileConfig
+from kvtier.backends.filestore import paths, startup, writes
+from kvtier.backends.filestore.index import FileIndex
 from kvtier.core.errors import StorageError
 from kvtier.core.layout import ALIGNMENT
-from kvtier.core.specs import ALL_ATTENTION, ALL_LAYOUTS, ALL_OPERATIONS, BackendSpec, Feature
 from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBackend
-from kvtier.plugins.hookspecs import hookimpl
 
-__all__ = ["FILE_SPEC", "FileBackend", "FileConfig", "default_root", "validate_file_plan"]
+__all__ = ["FileBackend"]
 
 log = logging.getLogger(__name__)
-
-default_root = fs.default_root
-
-
-class FileConfig(fs.FileStoreOptions):
-    """Options of the ``file`` backend: the shared store options, plus the thread pool."""
-
-    io_threads: int = Field(
-        default=4,
-        ge=1,
-        le=64,
-        description="Threads issuing reads and writes for one batch, so that several "
-        "requests are in flight.",
-    )
-
-
-def validate_file_plan(config: Any, context: Any) -> None:
-    """Refuse O_DIRECT at config time when the page's extents cannot be 4096-aligned."""
-    fs.check_direct_plan(config, context, "file.o_direct")
-
-
-def _check_keys(keys: Sequence[str]) -> None:
-    for key in keys:
-        fs.check_key(key)
 
 
 def _preadv_all(fd: int, views: list[memoryview]) -> int:
     """Fill every region from offset 0 onwards; stops early only at end of file."""
     offset = 0
     while views:
-        batch = views[: fs.IOV_MAX]
+        batch = views[: writes.IOV_MAX]
         got = os.preadv(fd, batch, offset)
         if got == 0:
             break
         offset += got
-        views = fs.advance_views(views, got)
+        views = writes.advance_views(views, got)
     return offset
 
 
 class FileBackend(StorageBackend):
-    """Pages as files under ``root/<namespace>``; see :mod:`kvtier.backends._filestore`."""
+    """Pages as files under ``root/<namespace>``; see :mod:`kvtier.backends.filestore`."""
 
     def __init__(
         self, config: FileConfig | None = None, context: BackendContext | None = None
@@ -78,11 +52,11 @@ class FileBackend(StorageBackend):
         self.config = config or FileConfig()
         self.context = context
         namespace = context.namespace if context is not None else "default"
-        self.store = fs.prepare_store(self.config.root, namespace)
+        self.store = startup.prepare_store(self.config.root, namespace)
         self._store_str = os.fspath(self.store)
         if self.config.o_direct:
-            fs.probe_o_direct(self.store, self.config.root)
-        self.index = fs.FileIndex(
+            writes.probe_o_direct(self.store, self.config.root)
+        self.index = FileIndex(
             self.store,
             capacity_bytes=self.config.capacity_bytes,
             min_free_bytes=self.config.min_free_bytes,
@@ -95,11 +69,6 @@ class FileBackend(StorageBackend):
         self._lock = threading.Lock()
         self._closed = False
         self._warned: set[str] = set()
-
-    @classmethod
-    def from_config(cls, config: FileConfig, context: BackendContext) -> FileBackend:
-        """The factory kvtier calls with the validated config."""
-        return cls(config, context)
 
     # --- helpers -------------------------------------------------------------------------
 
@@ -128,7 +97,7 @@ class FileBackend(StorageBackend):
     def _direct_for(self, page: PageBuffers) -> bool:
         if not self.config.o_direct:
             return False
-        if fs.direct_aligned(page):
+        if writes.direct_aligned(page):
             return True
         self._warn_once(
             "o_direct_fallbacks",
@@ -145,13 +114,13 @@ class FileBackend(StorageBackend):
         return self.index.contains_many(keys)
 
     def get(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
-        _check_keys(keys)
+        paths.check_keys(keys)
         if len(keys) != len(pages):
             raise StorageError(f"get: {len(keys)} keys but {len(pages)} pages", value=keys)
         return self._map(self._get_one, keys, pages)
 
     def _get_one(self, key: str, page: PageBuffers) -> bool:
-        final = fs.page_path_str(self._store_str, key)
+        final = paths.page_path_str(self._store_str, key)
         flags = os.O_RDONLY | os.O_CLOEXEC
         if self._direct_for(page):
             flags |= os.O_DIRECT
@@ -185,7 +154,7 @@ class FileBackend(StorageBackend):
         return True
 
     def put(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
-        _check_keys(keys)
+        paths.check_keys(keys)
         if len(keys) != len(pages):
             raise StorageError(f"put: {len(keys)} keys but {len(pages)} pages", value=keys)
         if self.config.fsync != "batch":
@@ -203,7 +172,7 @@ class FileBackend(StorageBackend):
             directories.add(final.parent)
         for directory in directories:
             try:
-                fs.fsync_dir(directory)
+                writes.fsync_dir(directory)
             except OSError as exc:
                 self._warn_once("fsync_errors", "file backend: fsync of %s: %s", directory, exc)
         return results
@@ -211,7 +180,7 @@ class FileBackend(StorageBackend):
     def _put_one(
         self, key: str, page: PageBuffers, publish_now: bool = True
     ) -> bool | tuple[Path, Path, int]:
-        final = fs.page_path(self.store, key)
+        final = paths.page_path(self.store, key)
         nbytes = sum(e.length for e in page)
         refused = self.index.reserve(key, nbytes)
         if refused is not None:
@@ -220,18 +189,18 @@ class FileBackend(StorageBackend):
         direct = self._direct_for(page)
         tmp: Path | None = None
         try:
-            fd, tmp = fs.open_temp(final, o_direct=direct)
+            fd, tmp = paths.open_temp(final, o_direct=direct)
             try:
-                fs.pwritev_all(fd, [e.view for e in page])
+                writes.pwritev_all(fd, [e.view for e in page])
                 if self.config.fsync != "none":
                     os.fdatasync(fd)
             finally:
                 os.close(fd)
         except OSError as exc:
             if tmp is not None:
-                fs.unlink_quietly([tmp])
+                writes.unlink_quietly([tmp])
             self.index.release(nbytes)
-            if fs.is_no_space(exc):
+            if writes.is_no_space(exc):
                 self._warn_once(
                     "put_failed_no_space", "file backend: %s is full (%s)", self.store, exc
                 )
@@ -244,16 +213,16 @@ class FileBackend(StorageBackend):
 
     def _publish(self, key: str, tmp: Path, final: Path, nbytes: int, *, sync_dir: bool) -> bool:
         try:
-            fs.publish(tmp, final)
+            writes.publish(tmp, final)
         except OSError as exc:
-            fs.unlink_quietly([tmp])
+            writes.unlink_quietly([tmp])
             self.index.release(nbytes)
             self._warn_once("put_failed_io", "file backend: publishing %s: %s", final, exc)
             return False
         self.index.commit(key, nbytes)
         if sync_dir:
             try:
-                fs.fsync_dir(final.parent)
+                writes.fsync_dir(final.parent)
             except OSError as exc:
                 self._warn_once("fsync_errors", "file backend: fsync of %s: %s", final, exc)
         self._counters.add("puts")
@@ -262,7 +231,7 @@ class FileBackend(StorageBackend):
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
         self._check_open()
-        _check_keys(keys)
+        paths.check_keys(keys)
         return [self.index.remove(key) for key in keys]
 
     def clear(self) -> None:
@@ -282,23 +251,3 @@ class FileBackend(StorageBackend):
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
-
-
-FILE_SPEC = BackendSpec(
-    name="file",
-    factory="kvtier.backends.file:FileBackend.from_config",
-    config_model=FileConfig,
-    description="One file per page on local disk: atomic publish, LRU capacity, "
-    "vectored I/O straight from host-pool extents.",
-    layouts=ALL_LAYOUTS,
-    attention=ALL_ATTENTION,
-    operations=ALL_OPERATIONS,
-    features=frozenset({Feature.PERSISTENT, Feature.SHARED_PROCESSES, Feature.ZERO_COPY}),
-    validate_plan=validate_file_plan,
-)
-
-
-@hookimpl
-def kvtier_register_backends(register: Callable[[BackendSpec], None]) -> None:
-    """Declare the ``file`` backend."""
-    register(FILE_SPEC)

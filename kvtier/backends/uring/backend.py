@@ -1,151 +1,40 @@
 """The ``uring`` storage backend: the file backend's on-disk pages, moved by io_uring.
 
 Pages are stored exactly as the ``file`` backend stores them (the scheme lives in
-:mod:`kvtier.backends._filestore`: sharded paths, temp file + atomic rename, LRU index,
+:mod:`kvtier.backends.filestore`: sharded paths, temp file + atomic rename, LRU index,
 0700/0600 modes), so a root written by one backend is read by the other. What differs is
 how the bytes move: a whole batch of gets or puts goes through an io_uring with up to
 ``queue_depth`` vectored requests in flight, straight from and into the host-pool extents,
 while the calling thread waits on an eventfd with the GIL released.
 
-Declaring the backend imports nothing optional: liburing is imported by the availability
-probe (when the backend is listed or resolved) and by the backend when it is built. The
-probe runs a tiny ring end to end, so where io_uring is missing or forbidden (seccomp in
-containers, ``kernel.io_uring_disabled``) the backend is listed as unavailable with the
-reason, and choosing it fails with that reason; nothing falls back to the file backend.
+This module imports the ring engine (:mod:`kvtier.backends.uring.ring`), and so liburing,
+at its top: it is imported only when the backend is built. Declaring the backend imports
+nothing optional: the plugin module holds the spec, the config model and the availability
+probe (:mod:`kvtier.backends.uring.probe`), which imports liburing only when it runs. A
+backend built directly, bypassing resolution, runs the probe too and refuses with its reason.
 """
 
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field
-
-from kvtier.backends import _filestore as fs
+from kvtier.backends.filestore import paths, startup, writes
+from kvtier.backends.filestore.index import FileIndex
+from kvtier.backends.uring.config import UringConfig
+from kvtier.backends.uring.probe import INSTALL_HINT, probe_io_uring
+from kvtier.backends.uring.ring import IORequest, Op, RingPool
 from kvtier.core.errors import BackendUnavailableError, StorageError
 from kvtier.core.layout import ALIGNMENT
-from kvtier.core.specs import ALL_ATTENTION, ALL_LAYOUTS, ALL_OPERATIONS, BackendSpec, Feature
 from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBackend
-from kvtier.plugins.hookspecs import hookimpl
 
-if TYPE_CHECKING:
-    from kvtier.backends._uring_ring import IORequest
-
-__all__ = ["URING_SPEC", "UringBackend", "UringConfig", "probe_io_uring", "validate_uring_plan"]
+__all__ = ["UringBackend"]
 
 log = logging.getLogger(__name__)
-
-
-
-class UringConfig(fs.FileStoreOptions):
-    """Options of the ``uring`` backend: the shared store options, plus the queue."""
-
-    queue_depth: int = Field(
-        default=32,
-        ge=1,
-        le=4096,
-        description="Most requests in flight in each thread's ring; 8-64 keeps a local "
-        "NVMe busy, 1 issues one request at a time.",
-    )
-    submit_async: Literal["auto", "always", "never"] = Field(
-        default="auto",
-        description="Whether reads and writes go to the kernel's io_uring workers "
-        "(IOSQE_ASYNC) instead of being tried inline at submission, where page-cache "
-        "copies hold the GIL. 'auto': buffered I/O goes to the workers when queue_depth "
-        "> 1, O_DIRECT and queue depth 1 are submitted inline, and page writes that "
-        "cannot overlap (queue depth 1, a one-page put) are plain pwritev calls.",
-    )
-
-
-def validate_uring_plan(config: Any, context: Any) -> None:
-    """Refuse O_DIRECT at config time when the page's extents cannot be 4096-aligned."""
-    fs.check_direct_plan(config, context, "uring.o_direct")
-
-
-# --- availability --------------------------------------------------------------------
-
-
-def _sysctl_disabled() -> str | None:
-    try:
-        with open("/proc/sys/kernel/io_uring_disabled", encoding="ascii") as handle:
-            value = handle.read().strip()
-    except OSError:
-        return None
-    if value == "2":
-        return "io_uring is disabled on this host (sysctl kernel.io_uring_disabled=2)"
-    return None
-
-
-def _probe_uncached() -> str | None:
-    reason = _sysctl_disabled()
-    if reason is not None:
-        return reason
-    try:
-        import liburing
-    except ImportError as exc:
-        return f"cannot import liburing: {exc}"
-    ring = liburing.Ring()
-    try:
-        liburing.io_uring_queue_init(2, ring)
-    except OSError as exc:
-        if exc.errno in (errno.EPERM, errno.EACCES):
-            return (
-                "io_uring_setup is forbidden here (EPERM): a seccomp profile, the container "
-                "runtime or sysctl kernel.io_uring_disabled blocks it; allow io_uring or "
-                "use the 'file' backend"
-            )
-        if exc.errno == errno.ENOSYS:
-            return "this kernel has no io_uring (ENOSYS); use the 'file' backend"
-        return f"io_uring_setup failed: {exc}"
-    try:
-        supported = liburing.probe()
-        missing = [
-            op
-            for op in ("IORING_OP_READV", "IORING_OP_WRITEV", "IORING_OP_FSYNC")
-            if not supported.get(op, False)
-        ]
-        if missing:
-            return f"this kernel's io_uring lacks {', '.join(missing)}"
-        from kvtier.backends._uring_ring import IORequest, Op, Ring
-
-        probe_ring = Ring(1)
-        try:
-            buffer = bytearray(8)
-            read_fd, write_fd = os.pipe()
-            try:
-                os.write(write_fd, b"kvtier-p")
-                request = IORequest(Op.READ, read_fd, [memoryview(buffer)])
-                probe_ring.run([request])
-            finally:
-                os.close(read_fd)
-                os.close(write_fd)
-        finally:
-            probe_ring.close()
-        if not request.ok or bytes(buffer) != b"kvtier-p":
-            return f"an io_uring test read failed (errno {request.error})"
-    except OSError as exc:
-        return f"io_uring does not work here: {exc}"
-    finally:
-        liburing.io_uring_queue_exit(ring)
-    return None
-
-
-@functools.lru_cache(maxsize=1)
-def probe_io_uring() -> str | None:
-    """Why io_uring cannot be used in this process, or None; runs a tiny ring once."""
-    try:
-        return _probe_uncached()
-    except Exception as exc:  # the probe must never break listing
-        return f"io_uring probe failed: {exc!r}"
-
-
-# --- the backend ---------------------------------------------------------------------
 
 
 @dataclass(eq=False)
@@ -174,17 +63,15 @@ class UringBackend(StorageBackend):
     ) -> None:
         reason = probe_io_uring()
         if reason is not None:  # a direct construction bypasses resolution: refuse too
-            raise BackendUnavailableError("backend", "uring", reason, URING_SPEC.install_hint)
-        from kvtier.backends._uring_ring import RingPool
-
+            raise BackendUnavailableError("backend", "uring", reason, INSTALL_HINT)
         self.config = config or UringConfig()
         self.context = context
         namespace = context.namespace if context is not None else "default"
-        self.store = fs.prepare_store(self.config.root, namespace)
+        self.store = startup.prepare_store(self.config.root, namespace)
         if self.config.o_direct:
-            fs.probe_o_direct(self.store, self.config.root)
+            writes.probe_o_direct(self.store, self.config.root)
         self._counters = Counters()
-        self.index = fs.FileIndex(
+        self.index = FileIndex(
             self.store,
             capacity_bytes=self.config.capacity_bytes,
             min_free_bytes=self.config.min_free_bytes,
@@ -195,16 +82,10 @@ class UringBackend(StorageBackend):
         self._warned: set[str] = set()
         self._closed = False
 
-    @classmethod
-    def from_config(cls, config: UringConfig, context: BackendContext) -> UringBackend:
-        """The factory kvtier calls with the validated config."""
-        return cls(config, context)
-
     # --- helpers ---------------------------------------------------------------------
 
     def _check(self, what: str, keys: Sequence[str], pages: Sequence[PageBuffers]) -> None:
-        for key in keys:
-            fs.check_key(key)
+        paths.check_keys(keys)
         if len(keys) != len(pages):
             raise StorageError(f"{what}: {len(keys)} keys but {len(pages)} pages", value=keys)
         if self._closed:
@@ -214,7 +95,7 @@ class UringBackend(StorageBackend):
         """Whether this page may use O_DIRECT; a misaligned one falls back, loudly."""
         if not self.config.o_direct:
             return False
-        if fs.direct_aligned(page):
+        if writes.direct_aligned(page):
             return True
         self._warn_once(
             "o_direct_fallbacks",
@@ -256,7 +137,7 @@ class UringBackend(StorageBackend):
 
     def _fail_put(self, put: _Put, cause: int) -> None:
         put.finished = True
-        fs.unlink_quietly([put.tmp])
+        writes.unlink_quietly([put.tmp])
         self.index.release(put.nbytes)
         self._fail_cause(cause, put.final)
 
@@ -276,16 +157,13 @@ class UringBackend(StorageBackend):
     # --- the contract ----------------------------------------------------------------
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        for key in keys:
-            fs.check_key(key)
+        paths.check_keys(keys)
         return [self.index.contains(key) for key in keys]
 
     def get(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
-        from kvtier.backends._uring_ring import IORequest, Op
-
         self._check("get", keys, pages)
         store = str(self.store)
-        paths = [fs.page_path_str(store, key) for key in keys]  # str: cheaper than Path
+        files = [paths.page_path_str(store, key) for key in keys]  # str: cheaper than Path
         results = [False] * len(keys)
         open_fds: set[int] = set()
 
@@ -295,14 +173,14 @@ class UringBackend(StorageBackend):
                 if self._direct(page):
                     flags |= os.O_DIRECT
                 try:
-                    fd = os.open(paths[index], flags)
+                    fd = os.open(files[index], flags)
                 except (FileNotFoundError, NotADirectoryError):
                     self.index.forget(key)
                     self._counters.add("misses")
                     continue
                 except OSError as exc:
                     self._warn_once(
-                        "get_errors", "uring backend: cannot open %s: %s", paths[index], exc
+                        "get_errors", "uring backend: cannot open %s: %s", files[index], exc
                     )
                     continue
                 open_fds.add(fd)
@@ -332,7 +210,7 @@ class UringBackend(StorageBackend):
                 self._warn_once(
                     "get_errors",
                     "uring backend: reading %s failed: %s",
-                    paths[index],
+                    files[index],
                     os.strerror(request.error),
                 )
             else:
@@ -354,10 +232,8 @@ class UringBackend(StorageBackend):
         kernel too; a new page is renamed inline. With ``fsync='batch'`` the renames wait
         until every page is synced.
         """
-        from kvtier.backends._uring_ring import IORequest, Op
-
         self._check("put", keys, pages)
-        finals = [fs.page_path(self.store, key) for key in keys]
+        finals = [paths.page_path(self.store, key) for key in keys]
         durability = self.config.fsync
         results = [False] * len(keys)
         inline = self._write_inline(len(keys))
@@ -375,7 +251,7 @@ class UringBackend(StorageBackend):
                 views = [e.view for e in page]
                 if not inline:  # the create goes through the ring too: ext4 creates are slow
                     try:
-                        tmp = fs.temp_path(finals[index])
+                        tmp = paths.temp_path(finals[index])
                     except BaseException:
                         self.index.release(nbytes)
                         raise
@@ -384,7 +260,7 @@ class UringBackend(StorageBackend):
                     yield self._open(put)
                     continue
                 try:
-                    fd, tmp = fs.open_temp(finals[index], o_direct=direct)
+                    fd, tmp = paths.open_temp(finals[index], o_direct=direct)
                 except OSError as exc:
                     self.index.release(nbytes)
                     self._fail_cause(exc.errno or errno.EIO, finals[index])
@@ -396,7 +272,7 @@ class UringBackend(StorageBackend):
                 live[index] = put
                 write = IORequest(Op.WRITE, fd, views, tag=put)
                 try:
-                    write.done = fs.pwritev_all(fd, views)
+                    write.done = writes.pwritev_all(fd, views)
                 except OSError as exc:
                     write.error = exc.errno or errno.EIO
                 follow_up = on_done(write)  # the rest of the chain as if the ring wrote it
@@ -409,7 +285,7 @@ class UringBackend(StorageBackend):
                 if request.error == errno.ENOENT and not put.made_dirs:
                     put.made_dirs = True  # a new shard: make its directories, open again
                     try:
-                        fs.make_shard_dirs(put.final)
+                        paths.make_shard_dirs(put.final)
                     except OSError as exc:
                         del live[put.index]
                         self._fail_put(put, exc.errno or errno.EIO)
@@ -491,7 +367,7 @@ class UringBackend(StorageBackend):
                 self._rings.run([self._rename(put) for put in to_publish], finish_batch)
                 for directory in {put.final.parent for put in to_publish if put.published}:
                     try:
-                        fs.fsync_dir(directory)
+                        writes.fsync_dir(directory)
                     except OSError as exc:
                         self._warn_once(
                             "fsync_errors", "uring backend: fsync of %s: %s", directory, exc
@@ -504,25 +380,21 @@ class UringBackend(StorageBackend):
                 put.fd = put.dir_fd = -1
                 if not put.published and not put.finished:
                     put.finished = True
-                    fs.unlink_quietly([put.tmp])
+                    writes.unlink_quietly([put.tmp])
                     self.index.release(put.nbytes)
         return results
 
     @staticmethod
     def _open(put: _Put) -> IORequest:
         """Create ``put``'s temp file (0600, O_EXCL) through the ring."""
-        from kvtier.backends._uring_ring import IORequest, Op
-
         tmp = str(put.tmp)
-        flags = fs.temp_flags(o_direct=put.direct)
+        flags = paths.temp_flags(o_direct=put.direct)
         return IORequest(
-            Op.OPEN, -1, paths=(tmp, tmp), open_flags=flags, mode=fs.FILE_MODE, tag=put
+            Op.OPEN, -1, paths=(tmp, tmp), open_flags=flags, mode=paths.FILE_MODE, tag=put
         )
 
     @staticmethod
     def _rename(put: _Put) -> IORequest:
-        from kvtier.backends._uring_ring import IORequest, Op
-
         return IORequest(Op.RENAME, -1, paths=(str(put.tmp), str(put.final)), tag=put)
 
     def _committed(self, put: _Put, results: list[bool]) -> None:
@@ -533,8 +405,7 @@ class UringBackend(StorageBackend):
         self._counters.add("bytes_written", put.nbytes)
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
-        for key in keys:
-            fs.check_key(key)
+        paths.check_keys(keys)
         return [self.index.remove(key) for key in keys]
 
     def clear(self) -> None:
@@ -551,26 +422,3 @@ class UringBackend(StorageBackend):
         if not self._closed:
             self._closed = True
             self._rings.close()
-
-
-URING_SPEC = BackendSpec(
-    name="uring",
-    factory="kvtier.backends.uring:UringBackend.from_config",
-    config_model=UringConfig,
-    description="Local files in the file backend's format, moved in batches through "
-    "io_uring (liburing) with a configurable queue depth; optional O_DIRECT.",
-    requires=("liburing",),
-    install_hint="pip install 'kvtier[uring]'",
-    probe=probe_io_uring,
-    layouts=ALL_LAYOUTS,
-    attention=ALL_ATTENTION,
-    operations=ALL_OPERATIONS,
-    features=frozenset({Feature.PERSISTENT, Feature.SHARED_PROCESSES, Feature.ZERO_COPY}),
-    validate_plan=validate_uring_plan,
-)
-
-
-@hookimpl
-def kvtier_register_backends(register: Callable[[BackendSpec], None]) -> None:
-    """Declare the ``uring`` backend (nothing optional is imported here)."""
-    register(URING_SPEC)

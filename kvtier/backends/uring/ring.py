@@ -12,7 +12,8 @@ which releases the GIL; liburing's own ``io_uring_wait_cqe`` would hold it.
 A Ring is not thread-safe. :class:`RingPool` gives each calling thread its own ring (rings
 are cheap and the kernel needs no shared submission queue), so concurrent gets and puts
 from different threads never wait on each other's batches. This module imports liburing
-at import time; ``kvtier.backends.uring`` imports it only when a backend is built.
+at import time; :mod:`kvtier.backends.uring.backend` imports this module at its top, the
+plugin module :mod:`kvtier.backends.uring` never does (its probe imports both when it runs).
 """
 
 from __future__ import annotations

@@ -1,32 +1,16 @@
-"""The ``mooncake`` backend's declaration: config model, spec and hook implementation.
-
-Pages go to a Mooncake distributed store (a ``mooncake_master`` plus the memory segments
-that clients contribute), shared by every process and node that points at the same
-master. Importing this module imports nothing from Mooncake: the client lives in
-:mod:`kvtier.backends._mooncake_store`, loaded only when the backend is built.
-"""
+"""Options of the ``mooncake`` backend, with their validators."""
 
 from __future__ import annotations
 
-import ctypes
 import re
-from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
 
-from kvtier.core.specs import ALL_ATTENTION, ALL_LAYOUTS, ALL_OPERATIONS, BackendSpec, Feature
-from kvtier.plugins.hookspecs import hookimpl
-
-__all__ = ["MOONCAKE_SPEC", "MooncakeConfig", "parse_master_address", "probe_mooncake"]
+__all__ = ["MooncakeConfig", "parse_master_address"]
 
 _HOST_PORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
 _PREFIX = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-INSTALL_HINT = (
-    "pip install 'kvtier[mooncake]' on GPU hosts or 'kvtier[mooncake-cpu]' on CPU-only "
-    "hosts; both need libibverbs (apt-get install libibverbs1)"
-)
 
 
 def parse_master_address(address: str) -> tuple[str, int]:
@@ -142,34 +126,3 @@ class MooncakeConfig(BaseModel):
                 f"{value!r} must be 1-64 characters of letters, digits, '_', '.' or '-'"
             )
         return value
-
-
-def probe_mooncake() -> str | None:
-    """Why the Mooncake client cannot load here (libibverbs missing), or None. Cheap."""
-    try:
-        ctypes.CDLL("libibverbs.so.1")
-    except OSError:
-        return "libibverbs.so.1 cannot be loaded (apt-get install libibverbs1)"
-    return None
-
-
-MOONCAKE_SPEC = BackendSpec(
-    name="mooncake",
-    factory="kvtier.backends._mooncake_store:MooncakeStore",
-    config_model=MooncakeConfig,
-    description="Mooncake distributed store: pages shared by every process and node of one "
-    "master; zero-copy multi-buffer puts and gets from registered host-pool memory.",
-    requires=("mooncake",),
-    install_hint=INSTALL_HINT,
-    probe=probe_mooncake,
-    layouts=ALL_LAYOUTS,
-    attention=ALL_ATTENTION,
-    operations=ALL_OPERATIONS,
-    features=frozenset({Feature.SHARED_PROCESSES, Feature.SHARED_NODES, Feature.ZERO_COPY}),
-)
-
-
-@hookimpl
-def kvtier_register_backends(register: Callable[[BackendSpec], None]) -> None:
-    """Declare the ``mooncake`` backend (nothing from Mooncake is imported here)."""
-    register(MOONCAKE_SPEC)

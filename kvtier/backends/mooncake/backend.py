@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from kvtier.backends.mooncake import INSTALL_HINT, MooncakeConfig, parse_master_address
+from kvtier.backends.mooncake.config import MooncakeConfig, parse_master_address
+from kvtier.backends.mooncake.probe import INSTALL_HINT
 from kvtier.core.errors import BackendUnavailableError, StorageError
 from kvtier.core.extents import Extent
 from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBackend
@@ -43,7 +44,7 @@ from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBa
 if TYPE_CHECKING:
     from kvtier.core.host_pool import HostPool
 
-__all__ = ["ERROR_NAMES", "MooncakeStore", "error_name"]
+__all__ = ["ERROR_NAMES", "MooncakeBackend", "error_name"]
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +233,7 @@ def _import_mooncake() -> Any:
     return store
 
 
-class MooncakeStore(StorageBackend):
+class MooncakeBackend(StorageBackend):
     """kvtier's storage contract over one Mooncake client (see the module docstring)."""
 
     def __init__(self, config: MooncakeConfig, context: BackendContext) -> None:

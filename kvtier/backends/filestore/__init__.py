@@ -1,0 +1,67 @@
+"""The on-disk scheme shared by the file and io_uring backends: paths, publishing, index.
+
+This package holds no code of its own; each module does one job:
+
+* :mod:`~kvtier.backends.filestore.options`: :class:`FileStoreOptions` (the options every
+  backend on this scheme takes), the default root, the config-time O_DIRECT check;
+* :mod:`~kvtier.backends.filestore.paths`: where pages and temp files live (key checks,
+  sharded page paths, modes, temp file names) and creating a fresh temp file;
+* :mod:`~kvtier.backends.filestore.writes`: moving bytes to disk and publishing them
+  (``pwritev`` loops, ``fsync`` of directories, the ``renameat2`` exchange, temp file
+  clean-up) and the O_DIRECT alignment and filesystem checks;
+* :mod:`~kvtier.backends.filestore.startup`: opening a store (private directories,
+  stale temp files removed, the scan of published pages);
+* :mod:`~kvtier.backends.filestore.index`: :class:`FileIndex`, the in-memory LRU index
+  with capacity and the free-space guard.
+
+Layout of a store (``paths.store_dir(root, namespace)``)::
+
+    <root>/                          created 0700; refused if owned by another user or
+                                     readable / writable by group or others
+      <namespace>/                   one store per BackendContext.namespace (``clear`` scope)
+        <aa>/<bb>/<key>.kv           one file per page, 0600; ``aa``/``bb`` are the first
+                                     four hex digits of blake2b(key), 65536 leaf dirs at most
+        <aa>/<bb>/.<pid>.<tid>.<n>.tmp   a page being written by process ``pid``, thread
+                                     ``tid``; never read, published by rename(2)
+
+A page file holds the concatenation of the page's regions (envelope header, then payload)
+and nothing else, so its size is the page's stored size and a reader needs no framing.
+
+Publishing is ``write temp -> (fsync) -> rename(temp, final)`` in the same directory, so a
+reader that opens ``<key>.kv`` sees a whole old page, a whole new page, or no file: never a
+torn one, even when the writer is killed mid-write (its temp file is left behind and
+removed at the next start-up) or the disk fills (the writer removes its temp file).
+Concurrent puts of one key from several threads or processes each write their own temp
+file; the last rename wins and the page is whole either way.
+
+Durability modes: ``none`` (no fsync: the page survives a process crash, not a power
+cut), ``page`` (fsync each page file before its rename and its directory after), ``batch``
+(fsync each page file, then rename the batch and fsync each touched directory once).
+
+The index (key -> size, in LRU order) is rebuilt at start-up by scanning the store, with
+modification times giving the initial LRU order; afterwards it is maintained in memory, so
+``exists`` costs a dict lookup. It serves LRU eviction under ``capacity_bytes`` and the
+minimum-free-space guard (``os.statvfs``): before a page is written, least recently used
+pages are evicted until both hold, or the put fails. Several processes may share a store;
+each keeps its own index. A key missing from this process's index is looked up on disk
+(one ``stat``) and adopted when another process wrote it; a key another process removed is
+dropped from the index when a read finds no file. Capacity is therefore enforced per
+process over the pages it knows of; the free-space guard sees the whole filesystem.
+
+A backend built on this scheme (file, io_uring) does, per page::
+
+    final = paths.page_path(store, key)           # validates the key
+    reason = index.reserve(key, nbytes)           # evicts LRU pages; None when it fits
+    fd, tmp = paths.open_temp(final, o_direct=...)  # 0600, O_EXCL, shard dirs made 0700
+    ...write every region at its offset...; fsync(fd) unless durability == "none"
+    writes.publish(tmp, final, sync_dir=durability == "page"); index.commit(key, nbytes)
+    # on any failure: writes.unlink_quietly([tmp]); index.release(nbytes); report False
+
+and at start-up ``store = startup.prepare_store(root, namespace)`` (0700 dirs, stale temps
+removed), then ``index = FileIndex(store, ...)`` and ``index.rebuild()``.
+
+Keys reach the filesystem only after ``paths.check_key`` (the key module's
+``validate_key``: lowercase ASCII letters, digits, ``_`` and ``-``, starting with a letter
+or digit, at most 160 characters), so no key can name a path outside the store or collide
+with a temp file (those start with ``.``).
+"""

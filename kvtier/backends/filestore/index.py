@@ -1,0 +1,223 @@
+"""The in-memory index of a store: LRU order, capacity and the free-space guard."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import stat
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvtier.backends.filestore.paths import check_key, page_path, page_path_str
+from kvtier.backends.filestore.startup import scan_pages
+
+__all__ = ["FileIndex"]
+
+log = logging.getLogger(__name__)
+
+
+class FileIndex:
+    """The in-memory index of one store: key -> size in LRU order, capacity and free space.
+
+    Thread-safe. ``reserve`` makes room before a write (evicting least recently used
+    pages), ``commit`` records a published page, ``release`` undoes a reservation whose
+    write failed.
+    """
+
+    def __init__(
+        self,
+        store: Path,
+        *,
+        capacity_bytes: int | None = None,
+        min_free_bytes: int = 0,
+        check_disk_on_miss: bool = True,
+    ) -> None:
+        self.store = store
+        self._store_str = os.fspath(store)
+        self.capacity_bytes = capacity_bytes
+        self.min_free_bytes = min_free_bytes
+        self.check_disk_on_miss = check_disk_on_miss
+        self._lock = threading.Lock()
+        self._sizes: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._bytes = 0
+        self._pending = 0
+        self.evictions = 0
+        self.evicted_bytes = 0
+
+    # --- start-up ----------------------------------------------------------------------
+
+    def rebuild(self) -> int:
+        """Replace the index with a scan of the store; return the number of pages found."""
+        pages = scan_pages(self.store)
+        with self._lock:
+            self._sizes.clear()
+            for key, size, _mtime in pages:
+                self._sizes[key] = size
+            self._bytes = sum(self._sizes.values())
+        return len(pages)
+
+    # --- lookups -----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sizes)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of the pages in this index."""
+        with self._lock:
+            return self._bytes
+
+    def stats(self) -> dict[str, int | float]:
+        """The index's part of a backend's ``stats()``: pages, bytes and evictions."""
+        return {
+            "pages": len(self),
+            "bytes": self.stored_bytes,
+            "evictions": self.evictions,
+            "evicted_bytes": self.evicted_bytes,
+        }
+
+    def keys(self) -> list[str]:
+        """The indexed keys, least recently used first."""
+        with self._lock:
+            return list(self._sizes)
+
+    def contains(self, key: str) -> bool:
+        """Whether ``key`` is stored: the index, then (optionally) one stat on a miss."""
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """:meth:`contains` for a batch: one lock for the index lookups, stats for misses.
+
+        A key found in the index was checked when it got there; every other key is checked
+        (and a bad one raises) before its file is looked up.
+        """
+        with self._lock:
+            sizes = self._sizes
+            found = [key in sizes for key in keys]
+        for i, hit in enumerate(found):
+            if not hit:
+                if self.check_disk_on_miss:
+                    found[i] = self.adopt(keys[i])
+                else:
+                    check_key(keys[i])
+        return found
+
+    def adopt(self, key: str) -> bool:
+        """Add ``key`` to the index if its file exists (another process wrote it)."""
+        try:
+            info = os.stat(page_path_str(self._store_str, key), follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        if not stat.S_ISREG(info.st_mode):
+            return False
+        with self._lock:
+            if key not in self._sizes:
+                self._sizes[key] = info.st_size
+                self._bytes += info.st_size
+        return True
+
+    def touch(self, key: str, size: int | None = None) -> None:
+        """Mark ``key`` as just used (adding it with ``size`` if it was not indexed)."""
+        with self._lock:
+            if key in self._sizes:
+                self._sizes.move_to_end(key)
+            elif size is not None:
+                self._sizes[key] = size
+                self._bytes += size
+
+    def forget(self, key: str) -> int | None:
+        """Drop ``key`` from the index (its file is gone); return its size if it was there."""
+        with self._lock:
+            size = self._sizes.pop(key, None)
+            if size is not None:
+                self._bytes -= size
+            return size
+
+    # --- writes ------------------------------------------------------------------------
+
+    def _free_bytes(self) -> int:
+        info = os.statvfs(self.store)
+        return info.f_bavail * info.f_frsize
+
+    def reserve(self, key: str, nbytes: int) -> str | None:
+        """Make room for a page of ``nbytes``; None when it fits, else why it cannot."""
+        with self._lock:
+            if self.capacity_bytes is not None:
+                if nbytes > self.capacity_bytes:
+                    return "page_larger_than_capacity"
+                replaced = self._sizes.get(key, 0)
+                while self._bytes - replaced + self._pending + nbytes > self.capacity_bytes:
+                    if not self._evict_one_locked(protect=key):
+                        return "capacity"
+                    replaced = self._sizes.get(key, 0)
+            if self.min_free_bytes > 0:
+                free = self._free_bytes()
+                while free - nbytes < self.min_free_bytes:
+                    freed = self._evict_one_locked(protect=key)
+                    if not freed:
+                        return "min_free_space"
+                    free += freed
+            self._pending += nbytes
+        return None
+
+    def release(self, nbytes: int) -> None:
+        """Undo a reservation whose write failed."""
+        with self._lock:
+            self._pending -= nbytes
+
+    def commit(self, key: str, nbytes: int) -> None:
+        """Record a published page (replacing any older size) as most recently used."""
+        with self._lock:
+            self._pending -= nbytes
+            old = self._sizes.pop(key, None)
+            if old is not None:
+                self._bytes -= old
+            self._sizes[key] = nbytes
+            self._bytes += nbytes
+
+    def _evict_one_locked(self, *, protect: str) -> int:
+        """Unlink the least recently used page other than ``protect``; bytes freed or 0."""
+        for victim in self._sizes:
+            if victim != protect:
+                break
+        else:
+            return 0
+        size = self._sizes.pop(victim)
+        self._bytes -= size
+        try:
+            os.unlink(page_path(self.store, victim))
+        except FileNotFoundError:
+            pass  # another process evicted or deleted it; the bytes are free either way
+        except OSError as exc:
+            log.warning("could not evict page %s: %s", victim, exc)
+        self.evictions += 1
+        self.evicted_bytes += size
+        return max(size, 1)
+
+    # --- removal -----------------------------------------------------------------------
+
+    def remove(self, key: str) -> bool:
+        """Unlink ``key``'s page and drop it from the index; True if a file was removed."""
+        self.forget(key)
+        try:
+            os.unlink(page_path(self.store, key))
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
+
+    def remove_all(self) -> int:
+        """Unlink every page in the store (indexed or not); return how many were removed."""
+        removed = 0
+        with self._lock:
+            self._sizes.clear()
+            self._bytes = 0
+        for key, _size, _mtime in scan_pages(self.store):
+            try:
+                os.unlink(page_path(self.store, key))
+                removed += 1
+            except FileNotFoundError:
+                pass
+        return removed

@@ -1,0 +1,107 @@
+"""Where pages and temp files live in a store, and how a fresh temp file is created.
+
+Every key passes :func:`check_key` before it becomes part of a path, so no key can name a
+file outside the store or collide with a temp file (those start with ``.``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from kvtier.core.keys import MAX_KEY_LENGTH, validate_key
+
+__all__ = [
+    "DIR_MODE",
+    "FILE_MODE",
+    "MAX_KEY_LENGTH",
+    "PAGE_SUFFIX",
+    "TEMP_SUFFIX",
+    "check_key",
+    "check_keys",
+    "make_shard_dirs",
+    "open_temp",
+    "page_path",
+    "page_path_str",
+    "store_dir",
+    "temp_flags",
+    "temp_path",
+]
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+PAGE_SUFFIX = ".kv"
+TEMP_SUFFIX = ".tmp"
+_temp_seq: dict[int, int] = {}
+_temp_lock = threading.Lock()
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a valid page key (so a safe file name), else raise.
+
+    Delegates to :func:`kvtier.core.keys.validate_key` (raises
+    :class:`~kvtier.core.errors.InvalidKeyError`): ``[a-z0-9_-]``, starting with a letter
+    or digit, at most :data:`MAX_KEY_LENGTH` characters, so no key is a path, ``.``,
+    ``..``, a hidden or temp file name.
+    """
+    return validate_key(key)
+
+
+def check_keys(keys: Iterable[str]) -> None:
+    """:func:`check_key` for a batch: raise on the first invalid key."""
+    for key in keys:
+        check_key(key)
+
+
+def store_dir(root: str | os.PathLike[str], namespace: str) -> Path:
+    """The directory holding one namespace's pages under ``root``."""
+    check_key(namespace)
+    return Path(root) / namespace
+
+
+def page_path(store: Path, key: str) -> Path:
+    """Where ``key``'s page lives: ``store/aa/bb/<key>.kv`` with ``aabb`` from blake2b."""
+    return Path(page_path_str(os.fspath(store), key))
+
+
+def page_path_str(store: str, key: str) -> str:
+    """:func:`page_path` as a string, for the hot paths (a Path costs microseconds)."""
+    check_key(key)
+    shard = hashlib.blake2b(key.encode("ascii"), digest_size=2).hexdigest()
+    return f"{store}/{shard[:2]}/{shard[2:]}/{key}{PAGE_SUFFIX}"
+
+
+def temp_path(final: Path) -> Path:
+    """A fresh temp file name next to ``final``, unique per process, thread and call."""
+    tid = threading.get_native_id()
+    with _temp_lock:
+        seq = _temp_seq[tid] = _temp_seq.get(tid, 0) + 1
+    return final.parent / f".{os.getpid()}.{tid}.{seq}{TEMP_SUFFIX}"
+
+
+def temp_flags(*, o_direct: bool = False) -> int:
+    """The open(2) flags of a fresh temp file: write-only, created here, never shared."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    return flags | os.O_DIRECT if o_direct else flags
+
+
+def make_shard_dirs(final: Path) -> None:
+    """Create the two shard directories above ``final`` (0700) where they are missing."""
+    for directory in (final.parent.parent, final.parent):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, DIR_MODE)
+
+
+def open_temp(final: Path, *, o_direct: bool = False) -> tuple[int, Path]:
+    """Create a fresh 0600 temp file next to ``final`` (making shard dirs 0700 on demand)."""
+    flags = temp_flags(o_direct=o_direct)
+    tmp = temp_path(final)
+    try:
+        return os.open(tmp, flags, FILE_MODE), tmp
+    except FileNotFoundError:
+        make_shard_dirs(final)
+        return os.open(tmp, flags, FILE_MODE), tmp
