@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from _common import interleaved_medians
 
-from kvtier._cache_sim import fill_pages
-from kvtier.backends.memory import MemoryBackend, MemoryConfig
+from kvtier.backends.memory import MemoryConfig
+from kvtier.backends.memory.backend import MemoryBackend
 from kvtier.cache import TieredCache
 from kvtier.core.config import load_engine_config
 from kvtier.core.device_pool import TorchDevicePool
@@ -45,6 +45,7 @@ from kvtier.core.storage import BackendContext, StorageBackend
 from kvtier.plugins.hookspecs import hookimpl
 from kvtier.plugins.manager import load_registry
 from kvtier.plugins.registry import Registry
+from kvtier.testing.content import fill_pages
 
 BUDGET_US = 50.0
 

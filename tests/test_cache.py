@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier._cache_sim import check_pages, fill_pages
-from kvtier.backends.memory import MemoryBackend, MemoryConfig
+from kvtier.backends.memory import MemoryConfig
+from kvtier.backends.memory.backend import MemoryBackend
 from kvtier.cache import CacheClosedError, CacheOptions, PrefetchHandle, TieredCache, open_cache
 from kvtier.core import host_pool as host_pool_module
 from kvtier.core.config import EngineConfig, load_engine_config
@@ -31,6 +31,7 @@ from kvtier.core.storage import BackendContext, PageBuffers, StorageBackend
 from kvtier.plugins.hookspecs import hookimpl
 from kvtier.plugins.manager import load_registry
 from kvtier.plugins.registry import Registry
+from kvtier.testing.content import check_pages, fill_pages
 
 JOIN = 20.0  # seconds: every wait in these tests is bounded, so a bug fails, never hangs
 
@@ -250,7 +251,16 @@ def test_backup_of_cached_pages_copies_nothing(cache: TieredCache) -> None:
     assert cache.stats()["pages"]["backed_up"] == 4
 
 
-def test_load_one_layer_at_a_time(cache: TieredCache) -> None:
+@pytest.fixture
+def layered(registry: Registry) -> Iterator[TieredCache]:
+    """A cache whose config declares the per-layer load (and, for its tests, backup)."""
+    c = make_cache(registry, operations=["backup_all", "load_all", "load_layer", "backup_layer"])
+    yield c
+    c.close()
+
+
+def test_load_one_layer_at_a_time(layered: TieredCache) -> None:
+    cache = layered
     keys = put_pages(cache, range(20))
     cache.device_pool.zero_()  # type: ignore[attr-defined]
     where = slots(30, 5)

@@ -15,9 +15,10 @@ import pytest
 import torch
 from test_cache import JOIN, cache_registry, make_cache
 
-from kvtier._cache_sim import check_pages, fill_pages
-from kvtier.backends.memory import MemoryBackend, MemoryConfig
+from kvtier.backends.memory import MemoryConfig
+from kvtier.backends.memory.backend import MemoryBackend
 from kvtier.cache import CacheClosedError, PrefetchHandle, TieredCache
+from kvtier.testing.content import check_pages, fill_pages
 from kvtier.testing.faults import FaultyBackend
 
 PS = 4

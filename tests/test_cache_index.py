@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kvtier._cache_index import Entry, EntryState, HostIndex
+from kvtier.cache.index import Entry, EntryState, HostIndex
 from kvtier.core.geometry import KVGeometry
 from kvtier.core.host_pool import HostPool
 

@@ -20,6 +20,7 @@ __all__ = [
     "CacheStats",
     "Histogram",
     "prometheus_collector",
+    "prometheus_text",
 ]
 
 #: Upper bounds, in seconds, of the latency histogram buckets (the last is +Inf).
@@ -255,3 +256,14 @@ def prometheus_collector(
 
 def _bound_text(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(bound)
+
+
+def prometheus_text(collector: Any) -> str:
+    """One collector's metrics in the Prometheus text exposition format."""
+    try:
+        from prometheus_client import CollectorRegistry, generate_latest
+    except ImportError:
+        raise PrometheusMissingError() from None
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return generate_latest(registry).decode("utf-8")

@@ -6,15 +6,19 @@ the forward pass:
 
 - :meth:`TieredCache.backup` copies device pages into the host pool on a worker, then
   writes them to storage according to the write policy (``write_through``,
-  ``write_through_selective`` after N hits, or ``write_back`` on eviction).
+  ``write_through_selective`` after N hits, or ``write_back`` on eviction). Layer-sharded
+  pools back a page up one layer at a time (``backup(keys, slots, layer=i)``); the page
+  is ready, and written, once its last layer has arrived.
 - :meth:`TieredCache.prefetch` finds the longest stored prefix (host, then storage),
   allocates host pages and reads the missing ones on workers; the returned
   :class:`PrefetchHandle` says how many leading pages are ready and can be cancelled.
 - :meth:`TieredCache.load` copies a handle's ready prefix (per the prefetch policy) into
   device slots, all layers at once or one layer at a time to overlap with compute.
 
-:meth:`TieredCache.open` resolves the whole configuration before it allocates anything.
-Backend failures never reach the engine: they fail that operation's pages, are counted in
+:meth:`TieredCache.open` resolves the whole configuration before it allocates anything,
+through the one construction path (:mod:`kvtier.core.capabilities`), and the cache runs
+only the operations the config declared: start-up checked exactly those. Backend failures
+never reach the engine: they fail that operation's pages, are counted in
 :meth:`TieredCache.stats` by cause, and are logged once per cause.
 """
 
@@ -24,297 +28,55 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-from kvtier._cache_index import Entry, EntryState, HostIndex
-from kvtier._cache_stats import CacheStats, prometheus_collector
-from kvtier._cache_workers import Job, WorkerGroup
-from kvtier.core.capabilities import ResolvedPlan, resolve
-from kvtier.core.config import EngineConfig, load_engine_config, validate_model
+from kvtier.cache.handles import BackupHandle, PrefetchHandle
+from kvtier.cache.index import Entry, HostIndex
+from kvtier.cache.options import CacheOptions, cache_options
+from kvtier.cache.stats import CacheStats, prometheus_collector, prometheus_text
+from kvtier.cache.workers import Job, WorkerGroup
+from kvtier.core.capabilities import (
+    ResolvedPlan,
+    build_host_pool,
+    build_io_backend,
+    open_page_store,
+    resolve,
+)
+from kvtier.core.config import EngineConfig, load_engine_config
 from kvtier.core.errors import (
     CacheClosedError,
     InvalidFieldError,
     KvtierError,
+    OperationNotDeclaredError,
     PoolExhaustedError,
-    PrometheusMissingError,
     TransferError,
 )
 from kvtier.core.geometry import AttentionKind, KVGeometry
 from kvtier.core.host_pool import HostPool
-from kvtier.core.keys import Namespace, PageKeyer, validate_key
+from kvtier.core.io import IOBackend, check_device_slots
+from kvtier.core.keys import validate_key
 from kvtier.core.pagestore import PageStore
+from kvtier.core.specs import Operation
 from kvtier.core.storage import StorageBackend
 
 if TYPE_CHECKING:
     from kvtier.core.device_pool import DevicePool
-    from kvtier.core.io import IOBackend
     from kvtier.plugins.registry import Registry
 
-__all__ = [
-    "BackupHandle",
-    "CacheClosedError",
-    "CacheOptions",
-    "PrefetchHandle",
-    "TieredCache",
-    "open_cache",
-]
+__all__ = ["TieredCache", "open_cache"]
 
 log = logging.getLogger("kvtier.cache")
 
-WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
-PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 
-#: Host-pool size when the engine config gives neither ``host_pages`` nor ``host_bytes``.
-DEFAULT_HOST_BYTES = 1 << 30
+@dataclass(eq=False, slots=True)
+class _Layered:
+    """A page being backed up layer by layer: its entry and the layers copied so far."""
 
-
-class CacheOptions(BaseModel):
-    """How a TieredCache schedules work: write and prefetch policies, workers, bounds."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    write_policy: WritePolicy = Field(
-        default="write_through",
-        description="`write_through`: every backed-up page goes to storage; "
-        "`write_through_selective`: a page goes to storage once hit `write_threshold` "
-        "times; `write_back`: a page goes to storage when evicted from the host pool.",
-    )
-    write_threshold: int = Field(
-        default=2, ge=1, description="Hits before write_through_selective writes a page to storage."
-    )
-    prefetch_policy: PrefetchPolicy = Field(
-        default="best_effort",
-        description="What `load` waits for: `best_effort` loads the pages ready now; "
-        "`wait_complete` waits for the whole prefetch; `timeout` waits at most "
-        "`timeout_base_s + timeout_per_page_s x pages read from storage`.",
-    )
-    timeout_base_s: float = Field(
-        default=0.05, ge=0, description="Fixed part of the timeout budget."
-    )
-    timeout_per_page_s: float = Field(
-        default=0.002, ge=0, description="Budget per page read from storage (timeout policy)."
-    )
-    io_workers: int = Field(default=2, ge=1, le=64, description="Threads reading from storage.")
-    write_workers: int = Field(default=1, ge=1, le=64, description="Threads writing to storage.")
-    queue_size: int = Field(
-        default=256, ge=1, description="Bound of each work queue; a full queue fails the operation."
-    )
-    batch_pages: int = Field(default=32, ge=1, description="Pages per storage get/put call.")
-    alloc_wait_s: float = Field(
-        default=0.5,
-        ge=0,
-        description="How long a backup waits for host pages held by in-flight work "
-        "before it fails with host_exhausted.",
-    )
-    max_load_wait_s: float = Field(
-        default=60.0,
-        gt=0,
-        description="Upper bound on any wait inside load (wait_complete, or load(keys)); "
-        "after it, load takes the pages that are ready, so a stuck backend cannot hang it.",
-    )
-    close_timeout_s: float = Field(
-        default=10.0, gt=0, description="Bound on close(): drain this long, then cancel."
-    )
-
-
-# --- handles ----------------------------------------------------------------------------
-
-
-class BackupHandle:
-    """The state of one ``backup``: host copy done, storage write done, failures."""
-
-    def __init__(self, keys: Sequence[str]) -> None:
-        self.keys = list(keys)
-        #: Set once the device slots may be reused (the pages are in the host pool or failed).
-        self.host_done = threading.Event()
-        #: Set once nothing more will happen (storage write finished where the policy writes).
-        self.finished = threading.Event()
-        self.pages_copied = 0
-        self.pages_cached = 0
-        self.pages_written = 0
-        self.pages_failed = 0
-        self.error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._writes_pending = 0
-
-    @property
-    def ok(self) -> bool:
-        """True when every page reached the host pool (or was there already)."""
-        return self.finished.is_set() and self.pages_failed == 0
-
-    def wait_host(self, timeout: float | None = None) -> bool:
-        """Wait until the device slots may be reused; False on timeout."""
-        return self.host_done.wait(timeout)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait until the backup (and any storage write it owes) has finished."""
-        return self.finished.wait(timeout)
-
-    def _fail(self, pages: int, error: BaseException) -> None:
-        with self._lock:
-            self.pages_failed += pages
-            if self.error is None:
-                self.error = error
-
-    def _finish(self) -> None:
-        """Nothing more will happen (the backup failed or was cancelled before writes)."""
-        self.host_done.set()
-        self.finished.set()
-
-    def _write_started(self) -> None:
-        with self._lock:
-            self._writes_pending += 1
-
-    def _write_ended(self, written: int) -> None:
-        with self._lock:
-            self.pages_written += written
-            self._writes_pending -= 1
-            done = self._writes_pending == 0 and self.host_done.is_set()
-        if done:
-            self.finished.set()
-
-    def _host_ended(self) -> None:
-        """The device -> host part is over; finished once the owed writes are too."""
-        with self._lock:
-            self.host_done.set()
-            done = self._writes_pending == 0
-        if done:
-            self.finished.set()
-
-    def __repr__(self) -> str:
-        return (
-            f"BackupHandle(pages={len(self.keys)}, copied={self.pages_copied}, "
-            f"cached={self.pages_cached}, written={self.pages_written}, "
-            f"failed={self.pages_failed}, finished={self.finished.is_set()})"
-        )
-
-
-class PrefetchHandle:
-    """A prefetch in flight: the leading pages ready so far, cancel, wait, release.
-
-    The handle pins its host pages until it is loaded (all layers) or released, so they
-    cannot be evicted in between. Use it as a context manager, or call :meth:`release`.
-    """
-
-    def __init__(
-        self,
-        cache: TieredCache,
-        keys: Sequence[str],
-        entries: list[Entry],
-        host_hits: int,
-        started: float,
-    ) -> None:
-        self._cache = cache
-        self.keys = list(keys)
-        self._entries = entries
-        #: Pages found in the host pool when the prefetch started.
-        self.host_hits = host_hits
-        #: Pages the prefetch reads (or waits for) beyond the host hits.
-        self.storage_hits = len(entries) - host_hits
-        self.started = started
-        self.cancelled = False
-        self._released = False
-        self._usable: int | None = None
-        self._layers_loaded: set[int] = set()
-        self._lock = threading.Lock()
-        self.finished = threading.Event()  # set by the fetch job (or at once if none)
-
-    @property
-    def planned_pages(self) -> int:
-        """Leading pages the prefetch found (host plus storage) and is bringing in."""
-        return len(self._entries)
-
-    @property
-    def ready_pages(self) -> int:
-        """Leading pages whose data is in the host pool now."""
-        count = 0
-        for entry in self._entries:
-            if entry.state is not EntryState.READY:
-                break
-            count += 1
-        return count
-
-    @property
-    def done(self) -> bool:
-        """Whether every planned page is ready or has failed (nothing still in flight)."""
-        return all(e.state is not EntryState.PENDING for e in self._entries)
-
-    def budget_s(self) -> float:
-        """The ``timeout`` policy's budget: a base plus a slice per page read from storage."""
-        opts = self._cache.options
-        return opts.timeout_base_s + opts.timeout_per_page_s * self.storage_hits
-
-    def wait(self, timeout: float | None = None) -> int:
-        """Wait until the prefetch is done or ``timeout`` passes; return the ready pages."""
-        self._cache._index.wait_settled(list(self._entries), timeout)
-        return self.ready_pages
-
-    def cancel(self) -> int:
-        """Stop reading pages that have not started; return the pages ready now."""
-        self.cancelled = True
-        return self.ready_pages
-
-    def settle(self) -> int:
-        """Fix the usable prefix per the cache's prefetch policy (first call decides)."""
-        with self._lock:
-            if self._released:
-                raise InvalidFieldError(
-                    "handle",
-                    "this prefetch handle was already loaded (all layers) or released; "
-                    "prefetch the keys again",
-                    value=self,
-                )
-            if self._usable is not None:
-                return self._usable
-        opts = self._cache.options
-        if opts.prefetch_policy == "wait_complete":
-            self.wait(opts.max_load_wait_s)
-        elif opts.prefetch_policy == "timeout":
-            budget = self.started + self.budget_s() - time.monotonic()
-            self.wait(min(max(0.0, budget), opts.max_load_wait_s))
-        with self._lock:
-            if self._usable is None:
-                self._usable = self.ready_pages
-                spare = self._entries[self._usable :]
-                self._entries = self._entries[: self._usable]
-                if spare:
-                    self._cache._index.release(spare)
-            return self._usable
-
-    def host_pages(self) -> list[int]:
-        """The host pages of the settled prefix (for engines that drive the IO backend)."""
-        usable = self.settle()
-        return [entry.page for entry in self._entries[:usable]]
-
-    def release(self) -> None:
-        """Unpin the handle's host pages; idempotent. Loading all layers does it for you."""
-        with self._lock:
-            if self._released:
-                return
-            self._released = True
-            entries, self._entries = self._entries, []
-            self._usable = 0 if self._usable is None else self._usable
-        if entries:
-            self._cache._index.release(entries)
-
-    def __enter__(self) -> PrefetchHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        return (
-            f"PrefetchHandle(keys={len(self.keys)}, host_hits={self.host_hits}, "
-            f"storage_hits={self.storage_hits}, ready={self.ready_pages}, "
-            f"cancelled={self.cancelled}, released={self._released})"
-        )
-
-
-# --- the cache --------------------------------------------------------------------------
+    entry: Entry
+    layers: set[int] = field(default_factory=set)
 
 
 class TieredCache:
@@ -331,7 +93,7 @@ class TieredCache:
         device_pool: DevicePool,
         host_pool: HostPool,
         io_backend: IOBackend,
-        backend: StorageBackend,
+        page_store: PageStore,
         options: CacheOptions | None = None,
     ) -> None:
         self.plan = plan
@@ -341,18 +103,9 @@ class TieredCache:
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.io_backend = io_backend
-        self.backend = backend
+        self.page_store = page_store
         cfg = self.config
-        self.keyer = PageKeyer(
-            Namespace(cfg.model, self.geometry.fingerprint, cfg.tenant),
-            self.geometry.page_size,
-            self.geometry.attention,
-            cfg.tp_rank,
-            cfg.tp_size,
-        )
-        self.page_store = PageStore(
-            backend, host_pool, fingerprint=self.geometry.fingerprint, verify=cfg.verify
-        )
+        self.keyer = plan.keyer()
         #: MLA ranks hold the same latent: only rank 0 writes it to storage.
         self.writes_storage = not (
             self.geometry.attention is AttentionKind.MLA and cfg.tp_rank != 0
@@ -373,6 +126,13 @@ class TieredCache:
         self._transfer = WorkerGroup("transfer", 1, opts.queue_size, self._worker_error)
         self._reads = WorkerGroup("read", opts.io_workers, opts.queue_size, self._worker_error)
         self._writes = WorkerGroup("write", opts.write_workers, opts.queue_size, self._worker_error)
+        #: pages of per-layer backups still waiting for layers; the transfer worker's alone
+        self._layered: dict[str, _Layered] = {}
+
+    @property
+    def backend(self) -> StorageBackend:
+        """The storage backend (L3) behind the page store."""
+        return self.page_store.backend
 
     # --- construction -------------------------------------------------------------------
 
@@ -392,38 +152,27 @@ class TieredCache:
         mapping, or JSON text / ``@file``; ``options`` a CacheOptions or a mapping.
         """
         cfg = config if isinstance(config, EngineConfig) else load_engine_config(config)
-        opts = _options(options)
+        opts = cache_options(options)
         if registry is None:
             from kvtier.plugins.manager import default_registry
 
             registry = default_registry()
         plan = resolve(cfg, registry.backends, registry.io_backends)
         _check_device_pool(device_pool, plan)
-        io_config = validate_model(
-            plan.io_backend.config_model, {}, where="io_backend", label="IO backend config"
-        )
-        io_factory = plan.io_backend.load_factory()
-        backend_factory = plan.backend.load_factory()
-        if cfg.host_pages is not None:
-            host_pool = HostPool(plan.geometry, plan.layout, num_pages=cfg.host_pages)
-        else:
-            host_pool = HostPool(
-                plan.geometry, plan.layout, size_bytes=cfg.host_bytes or DEFAULT_HOST_BYTES
-            )
-        io_backend = io_factory(io_config, plan.geometry, plan.layout)
-        backend: StorageBackend = backend_factory(plan.backend_config, plan.context)
+        io_backend = build_io_backend(plan)
+        host_pool = build_host_pool(plan)
+        store = open_page_store(plan, host_pool)
         try:
-            backend.attach(host_pool)
             cache = cls(
                 plan=plan,
                 device_pool=device_pool,
                 host_pool=host_pool,
                 io_backend=io_backend,
-                backend=backend,
+                page_store=store,
                 options=opts,
             )
         except BaseException:
-            backend.close()
+            store.backend.close()
             raise
         log.info(
             "kvtier cache open: backend=%s io_backend=%s layout=%s host_pages=%d "
@@ -445,15 +194,26 @@ class TieredCache:
 
     # --- backup ---------------------------------------------------------------------------
 
-    def backup(self, keys: Sequence[str], device_slots: torch.Tensor) -> BackupHandle:
+    def backup(
+        self, keys: Sequence[str], device_slots: torch.Tensor, *, layer: int | None = None
+    ) -> BackupHandle:
         """Copy the pages at ``device_slots`` to the host pool, then storage, asynchronously.
 
         ``device_slots`` holds ``len(keys) * page_size`` token slots (page ``i`` is
         ``device_slots[i*ps:(i+1)*ps]``). Keep those slots unchanged until
         ``handle.wait_host()``. Keys already cached are not copied again. Failures are
         reported on the handle and in stats, never raised from a worker.
+
+        ``layer`` copies one layer (``backup_layer``, for layer-sharded pools): call it
+        once per layer for the same keys; a page becomes ready, and is written to storage,
+        when its last layer has arrived, and stays pinned until then (or until close).
         """
         self._check_open()
+        if layer is None:
+            self._require(Operation.BACKUP_ALL, "backup()")
+        else:
+            self._require(Operation.BACKUP_LAYER, f"backup(layer={layer!r})")
+            self._check_layer(layer)
         keys = [validate_key(k) for k in keys]
         slots = self._checked_slots(device_slots, len(keys))
         handle = BackupHandle(keys)
@@ -462,7 +222,7 @@ class TieredCache:
             return handle
         started = time.monotonic()
         job = Job(
-            lambda: self._run_backup(handle, keys, slots, started),
+            lambda: self._run_backup(handle, keys, slots, started, layer),
             lambda: self._cancel_backup(handle, len(keys)),
         )
         if not self._transfer.submit(job):
@@ -475,58 +235,35 @@ class TieredCache:
         return handle
 
     def _checked_slots(self, device_slots: Any, pages: int) -> torch.Tensor:
-        ps = self.geometry.page_size
-        if not isinstance(device_slots, torch.Tensor) or device_slots.dim() != 1:
-            raise TransferError(
-                f"device_slots must be a 1-D integer torch.Tensor of token slots, got "
-                f"{type(device_slots).__name__}"
-                + (
-                    f" of shape {tuple(device_slots.shape)}"
-                    if hasattr(device_slots, "shape")
-                    else ""
-                ),
-                value=device_slots,
-            )
-        if device_slots.dtype.is_floating_point or device_slots.dtype == torch.bool:
-            raise TransferError(
-                f"device_slots must hold integers, got {device_slots.dtype}",
-                value=device_slots.dtype,
-            )
-        if device_slots.numel() != pages * ps:
-            raise TransferError(
-                f"{device_slots.numel()} device slots for {pages} pages; pass "
-                f"{pages * ps} (= pages x page_size {ps})",
-                value=device_slots.numel(),
-            )
-        slots = device_slots.detach().to(torch.int64).clone()
-        if slots.numel():
-            low, high = int(slots.min()), int(slots.max())
-            if low < 0 or high >= self.device_pool.num_slots:
-                raise TransferError(
-                    f"device slot {low if low < 0 else high} is out of range: the device pool "
-                    f"has slots 0..{self.device_pool.num_slots - 1}",
-                    value=low if low < 0 else high,
-                )
-        return slots
+        """The backup's slots, checked, as a private int64 copy (the job runs later)."""
+        slots = check_device_slots(
+            device_slots,
+            page_size=self.geometry.page_size,
+            pages=pages,
+            num_slots=self.device_pool.num_slots,
+        )
+        return slots.detach().clone()
 
     def _run_backup(
-        self, handle: BackupHandle, keys: list[str], slots: torch.Tensor, started: float
+        self,
+        handle: BackupHandle,
+        keys: list[str],
+        slots: torch.Tensor,
+        started: float,
+        layer: int | None,
     ) -> None:
         try:
-            self._backup_pages(handle, keys, slots, started)
+            self._backup_pages(handle, keys, slots, started, layer)
         except BaseException as exc:
             if not handle.host_done.is_set():
                 handle._fail(len(keys) - handle.pages_copied - handle.pages_cached, exc)
                 handle._host_ended()
             raise
 
-    def _backup_pages(
-        self, handle: BackupHandle, keys: list[str], slots: torch.Tensor, started: float
-    ) -> None:
-        opts = self.options
-        ps = self.geometry.page_size
+    def _place(self, handle: BackupHandle, keys: list[str]) -> list[tuple[Entry, bool]]:
+        """Host entries for ``keys`` (new ones pinned once); a shortfall fails the rest."""
         placed = self._index.insert(
-            keys, pins=1, wait_s=opts.alloc_wait_s, on_victims=self._write_victims
+            keys, pins=1, wait_s=self.options.alloc_wait_s, on_victims=self._write_victims
         )
         if len(placed) < len(keys):
             missing = len(keys) - len(placed)
@@ -537,15 +274,51 @@ class TieredCache:
                 f"{counts['pinned']} of {counts['total']} host pages are pinned",
             )
             handle._fail(missing, self._exhausted(missing))
-        fresh = [(i, entry) for i, (entry, new) in enumerate(placed) if new]
-        existing = [entry for entry, new in placed if not new]
+        return placed
+
+    def _layer_targets(
+        self, handle: BackupHandle, keys: list[str]
+    ) -> tuple[list[tuple[int, Entry]], list[Entry]]:
+        """A per-layer backup's (position, entry) to copy into, and the pages already cached.
+
+        Keys seen for the first time get a pending entry that waits for all layers.
+        """
+        fresh = [key for key in dict.fromkeys(keys) if key not in self._layered]
+        existing: list[Entry] = []
+        for entry, new in self._place(handle, fresh) if fresh else []:
+            if new:
+                self._layered[entry.key] = _Layered(entry)
+            else:
+                existing.append(entry)
+        layered = self._layered
+        targets = [(i, layered[key].entry) for i, key in enumerate(keys) if key in layered]
+        return targets, existing
+
+    def _backup_pages(
+        self,
+        handle: BackupHandle,
+        keys: list[str],
+        slots: torch.Tensor,
+        started: float,
+        layer: int | None,
+    ) -> None:
+        opts = self.options
+        ps = self.geometry.page_size
+        if layer is None:
+            placed = self._place(handle, keys)
+            targets = [(i, entry) for i, (entry, new) in enumerate(placed) if new]
+            existing = [entry for entry, new in placed if not new]
+        else:
+            targets, existing = self._layer_targets(handle, keys)
         handle.pages_cached = len(existing)
         self._stats.add("backup_already_cached", len(existing))
-        policy = opts.write_policy
+        page_bytes = self.geometry.bytes_per_page
+        if layer is not None:
+            page_bytes //= self.geometry.num_layers
         # Copy in batches, so write_through's storage writes of one batch overlap with
         # the device -> host copy of the next.
-        for start in range(0, len(fresh), opts.batch_pages):
-            batch = fresh[start : start + opts.batch_pages]
+        for start in range(0, len(targets), opts.batch_pages):
+            batch = targets[start : start + opts.batch_pages]
             entries = [entry for _, entry in batch]
             first, last = batch[0][0], batch[-1][0]
             if last - first + 1 == len(batch):
@@ -556,10 +329,16 @@ class TieredCache:
             t0 = time.monotonic()
             try:
                 self.io_backend.backup(
-                    self.device_pool, self.host_pool, source, [e.page for e in entries]
+                    self.device_pool,
+                    self.host_pool,
+                    source,
+                    [e.page for e in entries],
+                    layer=layer,
                 )
             except Exception as exc:
-                rest = [entry for _, entry in fresh[start:]]
+                rest = list(dict.fromkeys(entry for _, entry in targets[start:]))
+                for entry in rest:
+                    self._layered.pop(entry.key, None)
                 self._index.mark_failed(rest)
                 self._index.release(rest)
                 self._fail("device_to_host", len(rest), repr(exc))
@@ -567,27 +346,59 @@ class TieredCache:
                 break
             elapsed = time.monotonic() - t0
             self._stats.latency["device_to_host"].observe(elapsed)
-            self._stats.busy("device_to_host", elapsed, len(entries) * self.geometry.bytes_per_page)
-            self._index.mark_ready(entries)
+            self._stats.busy("device_to_host", elapsed, len(entries) * page_bytes)
             handle.pages_copied += len(entries)
-            self._stats.add("pages_backed_up", len(entries))
-            if not self.writes_storage:
-                self._stats.add("storage_writes_skipped", len(entries))
-            elif policy == "write_through":
-                claimed = self._index.claim_writes(entries)
-                if claimed:
-                    handle._write_started()
-                    self._submit_write(claimed, handle)
-            elif policy == "write_back":
-                self._index.mark_dirty(entries)
-            self._index.release(entries)
-        if self.writes_storage and policy == "write_through_selective":
+            if layer is not None:
+                entries = self._layers_arrived(entries, layer)
+            self._host_copy_done(handle, entries)
+        if self.writes_storage and opts.write_policy == "write_through_selective":
             hot = [e for e in existing if e.hits >= opts.write_threshold]
             claimed = self._index.claim_writes(hot)
             if claimed:
                 self._submit_write(claimed, None)
         self._stats.latency["backup"].observe(time.monotonic() - started)
         handle._host_ended()
+
+    def _layers_arrived(self, entries: list[Entry], layer: int) -> list[Entry]:
+        """Record ``layer`` for each entry; return those that now hold every layer."""
+        complete = []
+        for entry in dict.fromkeys(entries):
+            state = self._layered.get(entry.key)
+            if state is None or state.entry is not entry:
+                continue
+            state.layers.add(layer)
+            if len(state.layers) == self.geometry.num_layers:
+                del self._layered[entry.key]
+                complete.append(entry)
+        return complete
+
+    def _host_copy_done(self, handle: BackupHandle | None, entries: list[Entry]) -> None:
+        """Pages now whole in the host pool: make them ready, write them as the policy says."""
+        if not entries:
+            return
+        self._index.mark_ready(entries)
+        self._stats.add("pages_backed_up", len(entries))
+        policy = self.options.write_policy
+        if not self.writes_storage:
+            self._stats.add("storage_writes_skipped", len(entries))
+        elif policy == "write_through":
+            claimed = self._index.claim_writes(entries)
+            if claimed:
+                if handle is not None:
+                    handle._write_started()
+                self._submit_write(claimed, handle)
+        elif policy == "write_back":
+            self._index.mark_dirty(entries)
+        self._index.release(entries)
+
+    def _drop_layered(self) -> None:
+        """Give up the pages whose layers never all arrived (at close)."""
+        entries = [state.entry for state in self._layered.values()]
+        self._layered.clear()
+        if entries:
+            self._stats.add("pages_cancelled", len(entries))
+            self._index.mark_failed(entries)
+            self._index.release(entries)
 
     def _cancel_backup(self, handle: BackupHandle, pages: int) -> None:
         if not handle.host_done.is_set():
@@ -786,6 +597,11 @@ class TieredCache:
         layer was loaded once.
         """
         self._check_open()
+        if layer is None:
+            self._require(Operation.LOAD_ALL, "load()")
+        else:
+            self._require(Operation.LOAD_LAYER, f"load(layer={layer!r})")
+            self._check_layer(layer)
         own = not isinstance(handle, PrefetchHandle)
         if isinstance(handle, PrefetchHandle):
             prefetched = handle
@@ -797,7 +613,7 @@ class TieredCache:
             prefetched = self.prefetch(handle)
             prefetched.wait(self.options.max_load_wait_s)
         try:
-            slots = self._load_slots(device_slots)
+            slots = check_device_slots(device_slots, page_size=self.geometry.page_size)
             usable = prefetched.settle()
             ps = self.geometry.page_size
             count = min(usable, slots.numel() // ps)
@@ -829,20 +645,6 @@ class TieredCache:
         finally:
             if own or layer is None or len(prefetched._layers_loaded) == self.geometry.num_layers:
                 prefetched.release()
-
-    def _load_slots(self, device_slots: Any) -> torch.Tensor:
-        if not isinstance(device_slots, torch.Tensor) or device_slots.dim() != 1:
-            raise TransferError(
-                "device_slots must be a 1-D integer torch.Tensor of token slots, got "
-                f"{type(device_slots).__name__}",
-                value=device_slots,
-            )
-        if device_slots.dtype.is_floating_point or device_slots.dtype == torch.bool:
-            raise TransferError(
-                f"device_slots must hold integers, got {device_slots.dtype}",
-                value=device_slots.dtype,
-            )
-        return device_slots
 
     # --- stats ----------------------------------------------------------------------------
 
@@ -889,13 +691,7 @@ class TieredCache:
 
     def prometheus_text(self) -> str:
         """This cache's metrics in the Prometheus text exposition format."""
-        try:
-            from prometheus_client import CollectorRegistry, generate_latest
-        except ImportError:
-            raise PrometheusMissingError() from None
-        registry = CollectorRegistry()
-        registry.register(self.prometheus_collector())
-        return generate_latest(registry).decode("utf-8")
+        return prometheus_text(self.prometheus_collector())
 
     # --- shutdown -------------------------------------------------------------------------
 
@@ -931,6 +727,8 @@ class TieredCache:
                 self._submit_write(dirty, None)
         joined = self._reads.close(drain=drain, deadline=deadline) and joined
         joined = self._writes.close(drain=drain, deadline=deadline) and joined
+        if joined:
+            self._drop_layered()  # the transfer worker has ended: nothing else touches it
         self._index.drop_all()
         try:
             self.backend.close()
@@ -960,6 +758,20 @@ class TieredCache:
     def _check_open(self) -> None:
         if self._closed:
             raise CacheClosedError("this TieredCache is closed; open a new one", value=self)
+
+    def _require(self, operation: Operation, call: str) -> None:
+        """Refuse an operation the config did not declare (start-up never checked it)."""
+        if not self.plan.declares(operation):
+            declared = [op.value for op in Operation if op in self.plan.operations]
+            raise OperationNotDeclaredError(operation.value, call, declared)
+
+    def _check_layer(self, layer: object) -> None:
+        layers = self.geometry.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
+            raise TransferError(
+                f"layer {layer!r} is out of range: the geometry has layers 0..{layers - 1}",
+                value=layer,
+            )
 
     def _fail(self, cause: str, pages: int, detail: str) -> None:
         """Count a failure by cause and log it the first time that cause occurs."""
@@ -995,13 +807,6 @@ def _busy(queue: str, size: int) -> KvtierError:
         value=size,
     )
 
-
-def _options(options: CacheOptions | Mapping[str, Any] | None) -> CacheOptions:
-    if options is None:
-        return CacheOptions()
-    if isinstance(options, CacheOptions):
-        return options
-    return validate_model(CacheOptions, options, where="cache_options", label="cache options")
 
 
 def _check_device_pool(device_pool: Any, plan: ResolvedPlan) -> None:

@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["Entry", "EntryState", "HostIndex", "PagePool"]
+__all__ = ["Entry", "EntryState", "HostIndex", "PageAllocator"]
 
 
-class PagePool(Protocol):
+class PageAllocator(Protocol):
     """The allocator part of :class:`kvtier.core.host_pool.HostPool`."""
 
     @property
@@ -74,7 +74,7 @@ class HostIndex:
 
     def __init__(
         self,
-        pool: PagePool,
+        pool: PageAllocator,
         *,
         write_back: bool = False,
         on_evicted: Callable[[int], None] | None = None,

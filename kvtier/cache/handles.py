@@ -1,0 +1,207 @@
+"""The handles a TieredCache returns: the state of one backup, a prefetch in flight."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvtier.cache.index import Entry, EntryState
+from kvtier.core.errors import InvalidFieldError
+
+if TYPE_CHECKING:
+    from kvtier.cache.tiered import TieredCache
+
+__all__ = ["BackupHandle", "PrefetchHandle"]
+
+
+class BackupHandle:
+    """The state of one ``backup``: host copy done, storage write done, failures."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        self.keys = list(keys)
+        #: Set once the device slots may be reused (the pages are in the host pool or failed).
+        self.host_done = threading.Event()
+        #: Set once nothing more will happen (storage write finished where the policy writes).
+        self.finished = threading.Event()
+        self.pages_copied = 0
+        self.pages_cached = 0
+        self.pages_written = 0
+        self.pages_failed = 0
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._writes_pending = 0
+
+    @property
+    def ok(self) -> bool:
+        """True when every page reached the host pool (or was there already)."""
+        return self.finished.is_set() and self.pages_failed == 0
+
+    def wait_host(self, timeout: float | None = None) -> bool:
+        """Wait until the device slots may be reused; False on timeout."""
+        return self.host_done.wait(timeout)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the backup (and any storage write it owes) has finished."""
+        return self.finished.wait(timeout)
+
+    def _fail(self, pages: int, error: BaseException) -> None:
+        with self._lock:
+            self.pages_failed += pages
+            if self.error is None:
+                self.error = error
+
+    def _finish(self) -> None:
+        """Nothing more will happen (the backup failed or was cancelled before writes)."""
+        self.host_done.set()
+        self.finished.set()
+
+    def _write_started(self) -> None:
+        with self._lock:
+            self._writes_pending += 1
+
+    def _write_ended(self, written: int) -> None:
+        with self._lock:
+            self.pages_written += written
+            self._writes_pending -= 1
+            done = self._writes_pending == 0 and self.host_done.is_set()
+        if done:
+            self.finished.set()
+
+    def _host_ended(self) -> None:
+        """The device -> host part is over; finished once the owed writes are too."""
+        with self._lock:
+            self.host_done.set()
+            done = self._writes_pending == 0
+        if done:
+            self.finished.set()
+
+    def __repr__(self) -> str:
+        return (
+            f"BackupHandle(pages={len(self.keys)}, copied={self.pages_copied}, "
+            f"cached={self.pages_cached}, written={self.pages_written}, "
+            f"failed={self.pages_failed}, finished={self.finished.is_set()})"
+        )
+
+
+class PrefetchHandle:
+    """A prefetch in flight: the leading pages ready so far, cancel, wait, release.
+
+    The handle pins its host pages until it is loaded (all layers) or released, so they
+    cannot be evicted in between. Use it as a context manager, or call :meth:`release`.
+    """
+
+    def __init__(
+        self,
+        cache: TieredCache,
+        keys: Sequence[str],
+        entries: list[Entry],
+        host_hits: int,
+        started: float,
+    ) -> None:
+        self._cache = cache
+        self.keys = list(keys)
+        self._entries = entries
+        #: Pages found in the host pool when the prefetch started.
+        self.host_hits = host_hits
+        #: Pages the prefetch reads (or waits for) beyond the host hits.
+        self.storage_hits = len(entries) - host_hits
+        self.started = started
+        self.cancelled = False
+        self._released = False
+        self._usable: int | None = None
+        self._layers_loaded: set[int] = set()
+        self._lock = threading.Lock()
+        self.finished = threading.Event()  # set by the fetch job (or at once if none)
+
+    @property
+    def planned_pages(self) -> int:
+        """Leading pages the prefetch found (host plus storage) and is bringing in."""
+        return len(self._entries)
+
+    @property
+    def ready_pages(self) -> int:
+        """Leading pages whose data is in the host pool now."""
+        count = 0
+        for entry in self._entries:
+            if entry.state is not EntryState.READY:
+                break
+            count += 1
+        return count
+
+    @property
+    def done(self) -> bool:
+        """Whether every planned page is ready or has failed (nothing still in flight)."""
+        return all(e.state is not EntryState.PENDING for e in self._entries)
+
+    def budget_s(self) -> float:
+        """The ``timeout`` policy's budget: a base plus a slice per page read from storage."""
+        opts = self._cache.options
+        return opts.timeout_base_s + opts.timeout_per_page_s * self.storage_hits
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait until the prefetch is done or ``timeout`` passes; return the ready pages."""
+        self._cache._index.wait_settled(list(self._entries), timeout)
+        return self.ready_pages
+
+    def cancel(self) -> int:
+        """Stop reading pages that have not started; return the pages ready now."""
+        self.cancelled = True
+        return self.ready_pages
+
+    def settle(self) -> int:
+        """Fix the usable prefix per the cache's prefetch policy (first call decides)."""
+        with self._lock:
+            if self._released:
+                raise InvalidFieldError(
+                    "handle",
+                    "this prefetch handle was already loaded (all layers) or released; "
+                    "prefetch the keys again",
+                    value=self,
+                )
+            if self._usable is not None:
+                return self._usable
+        opts = self._cache.options
+        if opts.prefetch_policy == "wait_complete":
+            self.wait(opts.max_load_wait_s)
+        elif opts.prefetch_policy == "timeout":
+            budget = self.started + self.budget_s() - time.monotonic()
+            self.wait(min(max(0.0, budget), opts.max_load_wait_s))
+        with self._lock:
+            if self._usable is None:
+                self._usable = self.ready_pages
+                spare = self._entries[self._usable :]
+                self._entries = self._entries[: self._usable]
+                if spare:
+                    self._cache._index.release(spare)
+            return self._usable
+
+    def host_pages(self) -> list[int]:
+        """The host pages of the settled prefix (for engines that drive the IO backend)."""
+        usable = self.settle()
+        return [entry.page for entry in self._entries[:usable]]
+
+    def release(self) -> None:
+        """Unpin the handle's host pages; idempotent. Loading all layers does it for you."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            entries, self._entries = self._entries, []
+            self._usable = 0 if self._usable is None else self._usable
+        if entries:
+            self._cache._index.release(entries)
+
+    def __enter__(self) -> PrefetchHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return (
+            f"PrefetchHandle(keys={len(self.keys)}, host_hits={self.host_hits}, "
+            f"storage_hits={self.storage_hits}, ready={self.ready_pages}, "
+            f"cancelled={self.cancelled}, released={self._released})"
+        )
