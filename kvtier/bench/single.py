@@ -1,4 +1,4 @@
-"""Back up and restore KV pages through every tier, verify every byte, and time it.
+"""The ``single`` workload: back up and restore pages through every tier, verify every byte.
 
 With no arguments: an 8B-class geometry (32 layers, 8 KV heads, head dim 128, bfloat16,
 64 tokens per page = 8 MiB per page), 64 pages of random KV in a torch device pool (CUDA
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import statistics
@@ -30,28 +29,28 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.core.capabilities import ResolvedPlan, resolve
-from kvtier.core.config import load_engine_config, parse_extra_config
+from kvtier.bench.options import GB, Progress, engine_config, temporary_root
+from kvtier.core.capabilities import (
+    ResolvedPlan,
+    build_host_pool,
+    build_io_backend,
+    open_page_store,
+    resolve,
+)
+from kvtier.core.config import parse_extra_config
 from kvtier.core.device_pool import TorchDevicePool
-from kvtier.core.errors import ConfigError, InvalidFieldError, KvtierError
-from kvtier.core.geometry import AttentionKind
+from kvtier.core.errors import ConfigError, InvalidFieldError
 from kvtier.core.host_pool import HostPool
-from kvtier.core.keys import PageKeyer
 from kvtier.core.pagestore import PageStore
-from kvtier.core.storage import StorageBackend
 
 if TYPE_CHECKING:
     from kvtier.core.extents import Extent
     from kvtier.plugins.registry import Registry
 
-__all__ = ["BenchResult", "add_arguments", "run", "run_bench"]
+__all__ = ["EPILOG", "BenchResult", "run_bench"]
 
-#: Bytes in a GB as reported (decimal, like disk vendors and `dd`).
-GB = 1e9
-_MHA_DEFAULTS = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128}
-_MLA_DEFAULTS = {"num_layers": 32, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
-
-_EPILOG = """\
+#: The examples ``kvtier bench --help`` ends with.
+EPILOG = """\
 examples:
   kvtier bench                                   # file backend in a temp dir, 64 x 8 MiB pages
   kvtier bench --pages 256 --batch 16 --json     # bigger run, batched calls, JSON on stdout
@@ -63,76 +62,6 @@ examples:
 The exit status is 0 when every page came back bit-exact, 1 when a page failed or
 differed, 2 when the configuration was rejected.
 """
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``kvtier bench``'s options to ``parser`` (the CLI delegates here)."""
-    parser.epilog = _EPILOG
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    store = parser.add_argument_group("storage")
-    store.add_argument(
-        "--backend", default="file", help="storage backend (see `kvtier backends`); default file"
-    )
-    store.add_argument(
-        "--extra-config",
-        default=None,
-        metavar="JSON|@FILE",
-        help="the backend's options as a JSON object or @file.json/@file.toml; for backends "
-        "with a 'root' option (file, uring) it defaults to a temporary directory removed "
-        "afterwards",
-    )
-    store.add_argument(
-        "--verify",
-        choices=("full", "header"),
-        default="full",
-        help="page verification on get: full payload checksum or header only (default full)",
-    )
-    plan = parser.add_argument_group("transfer plan")
-    plan.add_argument("--io-backend", default="auto", help="device <-> host mover (default auto)")
-    plan.add_argument(
-        "--layout",
-        default="auto",
-        help="host-pool layout: layer_first, page_first, page_first_direct, page_head, or auto",
-    )
-    plan.add_argument(
-        "--device",
-        default=None,
-        help="torch device of the device pool (default: cuda if available, else cpu)",
-    )
-    geo = parser.add_argument_group("geometry (default: an 8B-class model, 8 MiB pages)")
-    geo.add_argument("--attention", choices=("mha", "mla"), default="mha")
-    geo.add_argument("--num-layers", type=int, default=None, help="default 32")
-    geo.add_argument("--num-kv-heads", type=int, default=None, help="MHA, default 8")
-    geo.add_argument("--head-dim", type=int, default=None, help="MHA, default 128")
-    geo.add_argument("--kv-lora-rank", type=int, default=None, help="MLA, default 512")
-    geo.add_argument("--qk-rope-head-dim", type=int, default=None, help="MLA, default 64")
-    geo.add_argument("--dtype", default="bfloat16", help="default bfloat16")
-    geo.add_argument("--page-size", type=int, default=64, help="tokens per page; default 64")
-    run_ = parser.add_argument_group("run")
-    run_.add_argument("--pages", type=int, default=64, help="pages per round; default 64")
-    run_.add_argument(
-        "--batch", type=int, default=1, help="pages per put/get call (latency is per call)"
-    )
-    run_.add_argument("--rounds", type=int, default=3, help="timed rounds after a warm-up")
-    run_.add_argument("--seed", type=int, default=0, help="seed of the random KV")
-    run_.add_argument("--no-raw", action="store_true", help="skip the raw pwritev/preadv side")
-    run_.add_argument(
-        "--workdir",
-        default=None,
-        help="directory for the temporary page files (default: the system temp dir)",
-    )
-    run_.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    run_.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    run_.add_argument(
-        "--workload",
-        choices=("single", "multiturn"),
-        default="single",
-        help="single (default): back up and read back --pages pages; multiturn: simulated "
-        "conversations sharing prefixes through TieredCache (options below)",
-    )
-    from kvtier import bench_multiturn
-
-    bench_multiturn.add_arguments(parser)
 
 
 # --- measurements ---------------------------------------------------------------------
@@ -169,34 +98,6 @@ def _percentile(values: Sequence[float], pct: float) -> float:
     low = int(rank)
     high = min(low + 1, len(values) - 1)
     return values[low] + (values[high] - values[low]) * (rank - low)
-
-
-class Progress:
-    """A one-line progress bar on a terminal; silent otherwise."""
-
-    def __init__(self, total: int, stream: IO[str], enabled: bool) -> None:
-        self.total = max(total, 1)
-        self.done = 0
-        self.stream = stream
-        self.enabled = enabled and stream.isatty()
-        self._last = 0.0
-
-    def step(self, label: str, n: int = 1) -> None:
-        self.done += n
-        now = time.monotonic()
-        if not self.enabled or (now - self._last < 0.05 and self.done < self.total):
-            return
-        self._last = now
-        width = 30
-        filled = width * self.done // self.total
-        bar = "#" * filled + "." * (width - filled)
-        self.stream.write(f"\r[{bar}] {100 * self.done // self.total:3d}% {label:<28}")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\r" + " " * 72 + "\r")
-            self.stream.flush()
 
 
 def _raw_put(path: Path, regions: list[memoryview]) -> None:
@@ -327,37 +228,6 @@ def _ratio(ours: float, raw: float) -> float:
     return round(ours / raw, 3) if raw > 0 else 0.0
 
 
-def _engine_config(args: argparse.Namespace, extra: dict[str, Any]) -> dict[str, Any]:
-    attention = AttentionKind(args.attention)
-    defaults = _MHA_DEFAULTS if attention is AttentionKind.MHA else _MLA_DEFAULTS
-    data: dict[str, Any] = {
-        "backend": args.backend,
-        "io_backend": args.io_backend,
-        "layout": args.layout,
-        "attention": attention.value,
-        "dtype": args.dtype,
-        "page_size": args.page_size,
-        "verify": args.verify,
-        "model": "kvtier-bench",
-        "host_pages": args.pages,
-        "extra_config": extra,
-    }
-    for name, default in defaults.items():
-        value = getattr(args, name)
-        data[name] = default if value is None else value
-    other = _MLA_DEFAULTS if attention is AttentionKind.MHA else _MHA_DEFAULTS
-    for name in other:
-        if name not in defaults and getattr(args, name) is not None:
-            flag = "--" + name.replace("_", "-")
-            raise InvalidFieldError(
-                name,
-                f"{flag} is a {'MLA' if attention is AttentionKind.MHA else 'MHA'} geometry "
-                f"option but --attention is {attention.value}; drop it or change --attention",
-                value=getattr(args, name),
-            )
-    return data
-
-
 def _positive(name: str, value: int) -> None:
     if value <= 0:
         raise InvalidFieldError(name, f"must be a positive integer, got {value}", value=value)
@@ -382,10 +252,8 @@ def run_bench(
         raise ConfigError(f"--workdir {str(base)!r} is not a directory", value=str(base))
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=base))
     try:
-        spec = registry.backends.get(args.backend)
-        if spec is not None and "root" in spec.config_model.model_fields and "root" not in extra:
-            extra["root"] = str(workdir / "pages")  # file-like backends: a throw-away root
-        config = load_engine_config(_engine_config(args, extra))
+        extra = temporary_root(registry, args.backend, extra, workdir)
+        config = engine_config(args, extra, model="kvtier-bench", host_pages=args.pages)
         plan = resolve(config, registry.backends, registry.io_backends)
         return _run_plan(args, plan, workdir, progress_stream or sys.stderr)
     finally:
@@ -395,14 +263,15 @@ def run_bench(
 def _run_plan(
     args: argparse.Namespace, plan: ResolvedPlan, workdir: Path, stream: IO[str]
 ) -> BenchResult:
-    backend: StorageBackend = plan.backend.load_factory()(plan.backend_config, plan.context)
+    host = build_host_pool(plan)
+    store = open_page_store(plan, host)
     try:
-        bench = _Run(args, plan, backend, workdir, stream)
+        bench = _Run(args, plan, store, workdir, stream)
         for round_ in range(args.rounds + 1):
             bench.round(round_)
         return bench.result()
     finally:
-        backend.close()
+        store.backend.close()
 
 
 class _Run:
@@ -412,33 +281,24 @@ class _Run:
         self,
         args: argparse.Namespace,
         plan: ResolvedPlan,
-        backend: StorageBackend,
+        store: PageStore,
         workdir: Path,
         stream: IO[str],
     ) -> None:
-        geometry, layout = plan.geometry, plan.layout
-        self.plan, self.backend, self.workdir = plan, backend, workdir
+        geometry = plan.geometry
+        self.plan, self.store, self.workdir = plan, store, workdir
+        self.backend = store.backend
+        assert isinstance(store.pool, HostPool)
+        self.host: HostPool = store.pool
         self.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.pages, self.rounds = args.pages, args.rounds
         self.batch = min(args.batch, args.pages)
         page_size = geometry.page_size
-        io_spec = plan.io_backend
-        self.mover = io_spec.load_factory()(io_spec.config_model(), geometry, layout)
-        self.host = HostPool(geometry, layout, num_pages=self.pages)
-        backend.attach(self.host)
-        self.store = PageStore(
-            backend, self.host, fingerprint=geometry.fingerprint, verify=plan.config.verify
-        )
+        self.mover = build_io_backend(plan)
         self.dev = TorchDevicePool(geometry, self.pages * page_size, self.device)
         self.dev.fill_random_(torch.Generator().manual_seed(args.seed))
         self.original = [t.clone() for t in self.dev.kv_tensors]
-        keyer = PageKeyer(
-            _namespace(plan),
-            page_size,
-            geometry.attention,
-            plan.context.tp_rank,
-            plan.context.tp_size,
-        )
+        keyer = plan.keyer()
         token_gen = torch.Generator().manual_seed(args.seed + 1)
         tokens = torch.randint(0, 128_000, (self.pages * page_size,), generator=token_gen)
         self.keys = keyer.keys(tokens.tolist())
@@ -449,7 +309,7 @@ class _Run:
         self.do_raw = not args.no_raw
         # The raw side reads into a host pool of its own, so neither side's reads can be
         # mistaken for the other's, and both land in memory wiped the same way.
-        self.raw_host = HostPool(geometry, layout, num_pages=self.pages) if self.do_raw else None
+        self.raw_host = build_host_pool(plan) if self.do_raw else None
         self.raw_into = (
             [
                 [e.view for e in self.raw_host.page_buffers(p)]
@@ -600,12 +460,6 @@ class _Run:
         return result
 
 
-def _namespace(plan: ResolvedPlan) -> Any:
-    from kvtier.core.keys import Namespace
-
-    return Namespace(plan.config.model, plan.geometry.fingerprint, plan.config.tenant)
-
-
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -622,33 +476,3 @@ def _first_bad_page(now: torch.Tensor, before: torch.Tensor, page_size: int) -> 
     diff = (now.view(torch.uint8) != before.view(torch.uint8)).flatten(2).any(dim=2).any(dim=0)
     slot = int(diff.nonzero()[0, 0]) if bool(diff.any()) else -1
     return slot // page_size if slot >= 0 else -1
-
-
-def run(args: argparse.Namespace, *, registry: Registry | None = None) -> int:
-    """``kvtier bench``: print the report (or JSON); 0 if every byte matched, 1 if not, 2 if
-    the configuration was rejected (the error goes to stderr)."""
-    if getattr(args, "workload", "single") == "multiturn":
-        from kvtier import bench_multiturn
-
-        return bench_multiturn.run(args, registry=registry)
-    try:
-        result = run_bench(args, registry=registry)
-    except KvtierError as exc:  # a rejected configuration: the message says what would work
-        sys.stderr.write(f"kvtier bench: error: {exc}\n")
-        return 2
-    if args.json:
-        sys.stdout.write(json.dumps(result.to_dict()) + "\n")
-    else:
-        sys.stdout.write(result.report() + "\n")
-    return 0 if result.ok else 1
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvtier.bench``: the same as ``kvtier bench``."""
-    parser = argparse.ArgumentParser(prog="kvtier bench", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""``kvtier bench --workload multiturn``: simulated conversations through TieredCache.
+"""The ``multiturn`` workload: simulated conversations through TieredCache.
 
 Several conversations share a system prompt and take turns, the way a chat server
 interleaves them. Each turn is one engine step over the conversation's whole history:
@@ -15,7 +15,6 @@ object, ``--plot FILE.png`` draws throughput and hit rates over the run (matplot
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import shutil
 import sys
@@ -28,21 +27,18 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
-from kvtier._cache_sim import check_pages, fill_pages
+from kvtier.bench.options import GB, Progress, engine_config, temporary_root
 from kvtier.cache import TieredCache
-from kvtier.core.config import load_engine_config, parse_extra_config
+from kvtier.core.config import parse_extra_config
 from kvtier.core.device_pool import TorchDevicePool
-from kvtier.core.errors import ConfigError, InvalidFieldError, KvtierError
-from kvtier.core.geometry import AttentionKind
+from kvtier.core.errors import ConfigError, InvalidFieldError
+from kvtier.testing.content import check_pages, fill_pages
 
 if TYPE_CHECKING:
     from kvtier.plugins.registry import Registry
 
-__all__ = ["MultiturnResult", "add_arguments", "run", "run_multiturn"]
+__all__ = ["MultiturnResult", "add_arguments", "run_multiturn"]
 
-GB = 1e9
-_MHA_DEFAULTS = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128}
-_MLA_DEFAULTS = {"num_layers": 32, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
 PLOT_HINT = "pip install 'kvtier[plot]' (or pip install matplotlib)"
 
 
@@ -80,11 +76,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE.png",
         help=f"draw throughput and hit rates over the run (needs matplotlib: {PLOT_HINT})",
     )
-
-
-def _arg(args: argparse.Namespace, name: str, default: Any) -> Any:
-    value = getattr(args, name, None)
-    return default if value is None else value
 
 
 @dataclass
@@ -179,26 +170,6 @@ class MultiturnResult:
         return "\n".join(lines)
 
 
-def _engine_config(args: argparse.Namespace, extra: dict[str, Any], host_pages: int) -> Any:
-    attention = AttentionKind(_arg(args, "attention", "mha"))
-    defaults = _MHA_DEFAULTS if attention is AttentionKind.MHA else _MLA_DEFAULTS
-    data: dict[str, Any] = {
-        "backend": _arg(args, "backend", "file"),
-        "io_backend": _arg(args, "io_backend", "auto"),
-        "layout": _arg(args, "layout", "auto"),
-        "attention": attention.value,
-        "dtype": _arg(args, "dtype", "bfloat16"),
-        "page_size": _arg(args, "page_size", 64),
-        "verify": _arg(args, "verify", "full"),
-        "model": "kvtier-bench-multiturn",
-        "host_pages": host_pages,
-        "extra_config": extra,
-    }
-    for name, default in defaults.items():
-        data[name] = _arg(args, name, default)
-    return load_engine_config(data)
-
-
 def _check_plot(path: str | None) -> None:
     if path is None:
         return
@@ -212,31 +183,6 @@ def _check_plot(path: str | None) -> None:
         ) from None
     if not path.lower().endswith(".png"):
         raise InvalidFieldError("--plot", f"must name a .png file, got {path!r}", value=path)
-
-
-class _Progress:
-    """A one-line progress bar on stderr, only when it is a terminal."""
-
-    def __init__(self, total: int, stream: IO[str], enabled: bool) -> None:
-        self.total = total
-        self.stream = stream
-        self.enabled = enabled and stream.isatty()
-        self.done = 0
-
-    def step(self, note: str) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        width = 30
-        filled = width * self.done // max(self.total, 1)
-        bar = "#" * filled + "." * (width - filled)
-        self.stream.write(f"\r  multiturn [{bar}] {self.done}/{self.total} turns  {note}   ")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
 
 
 def _histories(args: argparse.Namespace, seed: int) -> list[list[list[int]]]:
@@ -271,18 +217,19 @@ def run_multiturn(
         from kvtier.plugins.manager import load_registry
 
         registry = load_registry()
-    ps = _arg(args, "page_size", 64)
+    ps = args.page_size
     max_pages = (args.system_tokens + args.turns * args.turn_tokens) // ps
     working_set = (args.system_tokens + args.conversations * args.turns * args.turn_tokens) // ps
     # room for one turn's prefetch plus the writes still in flight from the previous one
     host_pages = args.host_pages or max(2 * max_pages + 2, working_set // 4)
-    extra = parse_extra_config(_arg(args, "extra_config", None), source="--extra-config")
-    workdir = Path(tempfile.mkdtemp(prefix="kvtier-multiturn-", dir=_arg(args, "workdir", None)))
+    extra = parse_extra_config(args.extra_config, source="--extra-config")
+    workdir = Path(tempfile.mkdtemp(prefix="kvtier-multiturn-", dir=args.workdir))
     try:
-        if _arg(args, "backend", "file") in ("file", "uring") and "root" not in extra:
-            extra["root"] = str(workdir / "pages")
-        config = _engine_config(args, extra, host_pages)
-        device_name = _arg(args, "device", "cuda" if torch.cuda.is_available() else "cpu")
+        extra = temporary_root(registry, args.backend, extra, workdir)
+        config = engine_config(
+            args, extra, model="kvtier-bench-multiturn", host_pages=host_pages
+        )
+        device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         device = TorchDevicePool(config.geometry(), max(max_pages, 1) * ps, device_name)
         options = {
             "write_policy": args.write_policy,
@@ -317,9 +264,13 @@ def _drive(args: argparse.Namespace, cache: TieredCache, stream: IO[str]) -> Mul
             "prefetch_policy": cache.options.prefetch_policy,
         }
     )
-    histories = _histories(args, _arg(args, "seed", 0))
-    progress = _Progress(
-        args.conversations * args.turns, stream, not _arg(args, "no_progress", False)
+    histories = _histories(args, args.seed)
+    progress = Progress(
+        args.conversations * args.turns,
+        stream,
+        not args.no_progress,
+        title="  multiturn ",
+        unit="turns",
     )
     page_bytes = cache.geometry.bytes_per_page
     started = time.perf_counter()
@@ -394,36 +345,3 @@ def _plot(result: MultiturnResult, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-
-
-def run(args: argparse.Namespace, *, registry: Registry | None = None) -> int:
-    """Run the workload and print the report (or ``--json``).
-
-    Exit status: 0 when every loaded page matched, 1 when one differed, 2 when the
-    options or the configuration were rejected (the error goes to stderr, no traceback).
-    """
-    try:
-        result = run_multiturn(args, registry=registry)
-    except KvtierError as exc:
-        sys.stderr.write(f"kvtier: error: {exc}\n")
-        return 2
-    if _arg(args, "json", False):
-        sys.stdout.write(json.dumps(result.to_dict()) + "\n")
-    else:
-        sys.stdout.write(result.report() + "\n")
-    return 0 if result.ok else 1
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvtier.bench_multiturn``: the workload with kvtier bench's common options."""
-    parser = argparse.ArgumentParser(prog="kvtier bench --workload multiturn", description=__doc__)
-    from kvtier import bench
-
-    bench.add_arguments(parser)
-    if parser.get_default("conversations") is None:  # kvtier.bench may add them itself
-        add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

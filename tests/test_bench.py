@@ -1,4 +1,5 @@
-"""``kvtier bench --workload multiturn`` and the simulated KV it verifies pages with."""
+"""``kvtier bench``: the single workload (the README's main job, on the file backend by
+default), the multiturn workload, and the simulated KV the latter verifies pages with."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ import pytest
 import torch
 from test_cache import cache_registry
 
-from kvtier import bench_multiturn
-from kvtier._cache_sim import check_pages, fill_pages
+from kvtier import bench
+from kvtier.bench import multiturn as bench_multiturn
+from kvtier.bench import single
+from kvtier.bench.options import Progress
 from kvtier.core.config import load_engine_config
 from kvtier.core.device_pool import TorchDevicePool
 from kvtier.core.errors import ConfigError
+from kvtier.testing.content import check_pages, fill_pages
 
 SMALL = [
     "--backend",
@@ -43,17 +47,7 @@ SMALL = [
 def parse(argv: list[str]) -> argparse.Namespace:
     """kvtier bench's shared options plus the multiturn ones, as the CLI builds them."""
     parser = argparse.ArgumentParser()
-    try:
-        from kvtier import bench
-
-        bench.add_arguments(parser)
-    except ImportError:  # kvtier.bench not in this build: the workload has its own defaults
-        for flag in ("--backend", "--num-layers", "--num-kv-heads", "--head-dim", "--page-size"):
-            parser.add_argument(flag, type=str if flag == "--backend" else int)
-        parser.add_argument("--json", action="store_true")
-        parser.add_argument("--no-progress", action="store_true")
-    if parser.get_default("conversations") is None:
-        bench_multiturn.add_arguments(parser)
+    bench.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -77,8 +71,8 @@ def test_simulated_pages_detect_a_flipped_byte() -> None:
 
 
 def test_multiturn_runs_end_to_end_and_reports_json(capsys: pytest.CaptureFixture[str]) -> None:
-    args = parse([*SMALL, "--json", "--no-progress"])
-    assert bench_multiturn.run(args, registry=cache_registry()) == 0
+    args = parse([*SMALL, "--workload", "multiturn", "--json", "--no-progress"])
+    assert bench.run(args, registry=cache_registry()) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] and report["mismatched_pages"] == 0
     assert report["turns"] == 9
@@ -151,3 +145,82 @@ def test_kvtier_bench_plot_error_through_the_cli(
     argv = ["bench", "--workload", "multiturn", *SMALL, "--plot", str(tmp_path / "x.png")]
     assert cli.main(argv) == 2
     assert "kvtier[plot]" in capsys.readouterr().err
+
+
+# --- the single workload (the README's main job) ------------------------------------
+
+SINGLE = ["--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "64", "--page-size", "16"]
+
+
+def bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args([*SINGLE, "--pages", "6", "--rounds", "1", *argv])
+
+
+def test_bench_round_trip_verifies_and_reports(tmp_path: Path) -> None:
+    result = single.run_bench(bench_args("--batch", "4", "--workdir", str(tmp_path)))
+    out = result.to_dict()
+    assert out["ok"] is True and out["failures"] == []
+    assert out["backend"] == "file" and out["pages"] == 6 and out["batch"] == 4
+    assert out["stored_bytes_per_page"] == out["page_bytes"] + 4096
+    for name in ("put", "get", "raw_put", "raw_get", "device_to_host", "host_to_device"):
+        assert out[name]["gbps"] > 0 and out[name]["p99_ms"] >= out[name]["p50_ms"] >= 0
+    assert set(out["ratio"]) == {"put", "get"}
+    assert out["store_stats"]["hits"] == 12 and out["store_stats"]["invalid"] == 0
+    assert list(tmp_path.iterdir()) == []  # the temporary pages are gone
+    assert "bit-exact" in result.report()
+
+
+def test_bench_json_on_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.run(bench_args("--json", "--no-raw", "--layout", "layer_first")) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"] == "layer_first" and "ratio" not in out and out["ok"]
+
+
+def test_bench_reports_failed_pages_with_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    # a memory backend too small for one page: every put fails, nothing comes back
+    args = bench_args("--backend", "memory", "--extra-config", '{"capacity_bytes": 1024}')
+    assert bench.run(args) == 1
+    assert "put of page 0 failed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--extra-config", '{"root": '], "extra-config"),
+        (["--extra-config", '{"fsycn": "page"}'], "fsync"),
+        (["--kv-lora-rank", "64"], "MLA geometry option"),
+        (["--backend", "fiel"], "did you mean 'file'"),
+        (["--pages", "0"], "--pages"),
+    ],
+)
+def test_bench_rejects_bad_options_before_running(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        single.run_bench(bench_args(*argv))
+
+
+def test_bench_progress_bar_only_on_a_terminal() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty, pipe = Terminal(), io.StringIO()
+    for stream in (tty, pipe):
+        bar = Progress(4, stream, enabled=True)
+        for _ in range(4):
+            bar.step("put")
+        bar.close()
+    assert "100%" in tty.getvalue() and "put" in tty.getvalue()
+    assert pipe.getvalue() == ""
+
+
+def test_kvtier_bench_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import main
+
+    argv = ["bench", *SINGLE, "--pages", "3", "--rounds", "1", "--json", "--no-raw"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["backend"] == "file" and out["pages"] == 3
+    assert main(["bench", "--backend", "fiel"]) == 2
+    assert "did you mean 'file'" in capsys.readouterr().err
