@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.backends.memory import MemoryBackend, MemoryConfig
+from kvtier.backends.memory import MemoryConfig
+from kvtier.backends.memory.backend import MemoryBackend
 from kvtier.core.errors import InvalidFieldError
 from kvtier.core.extents import extent_of_view
 from kvtier.core.specs import ALL_ATTENTION, ALL_LAYOUTS, ALL_OPERATIONS, BackendSpec, Feature
@@ -103,14 +104,14 @@ def test_kit_fails_a_clear_that_keeps_pages(tmp_path: Path, closing: list[KitEnv
 
 
 def test_kit_fails_a_false_persistence_claim(tmp_path: Path, closing: list[KitEnv]) -> None:
-    env = env_for(tmp_path, MemoryBackend.from_config, frozenset({Feature.PERSISTENT}))
+    env = env_for(tmp_path, MemoryBackend, frozenset({Feature.PERSISTENT}))
     closing.append(env)
     with pytest.raises(AssertionError):
         PersistenceTests().test_kit_survives_reopen(env)
 
 
 def test_kit_skips_only_undeclared_features(tmp_path: Path, closing: list[KitEnv]) -> None:
-    env = env_for(tmp_path, MemoryBackend.from_config)
+    env = env_for(tmp_path, MemoryBackend)
     closing.append(env)
     with pytest.raises(pytest.skip.Exception, match="persistent"):
         PersistenceTests().test_kit_survives_reopen(env)

@@ -51,14 +51,19 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvtier.core.config import parse_extra_config, validate_model
+from kvtier.core.capabilities import ResolvedPlan, check_backend, open_page_store, resolve
+from kvtier.core.config import (
+    EngineConfig,
+    load_engine_config,
+    parse_extra_config,
+    validate_model,
+)
 from kvtier.core.envelope import ENVELOPE_BYTES
 from kvtier.core.errors import (
     InvalidFieldError,
     MissingFieldError,
     NotAnObjectError,
     PageError,
-    PluginError,
     StorageError,
     TransferError,
     UnsupportedCombinationError,
@@ -67,11 +72,10 @@ from kvtier.core.errors import (
 from kvtier.core.extents import Extent
 from kvtier.core.geometry import AttentionKind, KVGeometry, dtype_from_name, dtype_name
 from kvtier.core.host_pool import aligned_empty
-from kvtier.core.keys import Namespace, external_key
+from kvtier.core.keys import external_key
 from kvtier.core.layout import Layout, layouts_for
 from kvtier.core.pagestore import PageStore
-from kvtier.core.specs import BackendSpec
-from kvtier.core.storage import BackendContext, Counters, StorageBackend
+from kvtier.core.storage import Counters
 from kvtier.plugins.manager import default_registry
 
 try:
@@ -89,7 +93,7 @@ __all__ = [
     "KvtierHiCacheStorage",
     "SGLangPages",
     "SGLangSection",
-    "pool_geometry",
+    "pool_geometry_fields",
     "pool_layout",
 ]
 
@@ -98,6 +102,8 @@ log = logging.getLogger(__name__)
 #: The key of kvtier's own section in SGLang's storage extra-config.
 SECTION = "kvtier"
 _LABEL = "extra-config 'kvtier' section"
+#: Where the backend's options sit in SGLang's extra-config, as errors name them.
+_OPTIONS_AT = f"{SECTION}.extra_config"
 _DOCS = "docs/sglang.md"
 
 
@@ -253,31 +259,35 @@ def _pool_dtype(pool: Any, override: str | None) -> torch.dtype:
     return wanted
 
 
-def pool_geometry(
+def pool_geometry_fields(
     pool: Any, attention: AttentionKind, dtype_override: str | None = None
-) -> KVGeometry:
-    """The kvtier geometry of an SGLang MHA or MLA host pool (this rank's share)."""
+) -> dict[str, Any]:
+    """The engine-config geometry fields of an SGLang MHA or MLA host pool (this rank's share).
+
+    MLA: kvtier's geometry keeps only the latent's width (``kv_cache_dim``, which SGLang
+    may override, e.g. for fp8 NSA); it is split as SGLang splits it when the pool says
+    so, and any split names the same pages.
+    """
     try:
-        dtype = _pool_dtype(pool, dtype_override)
-        layers, page_size = int(pool.layer_num), int(pool.page_size)
+        dtype = dtype_name(_pool_dtype(pool, dtype_override))
+        fields: dict[str, Any] = {
+            "dtype": dtype,
+            "num_layers": int(pool.layer_num),
+            "page_size": int(pool.page_size),
+        }
         if attention is AttentionKind.MLA:
-            dim = getattr(pool, "kv_cache_dim", None) or (
-                int(pool.kv_lora_rank) + int(pool.qk_rope_head_dim)
-            )
-            return KVGeometry(AttentionKind.MLA, layers, 1, int(dim), dtype, page_size)
+            rope = int(getattr(pool, "qk_rope_head_dim", 0) or 0)
+            dim = int(getattr(pool, "kv_cache_dim", None) or (int(pool.kv_lora_rank) + rope))
+            if not 0 < rope < dim:
+                rope = dim // 2
+            return {**fields, "kv_lora_rank": dim - rope, "qk_rope_head_dim": rope}
         heads, head_dim = int(pool.head_num), int(pool.head_dim)
     except AttributeError as exc:
         raise _unsupported_pool(pool, f"it has no attribute {exc.name!r}") from None
     v_head_dim = int(getattr(pool, "v_head_dim", head_dim))
     if v_head_dim != head_dim:
         raise _unsupported_pool(pool, f"K and V head sizes differ ({head_dim} and {v_head_dim})")
-    return KVGeometry.mha(
-        num_layers=layers,
-        num_kv_heads=heads,
-        head_dim=head_dim,
-        dtype=dtype,
-        page_size=page_size,
-    )
+    return {**fields, "num_kv_heads": heads, "head_dim": head_dim}
 
 
 class SGLangPages:
@@ -434,24 +444,13 @@ def _section(extra: Mapping[str, Any] | None) -> dict[str, Any]:
     return parse_extra_config(extra[SECTION], source=_LABEL)
 
 
-def _combinations(specs: Mapping[str, BackendSpec], attention: AttentionKind) -> list[str]:
-    return [
-        f"backend {spec.name} with {layout.value}"
-        for spec in specs.values()
-        for layout in layouts_for(attention)
-        if attention in spec.attention and layout in spec.layouts
-    ]
-
-
 @dataclass
 class _Attached:
     """Everything built once SGLang registered its host pool."""
 
     pages: SGLangPages
     store: PageStore
-    namespace: Namespace
-    rank_suffix: str
-    context: BackendContext
+    plan: ResolvedPlan
     closed: bool = False
 
     def close(self) -> None:
@@ -481,42 +480,25 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.storage_config = storage_config
         extra = storage_config.extra_config
         section = _section(extra)
-        registry = default_registry()
+        self._registry = default_registry()
         if "backend" not in section:
-            names = ", ".join(repr(name) for name in sorted(registry.backends))
+            names = ", ".join(repr(name) for name in sorted(self._registry.backends))
             raise MissingFieldError(
                 f"{SECTION}.backend",
                 hint=f"; name the kvtier storage backend, one of {names} (see {_DOCS})",
             )
         self.settings = validate_model(SGLangSection, section, where=SECTION, label=_LABEL)
-        self.spec = registry.backend(self.settings.backend)
-        self.spec.ensure_available()
-        self.backend_config = validate_model(
-            self.spec.config_model,
-            self.settings.extra_config,
-            where=f"{SECTION}.extra_config",
-            label=f"kvtier.extra_config (the options of backend {self.spec.name!r})",
-        )
         self.attention = AttentionKind.MLA if storage_config.is_mla_model else AttentionKind.MHA
+        self._model_id = self._model_id_for(storage_config)
+        # What needs no host pool is checked now, as resolve() checks it: SGLang constructs
+        # the storage first and hands its host pool over in register_mem_pool_host.
+        self.spec, self.backend_config = check_backend(
+            self._engine_config(),
+            self._registry.backends,
+            self._registry.io_backends,
+            options_at=_OPTIONS_AT,
+        )
         self._check_parallelism(storage_config)
-        if self.attention not in self.spec.attention:
-            raise UnsupportedCombinationError(
-                f"kvtier backend {self.spec.name!r} does not store "
-                f"{self.attention.value.upper()} pages",
-                value=self.spec.name,
-                supported=_combinations(registry.backends, self.attention),
-            )
-        if storage_config.is_page_first_layout and Layout.PAGE_FIRST not in self.spec.layouts:
-            raise UnsupportedCombinationError(
-                f"kvtier backend {self.spec.name!r} does not support SGLang's host-pool "
-                "layout 'page_first'",
-                value="page_first",
-                supported=[
-                    c
-                    for c in _combinations(registry.backends, self.attention)
-                    if c.startswith(f"backend {self.spec.name} ")
-                ],
-            )
         writer = getattr(storage_config, "is_storage_writer", None)
         #: Whether this rank writes: every MHA rank, one rank for MLA (SGLang decides).
         self.is_writer = bool(
@@ -538,7 +520,6 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._prefetch = _Window()
         self._backup = _Window()
         self._state: _Attached | None = None
-        self._model_id = self._model_id_for(storage_config)
 
     # --- set-up ---------------------------------------------------------------------------
 
@@ -562,6 +543,24 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 supported=["decode context parallel size 1"],
             )
 
+    def _engine_config(self, **plan: Any) -> EngineConfig:
+        """kvtier's engine config for this SGLang rank; ``plan`` adds layout and geometry."""
+        config = self.storage_config
+        return load_engine_config(
+            {
+                "backend": self.settings.backend,
+                "extra_config": self.settings.extra_config,
+                "attention": self.attention.value,
+                "model": self._model_id,
+                "tenant": self.settings.tenant,
+                "verify": self.settings.verify,
+                "tp_rank": int(config.tp_rank),
+                "tp_size": int(config.tp_size),
+                **plan,
+            },
+            source=_LABEL,
+        )
+
     def _model_id_for(self, config: HiCacheStorageConfig) -> str:
         parts = [self.settings.model or config.model_name or "default"]
         if getattr(config, "pp_size", 1) > 1:
@@ -579,62 +578,27 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if getattr(pool, "dcp_size", 1) != 1:
             raise _unsupported_pool(pool, "its pages are split by decode context parallelism")
         layout = pool_layout(pool, self.attention)
-        if layout not in self.spec.layouts:
-            raise UnsupportedCombinationError(
-                f"kvtier backend {self.spec.name!r} does not support SGLang's host-pool "
-                f"layout {layout.value!r}",
-                value=layout.value,
-                supported=[
-                    f"--hicache-mem-layout {item.value}"
-                    for item in layouts_for(self.attention)
-                    if item in self.spec.layouts
-                ],
-            )
-        geometry = pool_geometry(pool, self.attention, self.settings.dtype)
-        config = self.storage_config
-        # The layout orders a page's bytes, so pages of another layout are other pages.
-        namespace = Namespace(
-            f"{self._model_id}|{layout.value}", geometry.fingerprint, self.settings.tenant
+        fields = pool_geometry_fields(pool, self.attention, self.settings.dtype)
+        plan = resolve(
+            self._engine_config(layout=layout.value, **fields),
+            self._registry.backends,
+            self._registry.io_backends,
+            options_at=_OPTIONS_AT,
         )
-        per_rank = self.attention is AttentionKind.MHA and config.tp_size > 1
-        suffix = f"_r{config.tp_rank}of{config.tp_size}" if per_rank else ""
-        context = BackendContext(
-            geometry=geometry,
-            layout=layout,
-            tp_rank=config.tp_rank,
-            tp_size=config.tp_size,
-            namespace=namespace.id + suffix,
-            extra={"engine": "sglang", "model": self._model_id},
-        )
-        if self.spec.validate_plan is not None:
-            self.spec.validate_plan(self.backend_config, context)
-        pages = SGLangPages(pool, layout, geometry)
+        pages = SGLangPages(pool, plan.layout, plan.geometry)
         pages.extents(0)  # the pool's memory matches the geometry: checked now, not later
-        backend = self.spec.load_factory()(self.backend_config, context)
-        if not isinstance(backend, StorageBackend):
-            raise PluginError(
-                f"kvtier backend {self.spec.name!r}: its factory returned "
-                f"{type(backend).__name__}, not a kvtier StorageBackend",
-                value=self.spec.name,
-            )
-        store = PageStore(
-            backend,
-            pages,
-            fingerprint=geometry.fingerprint,
-            verify=self.settings.verify,
-            checksum_workers=self.settings.checksum_workers,
-        )
+        store = open_page_store(plan, pages, checksum_workers=self.settings.checksum_workers)
         with self._lock:
-            old, self._state = self._state, _Attached(pages, store, namespace, suffix, context)
+            old, self._state = self._state, _Attached(pages, store, plan)
         if old is not None:
             old.close()
         log.info(
             "kvtier: SGLang HiCache storage on backend %r, layout %s, %s, namespace %s, "
             "%s, zero-copy %s",
             self.spec.name,
-            layout.value,
-            geometry.describe(),
-            context.namespace,
+            plan.layout.value,
+            plan.geometry.describe(),
+            plan.context.namespace,
             "writer" if self.is_writer else "reader (another rank writes)",
             "on" if self.zero_copy else "off",
         )
@@ -666,7 +630,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return state
 
     def _keys(self, state: _Attached, keys: Sequence[str]) -> list[str]:
-        return [external_key(state.namespace, key, state.rank_suffix) for key in keys]
+        return [external_key(state.plan.namespace, key, state.plan.rank_suffix) for key in keys]
 
     # --- zero-copy (v1) path ----------------------------------------------------------------
 

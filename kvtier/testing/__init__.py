@@ -1,29 +1,48 @@
-"""Test helpers and the conformance kit that third-party backends import and run."""
+"""Test helpers and the conformance kit that third-party backends import and run.
+
+- :mod:`kvtier.testing.kit`: the conformance kit (``BackendKit`` and the mixins; needs
+  pytest, the ``testing`` extra).
+- :mod:`kvtier.testing.faults`: :class:`FaultyBackend`, fault injection around any backend.
+- :mod:`kvtier.testing.content`: deterministic KV content per page key, for simulated
+  engines (the multiturn bench, the cache tests).
+- :mod:`kvtier.testing.mooncake`: a Mooncake master started on loopback for tests.
+
+Names of the kit are imported on first use, so ``kvtier.testing.content`` and
+``kvtier.testing.faults`` work where pytest is not installed.
+"""
 
 from __future__ import annotations
 
-import pytest
+import importlib
+from typing import TYPE_CHECKING, Any
 
-# Plain ``assert`` in the kit's mixins gets pytest's detailed failure messages.
-pytest.register_assert_rewrite("kvtier.testing.kit")
+try:
+    import pytest
+except ImportError:  # the kit needs pytest; the other helpers do not
+    pass
+else:
+    # Plain ``assert`` in the kit's mixins gets pytest's detailed failure messages.
+    pytest.register_assert_rewrite("kvtier.testing.kit")
 
-from kvtier.testing.faults import FaultyBackend, InjectedFault  # noqa: E402
-from kvtier.testing.kit import (  # noqa: E402
-    BackendKit,
-    ConcurrencyTests,
-    ConformanceTests,
-    DeleteClearTests,
-    Harness,
-    IntegrityTests,
-    KitEnv,
-    LayoutTests,
-    MissTests,
-    OverwriteTests,
-    PersistenceTests,
-    PrefixExistsTests,
-    RoundTripTests,
-    SharedProcessesTests,
-)
+from kvtier.testing.faults import FaultyBackend, InjectedFault
+
+if TYPE_CHECKING:
+    from kvtier.testing.kit import (
+        BackendKit,
+        ConcurrencyTests,
+        ConformanceTests,
+        DeleteClearTests,
+        Harness,
+        IntegrityTests,
+        KitEnv,
+        LayoutTests,
+        MissTests,
+        OverwriteTests,
+        PersistenceTests,
+        PrefixExistsTests,
+        RoundTripTests,
+        SharedProcessesTests,
+    )
 
 __all__ = [
     "BackendKit",
@@ -43,3 +62,13 @@ __all__ = [
     "RoundTripTests",
     "SharedProcessesTests",
 ]
+
+#: The kit's names: imported from kvtier.testing.kit (and so pytest) on first use.
+_KIT_NAMES = frozenset(__all__) - {"FaultyBackend", "InjectedFault"}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a kit name from :mod:`kvtier.testing.kit` on first use."""
+    if name not in _KIT_NAMES:
+        raise AttributeError(f"module 'kvtier.testing' has no attribute {name!r}")
+    return getattr(importlib.import_module("kvtier.testing.kit"), name)

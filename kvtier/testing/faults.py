@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 from kvtier.core.envelope import HEADER
-from kvtier.core.errors import InvalidFieldError, StorageError
+from kvtier.core.errors import InjectedFault, InvalidFieldError
 from kvtier.core.extents import Extent, extent_of_view
 from kvtier.core.storage import PageBuffers, StorageBackend
 
@@ -26,10 +26,6 @@ if TYPE_CHECKING:
 __all__ = ["FaultyBackend", "InjectedFault"]
 
 FlipWhere = Literal["any", "header", "payload"]
-
-
-class InjectedFault(StorageError):
-    """The exception :class:`FaultyBackend` raises when ``error_rate`` fires."""
 
 
 def _rate(name: str, value: float) -> float:

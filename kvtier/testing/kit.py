@@ -8,12 +8,14 @@ A backend author writes one test module::
         backend_name = "my_backend"
         extra_config = {"path": "{tmp}/pages.db"}   # "{tmp}": a fresh directory per test
 
-The kit builds the backend the way kvtier does (registry -> spec -> validated config ->
-``validate_plan`` -> factory), puts a small host pool and a :class:`PageStore` in front of
-it and checks: round trips, prefix ``exists``, misses, overwrites, delete and clear,
-concurrent puts, corrupt / truncated / foreign pages (through :class:`FaultyBackend`),
-every declared layout and attention kind, and, when the spec declares them, persistence
-across reopen and sharing between processes. A test is skipped only when the backend's
+The kit builds the backend the way kvtier does, through the one construction path
+(registry -> :func:`~kvtier.core.capabilities.resolve`, which validates the config and runs
+``validate_plan`` -> :func:`~kvtier.core.capabilities.open_page_store`, which calls the
+factory), puts a small host pool and a :class:`PageStore` in front of it and checks:
+round trips, prefix ``exists``, misses, overwrites, delete and clear, concurrent puts,
+corrupt / truncated / foreign pages (through :class:`FaultyBackend`), every declared
+layout and attention kind, and, when the spec declares them, persistence across reopen
+and sharing between processes. A test is skipped only when the backend's
 spec says it lacks what the test needs.
 """
 
@@ -31,20 +33,26 @@ import types
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
 
-from kvtier.core.config import validate_model
+from kvtier.core.capabilities import ResolvedPlan, build_host_pool, open_page_store, resolve
+from kvtier.core.config import EngineConfig
 from kvtier.core.envelope import ENVELOPE_BYTES
+from kvtier.core.errors import PluginError
 from kvtier.core.geometry import AttentionKind, KVGeometry, dtype_name
 from kvtier.core.host_pool import HostPool
-from kvtier.core.keys import Namespace, PageKeyer
+from kvtier.core.io import DIRECT_SPEC, KERNEL_SPEC
+from kvtier.core.keys import PageKeyer
 from kvtier.core.layout import Layout, layouts_for
 from kvtier.core.pagestore import PageStore, VerifyMode
-from kvtier.core.specs import BackendSpec, Feature
-from kvtier.core.storage import BackendContext, StorageBackend
+from kvtier.core.specs import BackendSpec, Feature, IOBackendSpec, Operation
+from kvtier.core.storage import StorageBackend
 from kvtier.testing.faults import FaultyBackend
+
+if TYPE_CHECKING:
+    from kvtier.plugins.registry import Registry
 
 __all__ = [
     "BackendKit",
@@ -64,15 +72,15 @@ __all__ = [
     "default_geometry",
 ]
 
-#: Small geometries, so the kit runs in seconds: 16 KiB MHA pages, 8 KiB MLA pages.
-_GEOMETRIES: dict[AttentionKind, KVGeometry] = {
-    AttentionKind.MHA: KVGeometry.mha(
-        num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", page_size=16
-    ),
-    AttentionKind.MLA: KVGeometry.mla(
-        num_layers=2, kv_lora_rank=64, qk_rope_head_dim=64, dtype="float16", page_size=16
-    ),
+#: Small geometries, as engine-config fields, so the kit runs in seconds: 16 KiB MHA
+#: pages, 8 KiB MLA pages.
+_GEOMETRY_FIELDS: dict[AttentionKind, dict[str, Any]] = {
+    AttentionKind.MHA: {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64},
+    AttentionKind.MLA: {"num_layers": 2, "kv_lora_rank": 64, "qk_rope_head_dim": 64},
 }
+_PAGE_FIELDS: dict[str, Any] = {"dtype": "float16", "page_size": 16}
+#: The transfers a kit plan declares when the backend supports them.
+_WHOLE_PAGES = (Operation.BACKUP_ALL, Operation.LOAD_ALL)
 _LAYOUT_PREFERENCE = (
     Layout.PAGE_FIRST,
     Layout.PAGE_FIRST_DIRECT,
@@ -83,7 +91,9 @@ _LAYOUT_PREFERENCE = (
 
 def default_geometry(attention: AttentionKind) -> KVGeometry:
     """The kit's small geometry for ``attention``."""
-    return _GEOMETRIES[AttentionKind(attention)]
+    kind = AttentionKind(attention)
+    fields = {"attention": kind.value, **_GEOMETRY_FIELDS[kind], **_PAGE_FIELDS}
+    return EngineConfig.from_mapping(fields).geometry()
 
 
 def _random_bytes(rng: random.Random, n: int) -> bytes:
@@ -144,11 +154,15 @@ class KitEnv:
         config: Mapping[str, Any],
         plugins: Sequence[tuple[str, object]],
         tmp: Path,
+        io_backends: Mapping[str, IOBackendSpec] | None = None,
     ) -> None:
         self.spec = spec
         self.config = dict(config)
         self.plugins = tuple(plugins)
         self.tmp = tmp
+        #: The IO backends plans are resolved against (the registry's; default built-ins).
+        builtin = {spec.name: spec for spec in (DIRECT_SPEC, KERNEL_SPEC)}
+        self.io_backends = dict(builtin if io_backends is None else io_backends)
         self.model = f"kit-{secrets.token_hex(4)}"
         self._opened: list[StorageBackend] = []
 
@@ -167,27 +181,27 @@ class KitEnv:
                 return layout
         pytest.skip(f"backend {self.spec.name!r} declares no layout for {attention.value}")
 
-    def namespace(self, geometry: KVGeometry) -> Namespace:
-        return Namespace(self.model, geometry.fingerprint)
-
-    def build(self, geometry: KVGeometry, layout: Layout) -> StorageBackend:
-        """A backend built as kvtier builds one: validated config, plan check, factory."""
-        config = validate_model(
-            self.spec.config_model,
-            self.config,
-            where="extra_config",
-            label=f"extra_config of backend {self.spec.name!r}",
+    def plan(
+        self, attention: AttentionKind, layout: Layout, *, verify: VerifyMode = "full"
+    ) -> ResolvedPlan:
+        """The plan kvtier resolves for this backend, its options, ``attention`` and ``layout``."""
+        operations = [op for op in _WHOLE_PAGES if op in self.spec.operations] or list(
+            _WHOLE_PAGES
         )
-        context = BackendContext(geometry, layout, namespace=self.namespace(geometry).id)
-        if self.spec.validate_plan is not None:
-            self.spec.validate_plan(config, context)
-        backend = self.spec.load_factory()(config, context)
-        assert isinstance(backend, StorageBackend), (
-            f"the factory of backend {self.spec.name!r} returned {type(backend).__name__}, "
-            "not a kvtier.StorageBackend"
+        config = EngineConfig.from_mapping(
+            {
+                "backend": self.spec.name,
+                "layout": Layout(layout).value,
+                "attention": AttentionKind(attention).value,
+                **_GEOMETRY_FIELDS[AttentionKind(attention)],
+                **_PAGE_FIELDS,
+                "operations": [op.value for op in operations],
+                "model": self.model,
+                "verify": verify,
+                "extra_config": self.config,
+            }
         )
-        self._opened.append(backend)
-        return backend
+        return resolve(config, {self.spec.name: self.spec}, self.io_backends)
 
     def open(
         self,
@@ -201,13 +215,16 @@ class KitEnv:
         """A fresh backend with a host pool of ``num_pages`` and a PageStore in front."""
         attention = attention or self.default_attention()
         layout = layout or self.default_layout(attention)
-        geometry = default_geometry(attention)
-        backend = self.build(geometry, layout)
-        pool = HostPool(geometry, layout, num_pages=num_pages, pin_memory=False)
-        backend.attach(pool)
-        store = PageStore(backend, pool, fingerprint=geometry.fingerprint, verify=verify)
-        keyer = PageKeyer(self.namespace(geometry), geometry.page_size, attention)
-        return Harness(backend, pool, store, keyer, geometry, layout, seed)
+        try:
+            plan = self.plan(attention, layout, verify=verify)
+            pool = build_host_pool(plan, num_pages=num_pages, pin_memory=False)
+            store = open_page_store(plan, pool)
+        except PluginError as exc:  # a bug in the backend's plugin: it fails the kit
+            raise AssertionError(f"backend {self.spec.name!r} fails the kit: {exc}") from exc
+        self._opened.append(store.backend)
+        return Harness(
+            store.backend, pool, store, plan.keyer(), plan.geometry, plan.layout, seed
+        )
 
     def close_all(self) -> None:
         for backend in reversed(self._opened):
@@ -256,19 +273,25 @@ class BackendKit:
         """Builds this test's backends and closes them afterwards."""
         tmp = tmp_path / "kit"
         tmp.mkdir(mode=0o700)
-        env = KitEnv(kit_spec, self.backend_config(tmp), self.plugins, tmp)
+        io_backends = _load_registry(self.plugins).io_backends
+        env = KitEnv(kit_spec, self.backend_config(tmp), self.plugins, tmp, io_backends)
         try:
             yield env
         finally:
             env.close_all()
 
 
-def _load_spec(name: str, plugins: Sequence[tuple[str, object]]) -> BackendSpec:
-    """Look ``name`` up in a fresh registry; listed plugins replace entry-point discovery."""
+def _load_registry(plugins: Sequence[tuple[str, object]]) -> Registry:
+    """A fresh registry, as kvtier loads one; listed plugins replace entry-point discovery."""
     from kvtier.plugins.manager import load_registry
 
     autoload = False if plugins else None  # None: as KVTIER_DISABLE_PLUGIN_AUTOLOAD says
-    return load_registry(autoload=autoload, plugins=plugins).backend(name)
+    return load_registry(autoload=autoload, plugins=plugins)
+
+
+def _load_spec(name: str, plugins: Sequence[tuple[str, object]]) -> BackendSpec:
+    """Look ``name`` up in a fresh registry (see :func:`_load_registry`)."""
+    return _load_registry(plugins).backend(name)
 
 
 def _require(env: KitEnv, feature: Feature) -> None:
@@ -604,7 +627,9 @@ class IntegrityTests:
         h = kit.open(attention=attention, layout=declared[0])
         keys, pages = h.keys(2), h.pool.allocate(2)
         assert h.store.put(keys, pages) == [True, True]
-        other = HostPool(h.geometry, declared[1], num_pages=2, pin_memory=False)
+        other = build_host_pool(
+            kit.plan(attention, declared[1]), num_pages=2, pin_memory=False
+        )
         store = PageStore(h.backend, other, fingerprint=h.geometry.fingerprint)
         assert store.get(keys, other.allocate(2)) == [False, False]
         assert store.stats()["invalid"] == 2
@@ -710,8 +735,10 @@ def _child_put() -> None:
 
     job = json.loads(sys.stdin.read())
     plugins = [(name, importlib.import_module(module)) for name, module in job["plugins"]]
-    spec = _load_spec(job["backend"], plugins)
-    env = KitEnv(spec, job["config"], plugins, Path("."))
+    registry = _load_registry(plugins)
+    env = KitEnv(
+        registry.backend(job["backend"]), job["config"], plugins, Path("."), registry.io_backends
+    )
     env.model = job["model"]
     g = job["geometry"]
     geometry = KVGeometry(
