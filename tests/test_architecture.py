@@ -1,15 +1,36 @@
-"""The design's dependency rules, enforced: core/ imports nothing from backends/ or plugins/."""
+"""The design's structural rules, enforced on the source tree.
+
+- Layering: ``core/`` imports nothing above it; ``plugins/`` only ``core/``; backends
+  only ``core/`` and the hook markers; nothing imports the package's face
+  (``kvtier/__init__.py``) from inside the package.
+- One construction path: only :mod:`kvtier.core.capabilities` calls a plugin's factory.
+- Privacy: no private module (``_name``) is imported from outside its package.
+- One home per concept: every public error class lives in ``core/errors.py``; every
+  built-in backend is arranged alike; the public face lists no internals.
+- No pickle and no ``torch.load`` anywhere.
+"""
 
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "kvtier"
+import kvtier
+from kvtier.plugins.manager import BUILTIN_PLUGINS
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "kvtier"
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+#: Code outside the package that imports kvtier the way users do.
+OUTSIDE = sorted(
+    path for top in ("tests", "benchmarks", "examples") for path in (ROOT / top).rglob("*.py")
+)
 FORBIDDEN_IN_CORE = (
     "kvtier.backends",
+    "kvtier.bench",
     "kvtier.plugins",
     "kvtier.cache",
     "kvtier.cli",
@@ -18,33 +39,213 @@ FORBIDDEN_IN_CORE = (
 )
 
 
+def _module_name(path: Path) -> str:
+    """``kvtier/core/io.py`` -> ``kvtier.core.io``; a package's __init__ is the package."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _package_of(path: Path) -> str:
+    """The package a file belongs to (for __init__.py: the package itself)."""
+    name = _module_name(path)
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
 def _imports(path: Path) -> list[str]:
+    """Every module ``path`` imports, relative imports resolved, ``from a import b`` as a.b."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = _package_of(path) if path.is_relative_to(PACKAGE) else ""
     names: list[str] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            names.append(module)
+            names.extend(f"{module}.{alias.name}" for alias in node.names)
     return names
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "core").glob("*.py")), ids=lambda p: p.name)
+def _in_package(name: str) -> bool:
+    return name == "kvtier" or name.startswith("kvtier.")
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "core").rglob("*.py")), ids=lambda p: p.name)
 def test_core_depends_on_nothing_above_it(path: Path) -> None:
     bad = [name for name in _imports(path) if name.startswith(FORBIDDEN_IN_CORE)]
     assert not bad, f"kvtier/core/{path.name} imports {bad}; core must stay at the bottom"
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "backends").glob("*.py")), ids=lambda p: p.name)
-def test_backends_use_only_core_and_the_hook_markers(path: Path) -> None:
-    allowed_plugins = {"kvtier.plugins.hookspecs"}
+@pytest.mark.parametrize("path", sorted((PACKAGE / "plugins").rglob("*.py")), ids=lambda p: p.name)
+def test_plugins_depend_only_on_core(path: Path) -> None:
     bad = [
         name
         for name in _imports(path)
-        if name.startswith(("kvtier.plugins", "kvtier.cache", "kvtier.cli"))
-        and name not in allowed_plugins
+        if _in_package(name)
+        and not name.startswith(("kvtier.core", "kvtier.plugins", "kvtier._version"))
     ]
-    assert not bad, f"kvtier/backends/{path.name} imports {bad}"
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((PACKAGE / "backends").rglob("*.py")),
+    ids=lambda p: str(p.relative_to(PACKAGE / "backends")),
+)
+def test_backends_use_only_core_and_the_hook_markers(path: Path) -> None:
+    bad = [
+        name
+        for name in _imports(path)
+        if _in_package(name)
+        and not name.startswith(("kvtier.core", "kvtier.backends"))
+        and not name.startswith("kvtier.plugins.hookspecs")
+    ]
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_nothing_inside_imports_the_package_face(path: Path) -> None:
+    if path == PACKAGE / "__init__.py":
+        return
+    faces = {"kvtier", *(f"kvtier.{name}" for name in kvtier.__all__)}
+    bad = [name for name in _imports(path) if name in faces]
+    assert not bad, (
+        f"{path.relative_to(ROOT)} imports {bad} from the package's face; import from the "
+        "module that defines it (the face only re-exports)"
+    )
+
+
+def _factory_calls(path: Path) -> list[int]:
+    """Lines where ``path`` calls ``<something>.load_factory(...)`` or ``<spec>.factory(...)``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Call):  # spec.load_factory()(...)
+                func = func.func
+            if isinstance(func, ast.Attribute) and func.attr in ("load_factory", "factory"):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_construction_path_calls_a_factory() -> None:
+    home = PACKAGE / "core" / "capabilities.py"
+    callers = {
+        str(path.relative_to(ROOT)): lines
+        for path in SOURCES
+        if path != home and (lines := _factory_calls(path))
+    }
+    assert not callers, (
+        f"plugin factories are called outside kvtier/core/capabilities.py: {callers}; "
+        "build through resolve() and build_backend() / build_io_backend() / open_page_store()"
+    )
+    assert len(set(_factory_calls(home))) == 1, "capabilities.py calls factories in one place"
+
+
+def _private_part(name: str) -> str | None:
+    """The package that owns the first private component of ``name``, or None."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("_") and not part.startswith("__"):
+            return ".".join(parts[:i])
+    return None
+
+
+@pytest.mark.parametrize("path", SOURCES + OUTSIDE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_private_module_is_imported_from_outside_its_package(path: Path) -> None:
+    inside = _module_name(path) if path.is_relative_to(PACKAGE) else ""
+    bad = []
+    for name in _imports(path):
+        if not _in_package(name):
+            continue
+        owner = _private_part(name)
+        if owner is not None and not (inside == owner or inside.startswith(owner + ".")):
+            bad.append(name)
+    assert not bad, f"{path.relative_to(ROOT)} imports private {bad} from outside its package"
+
+
+def test_every_public_error_class_lives_in_errors_py() -> None:
+    errors = importlib.import_module("kvtier.core.errors")
+    names = {n for n, v in vars(errors).items() if isinstance(v, type)}
+    elsewhere = []
+    for path in SOURCES:
+        if path == PACKAGE / "core" / "errors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ClassDef) or node.name.startswith("_"):
+                continue
+            bases = {
+                b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases
+            }
+            if bases & (names | {"Exception", "BaseException", "ValueError", "RuntimeError"}):
+                elsewhere.append(f"{path.relative_to(ROOT)}:{node.name}")
+    assert not elsewhere, f"error classes outside kvtier/core/errors.py: {elsewhere}"
+    assert issubclass(errors.CacheClosedError, errors.KvtierError)
+    assert issubclass(errors.PrometheusMissingError, errors.KvtierError)
+    assert issubclass(errors.ExtentError, errors.KvtierError)
+
+
+BACKEND_PACKAGES = sorted(p.parent.name for p in (PACKAGE / "backends").glob("*/backend.py"))
+
+
+def test_every_builtin_backend_is_arranged_alike() -> None:
+    assert BACKEND_PACKAGES == ["file", "memory", "mooncake", "uring"]
+    loose = sorted(p.name for p in (PACKAGE / "backends").glob("*.py") if p.name != "__init__.py")
+    assert loose == [], f"loose modules in kvtier/backends: {loose}"
+    for name in BACKEND_PACKAGES:
+        home = PACKAGE / "backends" / name
+        assert (home / "__init__.py").is_file() and (home / "config.py").is_file()
+        declaration = _imports(home / "__init__.py")
+        assert f"kvtier.backends.{name}.backend" not in declaration, (
+            f"kvtier/backends/{name}/__init__.py imports its backend module; the declaration "
+            "names it lazily so that listing backends imports nothing optional"
+        )
+        assert f"kvtier.backends.{name}" in BUILTIN_PLUGINS
+        module = importlib.import_module(f"kvtier.backends.{name}")
+        assert hasattr(module, "kvtier_register_backends")
+        classes = [
+            node.name
+            for node in ast.walk(ast.parse((home / "backend.py").read_text(encoding="utf-8")))
+            if isinstance(node, ast.ClassDef)
+            and node.name.endswith("Backend")
+            and not node.name.startswith("_")
+        ]
+        assert classes == [f"{name.capitalize()}Backend"], (name, classes)
+
+
+def test_the_face_is_grouped_by_audience_and_lists_no_internals() -> None:
+    for name in kvtier.__all__:
+        assert hasattr(kvtier, name), name
+    internals = {
+        "Namespace",
+        "PageKeyer",
+        "ENVELOPE_BYTES",
+        "Rejection",
+        "external_key",
+        "validate_key",
+        "parse_extra_config",
+        "validate_model",
+        "hookspec",
+        "DEFAULT_BACKEND",
+    }
+    assert not internals & set(kvtier.__all__)
+    doc = kvtier.__doc__ or ""
+    for audience in (
+        "embedding kvtier in an engine",
+        "writing a storage backend",
+        "writing an IO backend",
+        "errors",
+    ):
+        assert audience in doc
+    assert kvtier.__version__ == importlib.import_module("kvtier._version").__version__
 
 
 def test_no_pickle_or_torch_load_anywhere() -> None:
