@@ -5,15 +5,20 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from kvtier.cache.index import Entry, EntryState
+from kvtier.cache.index import Entry, EntryState, HostIndex
+from kvtier.cache.options import CacheOptions
 from kvtier.core.errors import InvalidFieldError
 
-if TYPE_CHECKING:
-    from kvtier.cache.tiered import TieredCache
+__all__ = ["BackupHandle", "HandleOwner", "PrefetchHandle"]
 
-__all__ = ["BackupHandle", "PrefetchHandle"]
+
+class HandleOwner(Protocol):
+    """What a prefetch handle needs of the cache that made it (a TieredCache has it)."""
+
+    options: CacheOptions
+    _index: HostIndex
 
 
 class BackupHandle:
@@ -94,7 +99,7 @@ class PrefetchHandle:
 
     def __init__(
         self,
-        cache: TieredCache,
+        cache: HandleOwner,
         keys: Sequence[str],
         entries: list[Entry],
         host_hits: int,
