@@ -32,8 +32,9 @@ only by the rank SGLang names the storage writer (``HiCacheStorageConfig.is_stor
 
 The real SGLang host pools this reads are ``MHATokenToKVPoolHost`` and
 ``MLATokenToKVPoolHost``; the attributes used are ``kv_buffer``, ``layout``, ``page_size``,
-``size``, ``dtype``, ``layer_num``, ``head_num``/``head_dim`` (MHA), ``kv_cache_dim`` (MLA),
-``dcp_size`` and the view method ``get_data_page(index, flat=False)``.
+``size``, ``dtype``, ``layer_num``, ``head_num``/``head_dim`` (MHA), ``kv_cache_dim`` and
+``qk_rope_head_dim`` (MLA), ``dcp_size`` and the view method
+``get_data_page(index, flat=False)``.
 """
 
 from __future__ import annotations
@@ -492,7 +493,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._model_id = self._model_id_for(storage_config)
         # What needs no host pool is checked now, as resolve() checks it: SGLang constructs
         # the storage first and hands its host pool over in register_mem_pool_host.
-        self.spec, self.backend_config = check_backend(
+        self.spec, _ = check_backend(
             self._engine_config(),
             self._registry.backends,
             self._registry.io_backends,
