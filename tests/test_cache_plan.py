@@ -261,3 +261,35 @@ def test_layouts_without_a_page_axis_still_load_per_layer_backups(
     )
     assert _load_from_storage(reader, keys) == [True, True]
     assert torch.count_nonzero(reader.device_pool.kv_tensors[0]) > 0  # type: ignore[attr-defined]
+
+
+# --- one device-slot validator -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        torch.arange(8, dtype=torch.float32),
+        torch.arange(8).view(2, 4),
+        torch.arange(5),
+        torch.arange(10_000, 10_008),
+        torch.arange(-1, 7),
+        list(range(8)),
+    ],
+    ids=["float", "2-D", "count", "too-high", "negative", "list"],
+)
+def test_the_cache_and_the_io_backend_report_a_slot_fault_alike(
+    registry: Registry, bad: Any
+) -> None:
+    cache = make_cache(registry)
+    try:
+        keys = cache.keys(TOKENS[:8])
+        with pytest.raises(TransferError) as from_cache:
+            cache.backup(keys, bad)
+        pages = cache.host_pool.allocate(2)
+        with pytest.raises(TransferError) as from_io:
+            cache.io_backend.backup(cache.device_pool, cache.host_pool, bad, pages)
+        assert str(from_cache.value) == str(from_io.value)
+        assert type(from_cache.value.value) is type(from_io.value.value)
+    finally:
+        cache.close()
