@@ -567,10 +567,14 @@ def test_prometheus_exposition(cache: TieredCache) -> None:
     keys = put_pages(cache, range(8))
     load_and_check(cache, keys)
     text = cache.prometheus_text()
-    assert "kvtier_host_hits_total 2.0" in text
-    assert 'kvtier_transferred_bytes_total{direction="device_to_host"}' in text
-    assert 'kvtier_operation_latency_seconds_bucket{le="+Inf",operation="load"} 1.0' in text
-    assert 'kvtier_host_pages{state="cached"} 2.0' in text
+    at = 'backend="memory",model="default",rank="0",tenant=""'
+    assert f"kvtier_host_hits_total{{{at}}} 2.0" in text
+    assert 'kvtier_transferred_bytes_total{backend="memory",direction="device_to_host",' in text
+    assert (
+        'kvtier_operation_latency_seconds_bucket{backend="memory",le="+Inf",model="default",'
+        'operation="load",rank="0",tenant=""} 1.0'
+    ) in text
+    assert 'kvtier_host_pages{backend="memory",model="default",rank="0",state="cached",' in text
     assert "kvtier_failures_total" in text
 
 

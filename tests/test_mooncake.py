@@ -182,10 +182,19 @@ def test_config_rejects_unknown_keys_and_bad_values() -> None:
         {"master_address": "h:1", "replica_num": 0},
         {"master_address": "h:1", "key_prefix": "a/b"},
         {"master_address": "h:1", "device_names": ["a,b"]},
+        {"master_address": "h:1", "capacity_bytes": 0},
         {},
     ):
         with pytest.raises(ConfigError):
             validate_model(model, bad, where="mooncake")
+    # Mooncake's own setup fails below 16 MiB with a bare INVALID_PARAMS: say so up front
+    with pytest.raises(ConfigError, match=r"global_segment_size.*16 MiB.*'16MiB'"):
+        validate_model(
+            model, {"master_address": "h:1", "global_segment_size": "4MiB"}, where="mooncake"
+        )
+    assert validate_model(
+        model, {"master_address": "h:1", "capacity_bytes": "8GiB"}, where="mooncake"
+    ).capacity_bytes == (8 << 30)
 
 
 # --- data path ------------------------------------------------------------------------
@@ -403,6 +412,151 @@ def test_two_processes_share_pages_through_one_master(
         assert _content(pool, page) == bytes([child_page * 7 % 251]) * len(_content(pool, page))
 
 
+# --- capacity -------------------------------------------------------------------------
+
+
+def _page_bytes(pool: HostPool) -> int:
+    return sum(e.length for e in pool.page_buffers(0))
+
+
+def test_capacity_bytes_removes_this_clients_least_recently_used_pages(
+    open_backend: Any,
+) -> None:
+    pool = _pool(Layout.PAGE_FIRST, pages=8)
+    size = _page_bytes(pool)
+    backend = open_backend(capacity_bytes=4 * size)
+    backend.attach(pool)
+    pages = pool.allocate(6)
+    expected = _fill(pool, pages, seed=21)
+    buffers = [pool.page_buffers(p) for p in pages]
+    assert backend.put([f"k{i}" for i in range(4)], buffers[:4]) == [True] * 4
+    (out,) = pool.allocate(1)
+    assert backend.get(["k0"], [pool.page_buffers(out)]) == [True]  # k0 is now the newest
+    assert backend.put(["k4", "k5"], buffers[4:]) == [True, True]
+    assert backend.exists([f"k{i}" for i in range(6)]) == [True, False, False, True, True, True]
+    stats = backend.stats()
+    assert stats["capacity_evictions"] == 2
+    assert stats["pages"] == 4 and stats["bytes"] == 4 * size
+    assert stats["capacity_bytes"] == 4 * size
+    assert not [k for k in stats if k.startswith("put_failed")]
+    _scribble(pool, [out])
+    assert backend.get(["k5"], [pool.page_buffers(out)]) == [True]
+    assert _content(pool, out) == expected[5]
+
+
+def test_capacity_refuses_a_put_that_cannot_fit_and_keeps_leased_pages(
+    open_backend: Any,
+) -> None:
+    pool = _pool(Layout.PAGE_FIRST, pages=8)
+    size = _page_bytes(pool)
+    backend = open_backend(capacity_bytes=2 * size)
+    backend.attach(pool)
+    pages = pool.allocate(5)
+    expected = _fill(pool, pages[:2], seed=31)
+    buffers = [pool.page_buffers(p) for p in pages]
+    assert backend.put(["a", "b"], buffers[:2]) == [True, True]
+    assert backend.get(["a", "b"], buffers[3:5]) == [True, True]  # both leased now
+    assert backend.put(["c"], buffers[2:3]) == [False]  # nothing can be removed for it
+    stats = backend.stats()
+    assert stats["put_failed.CAPACITY"] == 1
+    assert stats["capacity_evict_failed.OBJECT_HAS_LEASE"] == 1
+    assert backend.exists(["a", "b", "c"]) == [True, True, False]
+    _scribble(pool, pages[3:5])
+    assert backend.get(["a", "b"], buffers[3:5]) == [True, True]
+    assert [_content(pool, p) for p in pages[3:5]] == expected  # the kept pages are whole
+
+    tiny = open_backend(capacity_bytes=size - 1)
+    tiny.attach(pool)
+    assert tiny.put(["big"], buffers[:1]) == [False]
+    assert tiny.stats()["put_failed.PAGE_LARGER_THAN_CAPACITY"] == 1
+
+
+#: 512 KiB pages, so a 16 MiB segment (Mooncake's minimum) holds about 30 of them
+_BIG = {"num_layers": 8, "num_kv_heads": 8, "head_dim": 128, "dtype": "float16", "page_size": 16}
+
+
+def test_a_full_store_refuses_puts_and_the_cache_keeps_serving(
+    mooncake_master: MooncakeMaster,
+) -> None:
+    """Fill a master whose only segment is 16 MiB, through TieredCache: what kvtier does."""
+    from kvtier.cache import TieredCache
+    from kvtier.core.config import load_engine_config
+    from kvtier.core.device_pool import TorchDevicePool
+    from kvtier.plugins.manager import load_registry
+    from kvtier.testing.content import check_pages, fill_pages
+
+    master = MooncakeMaster().start()
+    opened: list[TieredCache] = []
+
+    def open_cache(segment: int) -> TieredCache:
+        cfg = load_engine_config(
+            {
+                **_BIG,
+                "backend": "mooncake",
+                "host_pages": 64,
+                "model": "fill-test",
+                "extra_config": {"master_address": master.address, "global_segment_size": segment},
+            }
+        )
+        device = TorchDevicePool(cfg.geometry(), 64 * 16)
+        cache = TieredCache.open(cfg, device, registry=load_registry(autoload=False))
+        opened.append(cache)
+        return cache
+
+    try:
+        writer = open_cache(16 << 20)  # holds the store's only segment
+        ps = 16
+        requests = [writer.keys(list(range(r * 100_000, r * 100_000 + 16 * ps))) for r in range(3)]
+        for r, keys in enumerate(requests):  # 48 pages of 512 KiB into ~30 pages of store
+            where = torch.arange(r * 16 * ps, (r + 1) * 16 * ps)
+            fill_pages(writer.device_pool, keys, where)
+            handle = writer.backup(keys, where)
+            assert handle.wait(60)
+            assert handle.ok  # the host copy never depends on storage
+        assert writer.flush(60)
+        stats = writer.stats()
+        refused = stats["backend"].get("put_failed.NO_AVAILABLE_HANDLE", 0)
+        assert refused > 0, stats["backend"]  # the master said the store is full
+        assert stats["failures"]["storage_put"] == refused  # each refused page, counted
+        assert 0 < stats["storage"]["pages_written"] < 48
+        assert stats["storage"]["pages_written"] + refused == 48
+        try:
+            text = writer.prometheus_text()
+        except ImportError:
+            text = None
+        if text is not None:
+            assert 'name="put_failed.NO_AVAILABLE_HANDLE"' in text
+
+        # The writer keeps serving every page from its host pool, exact.
+        writer.device_pool.zero_()  # type: ignore[attr-defined]
+        for keys in requests:
+            where = torch.arange(48 * ps, 64 * ps)
+            assert writer.load(keys, where) == 16
+            assert all(check_pages(writer.device_pool, keys, where))
+        # ... and keeps backing up: the host copy works, the write is refused, counted.
+        more = writer.keys(list(range(900_000, 900_000 + 4 * ps)))
+        where = torch.arange(0, 4 * ps)
+        fill_pages(writer.device_pool, more, where)
+        handle = writer.backup(more, where)
+        assert handle.wait(60) and handle.ok
+
+        # Another client reads what the store holds: whole pages or misses, never garbage.
+        reader = open_cache(0)
+        reader.device_pool.zero_()  # type: ignore[attr-defined]
+        loaded_total = 0
+        for keys in requests:
+            where = torch.arange(0, 16 * ps)
+            loaded = reader.load(keys, where)
+            assert all(check_pages(reader.device_pool, keys[:loaded], where[: loaded * ps]))
+            loaded_total += loaded
+        assert loaded_total > 0
+        assert reader.stats()["page_store"]["invalid"] == 0
+    finally:
+        for cache in reversed(opened):
+            cache.close()
+        master.close()
+
+
 # --- faults ---------------------------------------------------------------------------
 
 
@@ -518,6 +672,9 @@ def test_close_is_bounded_when_the_master_is_gone(mooncake_master: MooncakeMaste
     assert report["after"] == [False]
     assert report["stats"]["close_deferred"] == 1
     assert report["stats"]["put_failed.RPC_FAIL"] == 1
+    # Two closes: one probe of the dead master (op_timeout_s=0.5, refused at once on
+    # loopback) and an idempotent no-op; Mooncake's own close would block ~10 s.
+    assert report["close_s"] < 0.5 + 1.5, report
 
 
 # --- the conformance kit --------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 :class:`TieredCache` (in :mod:`kvtier.cache.tiered`) is the object; its parts each have a
 module: the host pool's key index (``index``), the worker threads (``workers``), the
-statistics and Prometheus view (``stats``), the scheduling options (``options``) and the
-handles it returns (``handles``).
+bounded backend calls (``bounded``), the statistics (``stats``) and their Prometheus view
+(``metrics``), the scheduling options (``options``) and the handles it returns
+(``handles``).
 """
 
 from __future__ import annotations

@@ -59,7 +59,25 @@ class CacheOptions(BaseModel):
         "after it, load takes the pages that are ready, so a stuck backend cannot hang it.",
     )
     close_timeout_s: float = Field(
-        default=10.0, gt=0, description="Bound on close(): drain this long, then cancel."
+        default=10.0,
+        gt=0,
+        description="Bound on close(): drain this long, then cancel; the backend's own "
+        "close() then gets at most this long again.",
+    )
+    backend_call_timeout_s: float | None = Field(
+        default=30.0,
+        gt=0,
+        description="Bound on each storage backend call (exists, get, put of one batch, "
+        "stats at most 2 s). A call past it fails its operation like a backend error "
+        "(counted as backend_timeout) and its thread is abandoned; None: unbounded, "
+        "calls run in the worker's own thread.",
+    )
+    max_abandoned_calls: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="Backend calls that may be stuck past their bound at once; beyond "
+        "it every backend call fails at once (backend_refused) until one returns.",
     )
 
 

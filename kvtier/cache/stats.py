@@ -1,27 +1,17 @@
-"""TieredCache statistics: counters, latency histograms, and the optional Prometheus view.
+"""TieredCache statistics: counters and latency histograms.
 
 Counters and histograms are plain thread-safe objects updated on the data path; a
-snapshot is a nested dict for logs, ``--json`` and tests. The Prometheus collector reads
-the same snapshot, so both views always agree; ``prometheus_client`` is imported only when
-an exposition is asked for.
+snapshot is a nested dict for logs, ``--json`` and tests. The Prometheus view
+(:mod:`kvtier.cache.metrics`) reads the same snapshot, so both views always agree.
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Callable, Iterator
 from typing import Any
 
-from kvtier.core.errors import PrometheusMissingError
-
-__all__ = [
-    "LATENCY_BUCKETS",
-    "CacheStats",
-    "Histogram",
-    "prometheus_collector",
-    "prometheus_text",
-]
+__all__ = ["LATENCY_BUCKETS", "OPERATIONS", "CacheStats", "Histogram"]
 
 #: Upper bounds, in seconds, of the latency histogram buckets (the last is +Inf).
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -174,96 +164,8 @@ class CacheStats:
             },
             "bytes": bytes_moved,
             "bandwidth_bytes_per_s": bandwidth,
+            "busy_seconds": {name: seconds.get(name, 0.0) for name in bytes_moved},
             "latency_seconds": {op: h.snapshot() for op, h in self.latency.items()},
             "failures": failures,
             "failures_total": sum(failures.values()),
         }
-
-
-def prometheus_collector(
-    snapshot: Callable[[], dict[str, Any]], gauges: Callable[[], dict[str, dict[str, int]]]
-) -> Any:
-    """A prometheus_client collector over a cache's stats (import of prometheus_client here)."""
-    try:
-        from prometheus_client.core import (
-            CounterMetricFamily,
-            GaugeMetricFamily,
-            HistogramMetricFamily,
-        )
-    except ImportError:
-        raise PrometheusMissingError() from None
-
-    class _Collector:
-        """Reads one stats snapshot per scrape and yields kvtier_* metric families."""
-
-        def collect(self) -> Iterator[Any]:
-            s = snapshot()
-            for tier in ("host", "storage"):
-                for what in ("hits", "misses"):
-                    family = CounterMetricFamily(
-                        f"kvtier_{tier}_{what}",
-                        f"Pages looked up in the {tier} tier that were {what}.",
-                    )
-                    family.add_metric([], s[tier][what])
-                    yield family
-            evictions = CounterMetricFamily(
-                "kvtier_host_evictions", "Host-pool pages evicted (LRU)."
-            )
-            evictions.add_metric([], s["host"]["evictions"])
-            yield evictions
-            pages = CounterMetricFamily(
-                "kvtier_pages", "Pages handled, by operation.", labels=["operation"]
-            )
-            for op, value in s["pages"].items():
-                pages.add_metric([op], value)
-            pages.add_metric(["storage_read"], s["storage"]["pages_read"])
-            pages.add_metric(["storage_write"], s["storage"]["pages_written"])
-            yield pages
-            moved = CounterMetricFamily(
-                "kvtier_transferred_bytes", "Bytes moved, by direction.", labels=["direction"]
-            )
-            for direction, value in s["bytes"].items():
-                moved.add_metric([direction], value)
-            yield moved
-            failures = CounterMetricFamily(
-                "kvtier_failures", "Failed pages, by cause.", labels=["cause"]
-            )
-            for cause, value in sorted(s["failures"].items()):
-                failures.add_metric([cause], value)
-            yield failures
-            latency = HistogramMetricFamily(
-                "kvtier_operation_latency_seconds",
-                "Latency of cache operations.",
-                labels=["operation"],
-            )
-            for op, h in s["latency_seconds"].items():
-                cumulative, running = [], 0
-                for bound, n in zip((*LATENCY_BUCKETS, float("inf")), h["buckets"], strict=True):
-                    running += n
-                    cumulative.append((_bound_text(bound), running))
-                latency.add_metric([op], cumulative, h["sum"])
-            yield latency
-            for name, values in gauges().items():
-                gauge = GaugeMetricFamily(
-                    f"kvtier_{name}", f"Current {name.replace('_', ' ')}.", labels=["state"]
-                )
-                for state, value in values.items():
-                    gauge.add_metric([state], value)
-                yield gauge
-
-    return _Collector()
-
-
-def _bound_text(bound: float) -> str:
-    return "+Inf" if bound == float("inf") else repr(bound)
-
-
-def prometheus_text(collector: Any) -> str:
-    """One collector's metrics in the Prometheus text exposition format."""
-    try:
-        from prometheus_client import CollectorRegistry, generate_latest
-    except ImportError:
-        raise PrometheusMissingError() from None
-    registry = CollectorRegistry()
-    registry.register(collector)
-    return generate_latest(registry).decode("utf-8")

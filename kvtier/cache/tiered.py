@@ -29,14 +29,17 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvtier.cache.bounded import BoundedCaller, Outcome
 from kvtier.cache.handles import BackupHandle, PrefetchHandle
 from kvtier.cache.index import Entry, HostIndex
+from kvtier.cache.metrics import prometheus_collector, prometheus_text
 from kvtier.cache.options import CacheOptions, cache_options
-from kvtier.cache.stats import CacheStats, prometheus_collector, prometheus_text
+from kvtier.cache.stats import CacheStats
 from kvtier.cache.workers import Job, WorkerGroup
 from kvtier.core.capabilities import (
     ResolvedPlan,
@@ -69,6 +72,11 @@ if TYPE_CHECKING:
 __all__ = ["TieredCache", "open_cache"]
 
 log = logging.getLogger("kvtier.cache")
+
+#: Bound on one backend ``stats()`` call (a scrape must not wait a full call bound).
+STATS_BOUND_S = 2.0
+#: After close's bound, how long workers woken from abandoned calls get to end.
+_WAKE_GRACE_S = 0.5
 
 
 @dataclass(eq=False, slots=True)
@@ -126,6 +134,10 @@ class TieredCache:
         self._transfer = WorkerGroup("transfer", 1, opts.queue_size, self._worker_error)
         self._reads = WorkerGroup("read", opts.io_workers, opts.queue_size, self._worker_error)
         self._writes = WorkerGroup("write", opts.write_workers, opts.queue_size, self._worker_error)
+        #: every backend call goes through here, bounded by backend_call_timeout_s
+        self._calls = BoundedCaller(
+            "backend", opts.backend_call_timeout_s, opts.max_abandoned_calls
+        )
         #: pages of per-layer backups still waiting for layers; the transfer worker's alone
         self._layered: dict[str, _Layered] = {}
 
@@ -435,10 +447,21 @@ class TieredCache:
                 chunk, entries = entries[:batch], entries[batch:]
                 t0 = time.monotonic()
                 try:
-                    results = self.page_store.put([e.key for e in chunk], [e.page for e in chunk])
+                    outcome, results = self._calls.call(
+                        "put",
+                        partial(
+                            self.page_store.put, [e.key for e in chunk], [e.page for e in chunk]
+                        ),
+                        on_late=partial(self._late_put, chunk),
+                    )
                 except Exception as exc:  # bad keys cannot get here; stay safe anyway
-                    results = [False] * len(chunk)
+                    outcome, results = Outcome.OK, [False] * len(chunk)
                     self._fail("storage_put", 0, repr(exc))
+                if outcome is not Outcome.OK:
+                    self._call_failed(outcome, "put", len(chunk) + len(entries))
+                    if outcome is Outcome.TIMED_OUT:
+                        chunk = []  # still being read by the call: _late_put gives it back
+                    break
                 elapsed = time.monotonic() - t0
                 ok = sum(results)
                 self._stats.latency["storage_put"].observe(elapsed)
@@ -455,6 +478,11 @@ class TieredCache:
                 self._index.finish_write(entries, [False] * len(entries))
             if handle is not None:
                 handle._write_ended(written)
+
+    def _late_put(self, chunk: list[Entry], results: object) -> None:
+        """A timed-out put returned at last: record what it stored, unpin its pages."""
+        ok = results if isinstance(results, list) and len(results) == len(chunk) else None
+        self._index.finish_write(chunk, ok or [False] * len(chunk))
 
     def _cancel_write(self, entries: list[Entry], handle: BackupHandle | None) -> None:
         self._stats.add("writes_cancelled", len(entries))
@@ -492,10 +520,15 @@ class TieredCache:
             # Walk host and storage together: write_back keeps the newest pages of a
             # prefix only on the host while older ones were evicted to storage.
             try:
-                in_storage = self.page_store.exists(rest)
+                outcome, in_storage = self._calls.call(
+                    "exists", lambda: self.page_store.exists(rest)
+                )
             except BaseException:
                 self._index.release(host)
                 raise
+            if outcome is not Outcome.OK:
+                self._call_failed(outcome, "exists", len(rest))
+                in_storage = [False] * len(rest)
             found = 0
             for key, stored in zip(rest, in_storage, strict=True):
                 if not (stored or self._index.contains(key)):
@@ -543,13 +576,27 @@ class TieredCache:
     def _run_fetch(self, handle: PrefetchHandle, entries: list[Entry]) -> None:
         batch = self.options.batch_pages
         done = 0
+        failed = False
         try:
             while done < len(entries):
                 if handle.cancelled or time.monotonic() >= self._stop_at:
                     break
                 chunk = entries[done : done + batch]
                 t0 = time.monotonic()
-                results = self.page_store.get([e.key for e in chunk], [e.page for e in chunk])
+                outcome, results = self._calls.call(
+                    "get",
+                    partial(self.page_store.get, [e.key for e in chunk], [e.page for e in chunk]),
+                    on_late=partial(self._late_get, chunk),
+                )
+                if outcome is not Outcome.OK:
+                    failed = True
+                    self._call_failed(outcome, "get", len(entries) - done)
+                    if outcome is Outcome.TIMED_OUT:
+                        # Readers see the failure now; the pages stay pinned until the
+                        # call returns (the backend may still write into them).
+                        self._index.mark_failed(chunk)
+                        done += len(chunk)
+                    break
                 elapsed = time.monotonic() - t0
                 good = 0
                 while good < len(chunk) and results[good]:
@@ -570,7 +617,12 @@ class TieredCache:
                 self._abandon_fetch(handle, rest)
             else:
                 handle.finished.set()
-                self._stats.latency["prefetch"].observe(time.monotonic() - handle.started)
+                if not failed:
+                    self._stats.latency["prefetch"].observe(time.monotonic() - handle.started)
+
+    def _late_get(self, chunk: list[Entry], _results: object) -> None:
+        """A timed-out get returned at last: its pages may now be reused."""
+        self._index.release(chunk)
 
     def _abandon_fetch(self, handle: PrefetchHandle, entries: list[Entry]) -> None:
         """Drop pages a fetch will not read (cancelled, closed, or after a failed page)."""
@@ -652,16 +704,15 @@ class TieredCache:
         """Hits and misses per tier, bytes, bandwidth, latency histograms, failures by cause."""
         snap = self._stats.snapshot()
         snap["host"]["pages"] = self._index.counts()
+        snap["page_bytes"] = self.geometry.bytes_per_page
         snap["queues"] = {
             "transfer": self._transfer.depth(),
             "read": self._reads.depth(),
             "write": self._writes.depth(),
         }
         snap["page_store"] = self.page_store.stats()
-        try:
-            snap["backend"] = dict(self.backend.stats())
-        except Exception as exc:
-            snap["backend"] = {"error": repr(exc)}
+        snap["backend"] = self._backend_stats()
+        snap["backend_calls"] = self._calls.counts()
         snap["policies"] = {
             "write": self.options.write_policy,
             "prefetch": self.options.prefetch_policy,
@@ -669,25 +720,34 @@ class TieredCache:
         }
         return snap
 
+    def _backend_stats(self) -> dict[str, Any]:
+        """The backend's own ``stats()``, bounded (STATS_BOUND_S) once the cache is open."""
+        try:
+            if self._closed:
+                return dict(self.backend.stats())
+            outcome, values = self._calls.call("stats", self.backend.stats, timeout=STATS_BOUND_S)
+        except Exception as exc:
+            return {"error": repr(exc)}
+        if outcome is not Outcome.OK:
+            return {"error": f"stats() {outcome.value}"}
+        return dict(values)
+
     def prometheus_collector(self) -> Any:
         """A prometheus_client collector of this cache's ``kvtier_*`` metrics.
 
-        Register it with ``prometheus_client.REGISTRY.register(...)``. Needs the
-        ``prometheus`` extra; raises ImportError naming it otherwise.
+        Register it with ``prometheus_client.REGISTRY.register(...)``. Every series is
+        labelled with ``model``, ``rank``, ``tenant`` and ``backend`` (see
+        docs/operating.md). Needs the ``prometheus`` extra; raises ImportError naming it
+        otherwise.
         """
-
-        def gauges() -> dict[str, dict[str, int]]:
-            counts = self._index.counts()
-            return {
-                "host_pages": {k: counts[k] for k in ("total", "free", "cached", "pinned")},
-                "queue_depth": {
-                    "transfer": self._transfer.depth(),
-                    "read": self._reads.depth(),
-                    "write": self._writes.depth(),
-                },
-            }
-
-        return prometheus_collector(self._stats.snapshot, gauges)
+        cfg = self.config
+        identity = {
+            "model": cfg.model,
+            "rank": str(cfg.tp_rank),
+            "tenant": cfg.tenant or "",
+            "backend": self.plan.backend.name,
+        }
+        return prometheus_collector(self.stats, identity)
 
     def prometheus_text(self) -> str:
         """This cache's metrics in the Prometheus text exposition format."""
@@ -717,24 +777,49 @@ class TieredCache:
             if self._closed:
                 return True
             self._closed = True
-        deadline = time.monotonic() + (self.options.close_timeout_s if timeout is None else timeout)
+        bound = self.options.close_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + bound
         self._stop_at = deadline if drain else time.monotonic()
-        joined = self._transfer.close(drain=drain, deadline=deadline)
+        groups = (self._transfer, self._reads, self._writes)
+        joined = self._transfer.close(drain=drain, deadline=deadline, warn=False)
         if drain and self.options.write_policy == "write_back" and self.writes_storage:
             dirty = self._index.claim_dirty()
             if dirty:
                 self._stats.add("write_backs", len(dirty))
                 self._submit_write(dirty, None)
-        joined = self._reads.close(drain=drain, deadline=deadline) and joined
-        joined = self._writes.close(drain=drain, deadline=deadline) and joined
+        joined = self._reads.close(drain=drain, deadline=deadline, warn=False) and joined
+        joined = self._writes.close(drain=drain, deadline=deadline, warn=False) and joined
+        if not joined:
+            # Workers still waiting on a backend call at close's bound: those calls fail
+            # now (their threads are abandoned) and the workers get a short grace to end.
+            self._calls.abandon_in_flight()
+            grace = time.monotonic() + _WAKE_GRACE_S
+            joined = all([g.join(grace, warn=True) for g in groups])
         if joined:
             self._drop_layered()  # the transfer worker has ended: nothing else touches it
         self._index.drop_all()
+        closed = self._close_backend(bound)
+        stuck = self._calls.close(time.monotonic() + _WAKE_GRACE_S)
+        if stuck:
+            log.warning(
+                "kvtier cache: close gave up on %d backend call(s) still running past their "
+                "bound, left to daemon threads: %s",
+                len(stuck),
+                "; ".join(stuck),
+            )
+        return joined and closed and not stuck
+
+    def _close_backend(self, bound: float) -> bool:
+        """The backend's close(), bounded by ``bound``; False if it failed or hung."""
         try:
-            self.backend.close()
+            outcome, _ = self._calls.call("close", self.backend.close, timeout=bound)
         except Exception as exc:
             self._fail("backend_close", 0, repr(exc))
-        return joined
+            return False
+        if outcome is not Outcome.OK:
+            self._call_failed(outcome, "close", 0)
+            return False
+        return True
 
     @property
     def closed(self) -> bool:
@@ -785,6 +870,27 @@ class TieredCache:
                 cause,
                 detail,
                 cause,
+            )
+
+    def _call_failed(self, outcome: Outcome, operation: str, pages: int) -> None:
+        """A backend call that timed out or was refused: its operation's pages failed."""
+        if outcome is Outcome.TIMED_OUT:
+            bound = (
+                f"close_timeout_s={self.options.close_timeout_s}"
+                if operation == "close"
+                else f"backend_call_timeout_s={self.options.backend_call_timeout_s}"
+            )
+            self._fail(
+                "backend_timeout" if operation != "close" else "backend_close",
+                pages,
+                f"a backend {operation} call did not return within {bound}",
+            )
+        else:
+            self._fail(
+                "backend_refused",
+                pages,
+                f"a backend {operation} call was refused: max_abandoned_calls="
+                f"{self.options.max_abandoned_calls} calls are still stuck",
             )
 
     def _worker_error(self, group: str, exc: BaseException) -> None:

@@ -112,8 +112,10 @@ class WorkerGroup:
             finally:
                 self._queue.task_done()
 
-    def close(self, *, drain: bool, deadline: float) -> bool:
+    def close(self, *, drain: bool, deadline: float, warn: bool = True) -> bool:
         """Stop the workers: run (``drain``) or cancel what is queued; True if all joined.
+
+        ``warn`` logs the workers still busy at the deadline.
 
         ``deadline`` is a ``time.monotonic()`` value; queued jobs still waiting when it
         passes are cancelled, so close never waits on more than what is already running.
@@ -133,10 +135,14 @@ class WorkerGroup:
                     if time.monotonic() >= deadline:
                         break
                     self._cancel_queued()
+        return self.join(deadline, warn=warn)
+
+    def join(self, deadline: float, *, warn: bool = False) -> bool:
+        """Wait (until ``deadline``, a ``time.monotonic()`` value) for every worker to end."""
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         alive = [t.name for t in self._threads if t.is_alive()]
-        if alive:
+        if alive and warn:
             log.warning(
                 "kvtier cache: %d %s worker(s) still busy after close's bound: %s",
                 len(alive),

@@ -20,6 +20,9 @@ What Mooncake does differently from the contract is handled here:
   missing master is a :class:`StorageError` within ``setup_timeout_s``.
 * With the master gone, Mooncake's close() blocks ~10 s holding the GIL; close() then
   leaves the client to Mooncake's exit-time teardown and returns at once.
+* A full store refuses puts (``put_failed.NO_AVAILABLE_HANDLE``): the page is not stored,
+  nothing partial is. ``capacity_bytes`` bounds what this client keeps below that: its
+  least recently used pages are removed first (:mod:`kvtier.backends.mooncake.occupancy`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from kvtier.backends.mooncake.config import MooncakeConfig, parse_master_address
+from kvtier.backends.mooncake.occupancy import Occupancy
 from kvtier.backends.mooncake.probe import INSTALL_HINT
 from kvtier.core.errors import BackendUnavailableError, StorageError
 from kvtier.core.extents import Extent
@@ -244,6 +248,10 @@ class MooncakeBackend(StorageBackend):
         self._guard = _MasterGuard(host, port, config.op_timeout_s, config.retry_interval_s)
         self._prefix = f"{config.key_prefix}/{context.namespace}/"
         self._counters = Counters()
+        cap = config.capacity_bytes
+        self._occupancy = Occupancy(None if cap is None else int(cap))
+        #: held across admission and put when capacity_bytes is set, so puts do not race
+        self._capacity_lock = threading.Lock()
         self._regions = _Regions()
         self._region_lock = threading.Lock()
         self._staging: torch.Tensor | None = None
@@ -424,7 +432,42 @@ class MooncakeBackend(StorageBackend):
             else:
                 results[i] = False
                 self._record("put", code)
+        self._occupancy.forget(okeys[i] for i in go)  # the old objects are gone
         return go
+
+    def _make_room(self, okeys: list[str], plans: list[_Plan], results: list[bool]) -> list[int]:
+        """Under capacity_bytes: remove this client's LRU pages; the pages that now fit."""
+        capacity = self._occupancy.capacity_bytes
+        assert capacity is not None
+        idx: list[int] = []
+        for i, plan in enumerate(plans):
+            if plan.total > capacity:
+                self._counters.add("put_failed.PAGE_LARGER_THAN_CAPACITY")
+            else:
+                idx.append(i)
+        incoming = [(okeys[i], plans[i].total) for i in idx]
+        excess = self._occupancy.excess(incoming)
+        victims = self._occupancy.victims(excess, [k for k, _ in incoming]) if excess else []
+        if victims:
+            codes = self._live_client().batch_remove(victims, False)
+            gone = []
+            for key, code in zip(victims, codes, strict=True):
+                if code >= 0 or code == OBJECT_NOT_FOUND:
+                    gone.append(key)
+                else:  # e.g. a reader's lease: the page stays, and still counts
+                    self._record("capacity_evict", code)
+            self._occupancy.forget(gone)
+            self._counters.add("capacity_evictions", len(gone))
+        admitted: list[int] = []
+        fits: list[tuple[str, int]] = []
+        for i, pair in zip(idx, incoming, strict=True):
+            if self._occupancy.excess([*fits, pair]) == 0:
+                admitted.append(i)
+                fits.append(pair)
+            else:
+                results[i] = False
+                self._counters.add("put_failed.CAPACITY")
+        return admitted
 
     # --- the contract ---------------------------------------------------------------
 
@@ -434,12 +477,14 @@ class MooncakeBackend(StorageBackend):
             return []
         if not self._check_call("exists", keys, None):
             return [False] * len(keys)
-        codes = self._live_client().batch_is_exist(self._keys(keys))
+        okeys = self._keys(keys)
+        codes = self._live_client().batch_is_exist(okeys)
         out: list[bool] = []
         for code in codes:
             if code < 0:
                 self._record("exists", code)
             out.append(code == 1)
+        self._occupancy.forget(k for k, code in zip(okeys, codes, strict=True) if code == 0)
         return out
 
     def put(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
@@ -452,14 +497,31 @@ class MooncakeBackend(StorageBackend):
         okeys = self._keys(keys)
         plans = [self._plan(page) for page in pages]
         results = [False] * len(keys)
-        direct = [i for i, plan in enumerate(plans) if plan.registered]
-        staged = [i for i, plan in enumerate(plans) if not plan.registered]
+        if self._occupancy.capacity_bytes is None:
+            self._put_batch(okeys, plans, pages, results, list(range(len(keys))))
+            return results
+        with self._capacity_lock:
+            self._put_batch(okeys, plans, pages, results, self._make_room(okeys, plans, results))
+        return results
+
+    def _put_batch(
+        self,
+        okeys: list[str],
+        plans: list[_Plan],
+        pages: Sequence[PageBuffers],
+        results: list[bool],
+        idx: list[int],
+    ) -> None:
+        direct = [i for i in idx if plans[i].registered]
+        staged = [i for i in idx if not plans[i].registered]
         self._put_direct(okeys, plans, results, direct)
         if staged and not self._guard.down:
             self._put_staged(okeys, plans, pages, results, staged)
         elif staged:
             self._counters.add(f"put_failed.{MASTER_UNREACHABLE}", len(staged))
-        return results
+        for i in idx:
+            if results[i]:
+                self._occupancy.stored(okeys[i], plans[i].total)
 
     def _put_direct(
         self, okeys: list[str], plans: list[_Plan], results: list[bool], idx: list[int]
@@ -581,7 +643,7 @@ class MooncakeBackend(StorageBackend):
                 codes = client.batch_get_into_multi_buffers(
                     batch_keys, [plans[i].ptrs for i in direct], [plans[i].sizes for i in direct]
                 )
-            self._settle_gets(codes, direct, plans, results)
+            self._settle_gets(codes, direct, plans, results, okeys)
         if staged and not self._guard.down:
             self._get_staged(okeys, plans, pages, results, staged)
         elif staged:
@@ -589,21 +651,30 @@ class MooncakeBackend(StorageBackend):
         return results
 
     def _settle_gets(
-        self, codes: Sequence[int], idx: list[int], plans: list[_Plan], results: list[bool]
+        self,
+        codes: Sequence[int],
+        idx: list[int],
+        plans: list[_Plan],
+        results: list[bool],
+        okeys: list[str],
     ) -> None:
         read = 0
+        gone: list[str] = []
         for i, code in zip(idx, codes, strict=True):
             if code == plans[i].total:
                 results[i] = True
                 read += code
             elif code == OBJECT_NOT_FOUND:
                 self._counters.add("get_misses")
+                gone.append(okeys[i])
             elif code < 0:
                 self._record("get", code)
             else:
                 self._counters.add("get_failed.SIZE_MISMATCH")
         self._counters.add("get_hits", sum(1 for i in idx if results[i]))
         self._counters.add("bytes_read", read)
+        self._occupancy.forget(gone)
+        self._occupancy.touch(okeys[i] for i in idx if results[i])
 
     def _get_staged(
         self,
@@ -624,7 +695,7 @@ class MooncakeBackend(StorageBackend):
                 codes = self._live_client().batch_get_into(
                     [okeys[i] for i in chunk], ptrs, [plans[i].total for i in chunk]
                 )
-                self._settle_gets(codes, chunk, plans, results)
+                self._settle_gets(codes, chunk, plans, results, okeys)
                 self._counters.add("staged_pages", len(chunk))
                 for i, ptr in zip(chunk, ptrs, strict=True):
                     if not results[i]:
@@ -642,7 +713,8 @@ class MooncakeBackend(StorageBackend):
             return []
         if not self._check_call("delete", keys, None):
             return [False] * len(keys)
-        codes = self._live_client().batch_remove(self._keys(keys), False)
+        okeys = self._keys(keys)
+        codes = self._live_client().batch_remove(okeys, False)
         out: list[bool] = []
         for code in codes:
             if code >= 0:
@@ -652,6 +724,9 @@ class MooncakeBackend(StorageBackend):
             else:
                 self._record("delete", code)
             out.append(code >= 0)
+        self._occupancy.forget(
+            k for k, code in zip(okeys, codes, strict=True) if code >= 0 or code == OBJECT_NOT_FOUND
+        )
         return out
 
     def clear(self) -> None:
@@ -671,10 +746,14 @@ class MooncakeBackend(StorageBackend):
                 value=code,
             )
         self._counters.add("cleared", code)
+        self._occupancy.clear()
 
     def stats(self) -> dict[str, int | float]:
         """Counters (hits, misses, bytes, failures by Mooncake error name) and master state."""
         stats = self._counters.snapshot()
         stats["master_up"] = 0 if self._guard.down else 1
         stats["registered_regions"] = len(self._regions)
+        stats["pages"], stats["bytes"] = self._occupancy.snapshot()
+        if self._occupancy.capacity_bytes is not None:
+            stats["capacity_bytes"] = self._occupancy.capacity_bytes
         return stats

@@ -11,6 +11,8 @@ __all__ = ["MooncakeConfig", "parse_master_address"]
 
 _HOST_PORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
 _PREFIX = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+#: The smallest global segment Mooncake's client accepts (its setup fails below it).
+MIN_SEGMENT_BYTES = 16 << 20
 
 
 def parse_master_address(address: str) -> tuple[str, int]:
@@ -56,6 +58,14 @@ class MooncakeConfig(BaseModel):
         ge=0,
         description="Bytes of memory this process contributes to the distributed store "
         "(0: a pure client). An integer or '4GiB'.",
+    )
+    capacity_bytes: ByteSize | None = Field(
+        default=None,
+        gt=0,
+        description="Most bytes of pages this client keeps in the store (its own puts in "
+        "its namespace); beyond it the pages it used least recently are removed first, "
+        "and a put that still does not fit fails (put_failed.CAPACITY). None: bounded only "
+        "by the store's segments (a full store refuses puts: NO_AVAILABLE_HANDLE).",
     )
     local_buffer_size: ByteSize = Field(
         default=ByteSize(16 << 20),
@@ -109,6 +119,16 @@ class MooncakeConfig(BaseModel):
     def _check_address(cls, value: str) -> str:
         parse_master_address(value)
         return value.strip()
+
+    @field_validator("global_segment_size")
+    @classmethod
+    def _check_segment(cls, value: ByteSize) -> ByteSize:
+        if 0 < int(value) < MIN_SEGMENT_BYTES:
+            raise ValueError(
+                f"{int(value)} bytes is below Mooncake's minimum segment of "
+                f"{MIN_SEGMENT_BYTES} bytes (16 MiB); use 0 (a pure client) or at least '16MiB'"
+            )
+        return value
 
     @field_validator("device_names")
     @classmethod

@@ -1,0 +1,219 @@
+"""The Prometheus exposition an operator alerts on, and docs/operating.md that lists it.
+
+Through the public TieredCache API: every series carries model / rank / tenant / backend;
+bandwidth is there per direction as byte and second counters; integrity rejections come
+by reason; the backend's own numbers are exported generically; occupancy per tier; and
+every metric the exposition emits is documented, and every documented one is emitted.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_cache import JOIN, cache_registry, load_and_check, make_cache, put_pages
+
+from kvtier.backends.memory import MemoryConfig
+from kvtier.backends.memory.backend import MemoryBackend
+from kvtier.cache import TieredCache
+from kvtier.core.envelope import Rejection
+
+pytest.importorskip("prometheus_client", reason="needs the 'prometheus' extra")
+from prometheus_client.parser import text_string_to_metric_families
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "operating.md"
+IDENTITY = {"model": "llama-test", "rank": "1", "tenant": "acme", "backend": "shared"}
+
+
+class ReportingBackend(MemoryBackend):
+    """A memory backend whose stats() also report what other backends do (by name only)."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryConfig(capacity_bytes=1 << 20))
+        self.extra: dict[str, Any] = {
+            "put_failed.NO_AVAILABLE_HANDLE": 3,
+            "debris_directories": 2,
+            "master_up": 1,
+            "hit_ratio_hint": 0.5,
+            "mode": "fancy",  # not a number: not exported
+            "flag": True,  # a bool is not a counter either
+        }
+
+    def stats(self) -> dict[str, Any]:  # type: ignore[override]
+        return {**super().stats(), "capacity_bytes": 1 << 20, **self.extra}
+
+
+@pytest.fixture
+def backend() -> ReportingBackend:
+    return ReportingBackend()
+
+
+@pytest.fixture
+def cache(backend: ReportingBackend) -> Iterator[TieredCache]:
+    c = make_cache(
+        cache_registry(),
+        instance=backend,
+        host_pages=12,
+        model="llama-test",
+        tenant="acme",
+        tp_rank=1,
+        tp_size=2,
+    )
+    yield c
+    c.close()
+
+
+def _samples(cache: TieredCache) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Sample name -> [(labels, value)] parsed from the text exposition."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(cache.prometheus_text()):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+    return out
+
+
+def _value(samples: dict[str, Any], name: str, **labels: str) -> float:
+    matches = [v for got, v in samples[name] if all(got.get(k) == x for k, x in labels.items())]
+    assert len(matches) == 1, (name, labels, samples.get(name))
+    return float(matches[0])
+
+
+def _evict(cache: TieredCache) -> None:
+    put_pages(cache, range(900, 948), start=8)
+    assert cache.flush(JOIN)
+
+
+def test_every_series_carries_model_rank_tenant_and_backend(cache: TieredCache) -> None:
+    keys = put_pages(cache, range(32))
+    load_and_check(cache, keys)
+    samples = _samples(cache)
+    assert len(samples) > 20  # sample names, each with several series
+    for name, series in samples.items():
+        assert name.startswith("kvtier_"), name
+        for labels, _ in series:
+            assert {k: labels.get(k) for k in IDENTITY} == IDENTITY, (name, labels)
+
+
+def test_bandwidth_per_direction_is_bytes_and_seconds(cache: TieredCache) -> None:
+    keys = put_pages(cache, range(32))  # device -> host -> storage
+    _evict(cache)
+    assert load_and_check(cache, keys) == 8  # storage -> host -> device
+    samples = _samples(cache)
+    page = cache.geometry.bytes_per_page
+    for direction in ("device_to_host", "host_to_device", "storage_read", "storage_write"):
+        moved = _value(samples, "kvtier_transferred_bytes_total", direction=direction)
+        busy = _value(samples, "kvtier_transfer_seconds_total", direction=direction)
+        assert moved >= 8 * page, direction
+        assert busy > 0, direction
+    assert _value(samples, "kvtier_transferred_bytes_total", direction="storage_read") == 8 * page
+
+
+def test_integrity_rejections_by_reason(cache: TieredCache, backend: ReportingBackend) -> None:
+    keys = put_pages(cache, range(32))
+    _evict(cache)
+    with backend._lock:
+        blob = backend._pages[keys[0]]
+        blob[-1] ^= 0xFF  # payload no longer matches its checksum
+        backend._pages[keys[4]] = bytearray(backend._pages[keys[5]])  # another key's page
+    assert load_and_check(cache, keys[:1]) == 0
+    assert load_and_check(cache, keys[4:5]) == 0
+    samples = _samples(cache)
+    reasons = {labels["reason"]: v for labels, v in samples["kvtier_page_rejections_total"]}
+    assert set(reasons) == {r.value for r in Rejection}  # every reason, 0 until it happens
+    assert reasons["corrupt_checksum"] == 1
+    assert reasons["wrong_key"] == 1
+    assert sum(reasons.values()) == 2
+
+
+def test_the_backends_own_numbers_are_exported_by_name(cache: TieredCache) -> None:
+    put_pages(cache, range(16))
+    samples = _samples(cache)
+    stat = {labels["name"]: v for labels, v in samples["kvtier_backend_stat"]}
+    assert stat["put_failed.NO_AVAILABLE_HANDLE"] == 3
+    assert stat["debris_directories"] == 2
+    assert stat["master_up"] == 1
+    assert stat["hit_ratio_hint"] == 0.5
+    assert stat["puts"] == 4  # the memory backend's own counter
+    assert "mode" not in stat and "flag" not in stat
+    assert _value(samples, "kvtier_backend_stats_up") == 1
+
+
+def test_occupancy_per_tier(cache: TieredCache) -> None:
+    put_pages(cache, range(16))  # 4 pages
+    samples = _samples(cache)
+    assert _value(samples, "kvtier_host_pages", state="total") == 12
+    assert _value(samples, "kvtier_host_pages", state="used") == 4
+    assert _value(samples, "kvtier_host_pages", state="cached") == 4
+    page = cache.geometry.bytes_per_page
+    assert _value(samples, "kvtier_host_bytes", state="total") == 12 * page
+    assert _value(samples, "kvtier_host_bytes", state="used") == 4 * page
+    assert _value(samples, "kvtier_storage_pages") == 4
+    assert _value(samples, "kvtier_storage_bytes") == cache.backend.stats()["bytes"]
+    assert _value(samples, "kvtier_storage_capacity_bytes") == 1 << 20
+
+
+def test_storage_occupancy_is_absent_where_the_backend_does_not_know() -> None:
+    plain = make_cache(cache_registry(), instance=_NoOccupancy())
+    try:
+        samples = _samples(plain)
+        assert "kvtier_storage_pages" not in samples
+        assert "kvtier_storage_bytes" not in samples
+        assert "kvtier_host_pages" in samples
+    finally:
+        plain.close()
+
+
+class _NoOccupancy(MemoryBackend):
+    def __init__(self) -> None:
+        super().__init__(MemoryConfig())
+
+    def stats(self) -> dict[str, int | float]:
+        return {"puts": 0}
+
+
+def test_failure_causes_and_timeouts_exist_before_they_happen(cache: TieredCache) -> None:
+    samples = _samples(cache)
+    causes = {labels["cause"] for labels, _ in samples["kvtier_failures_total"]}
+    assert {"backend_timeout", "backend_refused", "storage_put", "host_exhausted"} <= causes
+    ops = {labels["operation"] for labels, _ in samples["kvtier_backend_call_timeouts_total"]}
+    assert {"exists", "get", "put"} <= ops
+    assert _value(samples, "kvtier_backend_calls_stuck") == 0
+
+
+# --- docs/operating.md cannot drift -----------------------------------------------------
+
+
+def _documented() -> set[str]:
+    """Metric names in docs/operating.md's metrics table (first column, in backticks)."""
+    text = DOC.read_text(encoding="utf-8")
+    start = text.index("<!-- metrics:start -->")
+    end = text.index("<!-- metrics:end -->")
+    return set(re.findall(r"^\| `(kvtier_[a-z0-9_]+)`", text[start:end], re.M))
+
+
+def _emitted(cache: TieredCache) -> set[str]:
+    return {
+        line.split()[2]
+        for line in cache.prometheus_text().splitlines()
+        if line.startswith("# TYPE ")
+    }
+
+
+def test_every_emitted_metric_is_documented_and_every_documented_one_is_emitted(
+    cache: TieredCache,
+) -> None:
+    emitted = _emitted(cache)  # this backend reports pages, bytes and capacity: all of them
+    documented = _documented()
+    assert emitted - documented == set(), "emitted but not in docs/operating.md"
+    assert documented - emitted == set(), "in docs/operating.md but never emitted"
+
+
+def test_the_doc_names_every_failure_cause_and_rejection_reason() -> None:
+    from kvtier.cache.metrics import BACKEND_CALLS, FAILURE_CAUSES
+
+    text = DOC.read_text(encoding="utf-8")
+    for name in (*FAILURE_CAUSES, *(r.value for r in Rejection), *BACKEND_CALLS):
+        assert f"`{name}`" in text, name
