@@ -8,13 +8,14 @@ launching a server whether the plan works, and if not, what would.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import logging
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvtier._version import __version__
 from kvtier.core.capabilities import ResolvedPlan, resolve
@@ -38,6 +39,9 @@ __all__ = ["EXIT_ERROR", "EXIT_OK", "build_parser", "main"]
 EXIT_OK = 0
 #: A configuration that was rejected, a plugin that failed, a command not available.
 EXIT_ERROR = 2
+
+#: Stopped by Ctrl-C (128 + SIGINT, as shells report it).
+EXIT_INTERRUPTED = 130
 
 #: JSON output format version of ``kvtier backends --json`` and ``kvtier check --json``.
 JSON_FORMAT = 1
@@ -94,6 +98,25 @@ for each layout and attention kind.
 Plugins come from entry points of group "kvtier"; KVTIER_DISABLE_PLUGIN_AUTOLOAD=1 lists
 only the built-ins and KVTIER_DISABLE_PLUGINS=name,... blocks some.
 """
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line: what was wrong, where to look."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """The usage error for ``extra``, with the closest option when one was misspelt."""
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    known = [flag for action in parser._actions for flag in action.option_strings]
+    for arg in extra:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=")[0], known, n=1)
+            if close:
+                return f"{message} (did you mean {close[0]}?)"
+    return message
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -498,7 +521,7 @@ def _add_bench(sub: Any) -> None:
         except Exception as exc:
             reason = f"kvtier bench cannot start: kvtier.bench.add_arguments failed: {exc!r}"
         else:
-            parser.set_defaults(_kvtier_run=bench.run)
+            parser.set_defaults(_kvtier_run=bench.run, _kvtier_parser=parser)
             return
 
     def unavailable(args: argparse.Namespace) -> int:
@@ -514,7 +537,7 @@ def _add_bench(sub: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvtier`` argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvtier",
         description="kvtier: tiered, pluggable KV-cache storage for LLM serving engines.\n"
         "List the installed backends, check a configuration before starting an engine, "
@@ -538,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     backends.add_argument("--json", action="store_true", help="stable JSON instead of text")
-    backends.set_defaults(_kvtier_registry_cmd=_cmd_backends)
+    backends.set_defaults(_kvtier_registry_cmd=_cmd_backends, _kvtier_parser=backends)
     check = sub.add_parser(
         "check",
         help="validate a configuration the way an engine does at start-up",
@@ -547,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     _add_check_arguments(check)
-    check.set_defaults(_kvtier_registry_cmd=_cmd_check)
+    check.set_defaults(_kvtier_registry_cmd=_cmd_check, _kvtier_parser=check)
     _add_bench(sub)
     return parser
 
@@ -561,7 +584,8 @@ def main(argv: Sequence[str] | None = None, *, registry: Registry | None = None)
     try:
         args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
         if extra and not getattr(args, "_kvtier_any_args", False):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            sub: argparse.ArgumentParser = getattr(args, "_kvtier_parser", parser)
+            sub.error(_unrecognized(sub, extra))
     except SystemExit as exc:  # --help, --version, or a usage error argparse printed
         return exc.code if isinstance(exc.code, int) else EXIT_ERROR
     handler = logging.StreamHandler(sys.stderr)
@@ -579,6 +603,9 @@ def main(argv: Sequence[str] | None = None, *, registry: Registry | None = None)
             except KvtierError as exc:  # a bench that did not catch its own config error
                 _print_error(exc)
                 return EXIT_ERROR
+            except KeyboardInterrupt:
+                sys.stderr.write("kvtier: interrupted\n")
+                return EXIT_INTERRUPTED
         command: Callable[[argparse.Namespace, Registry], int] = args._kvtier_registry_cmd
         try:
             loaded = registry if registry is not None else _load_registry()

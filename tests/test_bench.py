@@ -16,7 +16,7 @@ from test_cache import cache_registry
 from kvtier import bench
 from kvtier.bench import multiturn as bench_multiturn
 from kvtier.bench import single
-from kvtier.bench.options import Progress
+from kvtier.bench.progress import Progress
 from kvtier.core.config import load_engine_config
 from kvtier.core.device_pool import TorchDevicePool
 from kvtier.core.errors import ConfigError
@@ -92,13 +92,20 @@ def test_multiturn_reads_from_storage_when_host_pool_is_small() -> None:
     assert result.to_dict()["hit_rate"]["storage"] > 0
 
 
-def test_progress_bar_only_on_a_terminal() -> None:
+def test_progress_bar_on_a_terminal_plain_lines_elsewhere() -> None:
     tty = FakeTTY()
     bench_multiturn.run_multiturn(parse(SMALL), registry=cache_registry(), progress_stream=tty)
     assert "multiturn [" in tty.getvalue() and "9/9 turns" in tty.getvalue()
     plain = io.StringIO()
     bench_multiturn.run_multiturn(parse(SMALL), registry=cache_registry(), progress_stream=plain)
-    assert plain.getvalue() == ""
+    lines = plain.getvalue().splitlines()
+    assert "\r" not in plain.getvalue()
+    assert lines[0] == "kvtier bench multiturn: started, 9 turns to go"
+    assert lines[-1].startswith("kvtier bench multiturn: finished, 9/9 turns in ")
+    quiet = io.StringIO()
+    args = parse([*SMALL, "--no-progress"])
+    bench_multiturn.run_multiturn(args, registry=cache_registry(), progress_stream=quiet)
+    assert quiet.getvalue() == ""
 
 
 def test_plot_without_matplotlib_names_the_extra(
@@ -200,19 +207,46 @@ def test_bench_rejects_bad_options_before_running(argv: list[str], message: str)
         single.run_bench(bench_args(*argv))
 
 
-def test_bench_progress_bar_only_on_a_terminal() -> None:
-    class Terminal(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
-    tty, pipe = Terminal(), io.StringIO()
-    for stream in (tty, pipe):
-        bar = Progress(4, stream, enabled=True)
-        for _ in range(4):
-            bar.step("put")
-        bar.close()
+def test_bench_progress_bar_on_a_terminal() -> None:
+    tty = FakeTTY()
+    bar = Progress(4, tty, enabled=True)
+    for _ in range(4):
+        bar.step("put")
+    bar.close()
     assert "100%" in tty.getvalue() and "put" in tty.getvalue()
-    assert pipe.getvalue() == ""
+    assert "\n" not in tty.getvalue()  # redrawn in place
+
+
+def test_bench_progress_off_a_terminal_is_plain_lines_at_a_modest_rate() -> None:
+    now = [100.0]
+    pipe = io.StringIO()
+    bar = Progress(100, pipe, enabled=True, unit="pages", interval=5.0, clock=lambda: now[0])
+    for _ in range(99):  # 99 steps over 49 s: a line is due at most every 5 s
+        now[0] += 0.5
+        bar.step("round 1/3: put")
+    now[0] += 0.5
+    bar.step("round 3/3: get")
+    bar.close()
+    bar.close()  # once
+    lines = pipe.getvalue().splitlines()
+    assert "\r" not in pipe.getvalue()
+    assert lines[0] == "kvtier bench: started, 100 pages to go"
+    assert lines[-1] == "kvtier bench: finished, 100/100 pages in 50.0 s"
+    middle = lines[1:-1]
+    assert 8 <= len(middle) <= 10  # every 5 s of 49, not one per step
+    assert middle[0] == "kvtier bench: 10/100 pages (10%), round 1/3: put, 5 s"
+
+
+def test_bench_single_shows_progress_on_a_pipe_unless_asked_not_to() -> None:
+    pipe = io.StringIO()
+    single.run_bench(bench_args("--no-raw"), progress_stream=pipe)
+    lines = pipe.getvalue().splitlines()
+    assert lines[0] == "kvtier bench: started, 24 page transfers to go"
+    assert lines[-1].startswith("kvtier bench: finished, 24/24 page transfers in ")
+    for quiet in (["--no-progress"], ["--json"]):  # --json keeps stderr quiet, as before
+        pipe = io.StringIO()
+        single.run_bench(bench_args("--no-raw", *quiet), progress_stream=pipe)
+        assert pipe.getvalue() == ""
 
 
 def test_kvtier_bench_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -129,6 +129,44 @@ def test_usage_error_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "invalid int value: 'many'" in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["check", "--num-layers", "many"],
+            "kvtier check: error: argument --num-layers: invalid int value: 'many'; "
+            "see 'kvtier check --help'",
+        ),
+        (
+            ["backends", "--jsno"],
+            "kvtier backends: error: unrecognized arguments: --jsno (did you mean --json?); "
+            "see 'kvtier backends --help'",
+        ),
+        (
+            ["check", "--strict-geometyr"],
+            "kvtier check: error: unrecognized arguments: --strict-geometyr (did you mean "
+            "--strict-geometry?); see 'kvtier check --help'",
+        ),
+        (
+            ["bench", "--workload", "multi"],
+            "kvtier bench: error: argument --workload: invalid choice: 'multi' (choose from "
+            "'single', 'multiturn'); see 'kvtier bench --help'",
+        ),
+        (
+            ["bogus"],
+            "kvtier: error: argument COMMAND: invalid choice: 'bogus' (choose from "
+            "'backends', 'check', 'bench'); see 'kvtier --help'",
+        ),
+    ],
+)
+def test_usage_errors_are_one_line_with_where_to_look(
+    capsys: pytest.CaptureFixture[str], argv: list[str], line: str
+) -> None:
+    code, out, err = run(capsys, argv)
+    assert code == 2 and out == ""
+    assert err == line + "\n"
+
+
 def test_no_command(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, [])
     assert code == 2 and "COMMAND" in err
@@ -472,6 +510,22 @@ def test_bench_delegates(
     assert calls[0].quick is True
     code, out, _ = run(capsys, ["bench", "--help"])
     assert code == 0 and "Fake benchmarks." in out and "--quick" in out
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_exit_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = types.ModuleType("kvtier.bench")
+
+    def interrupted(args: argparse.Namespace) -> int:
+        raise KeyboardInterrupt
+
+    fake.add_arguments = lambda parser: None  # type: ignore[attr-defined]
+    fake.run = interrupted  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kvtier.bench", fake)
+    monkeypatch.setattr(kvtier, "bench", fake, raising=False)
+    code, out, err = run(capsys, ["bench"])
+    assert (code, out, err) == (130, "", "kvtier: interrupted\n")
 
 
 def test_console_exit_status_and_no_traceback() -> None:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.bench import multiturn, single
-from kvtier.bench.options import add_common_arguments
+from kvtier.bench.options import add_common_arguments, remember_defaults
 from kvtier.core.errors import KvtierError
 
 if TYPE_CHECKING:
@@ -35,14 +35,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     add_common_arguments(parser)
     multiturn.add_arguments(parser)
+    remember_defaults(parser)
 
 
 def run(args: argparse.Namespace, *, registry: Registry | None = None) -> int:
     """Run the workload ``args.workload`` names and print its report (or ``--json``).
 
     Exit status: 0 when every page came back bit-exact, 1 when one failed or differed, 2
-    when the options or the configuration were rejected (the error goes to stderr, one
-    message, no traceback).
+    when the options or the configuration were rejected (checked before the run; the
+    error goes to stderr as ``kvtier bench: error: ...``, no traceback).
     """
     workload = multiturn.run_multiturn if args.workload == "multiturn" else single.run_bench
     try:
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace, *, registry: Registry | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvtier.bench``: the same as ``kvtier bench``."""
-    parser = argparse.ArgumentParser(prog="kvtier bench", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """``python -m kvtier.bench``: the same as ``kvtier bench`` (same parser, same errors)."""
+    from kvtier.cli import main as kvtier_main  # the command sits above this package
+
+    return kvtier_main(["bench", *(sys.argv[1:] if argv is None else argv)])

@@ -18,28 +18,37 @@ import argparse
 import random
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.bench.options import GB, Progress, engine_config, temporary_root
+from kvtier.bench.checks import (
+    PLOT_HINT,
+    check_device_runs,
+    check_memory,
+    check_plot,
+    check_seed,
+    make_workdir,
+    resolve_device,
+)
+from kvtier.bench.options import GB, check_workload_options, engine_config, temporary_root
+from kvtier.bench.progress import Progress
 from kvtier.cache import TieredCache
+from kvtier.core.capabilities import resolve
 from kvtier.core.config import parse_extra_config
 from kvtier.core.device_pool import TorchDevicePool
-from kvtier.core.errors import ConfigError, InvalidFieldError
+from kvtier.core.envelope import ENVELOPE_BYTES
+from kvtier.core.errors import InvalidFieldError
+from kvtier.core.layout import region_stride_bytes
 from kvtier.testing.content import check_pages, fill_pages
 
 if TYPE_CHECKING:
     from kvtier.plugins.registry import Registry
 
 __all__ = ["MultiturnResult", "add_arguments", "run_multiturn"]
-
-PLOT_HINT = "pip install 'kvtier[plot]' (or pip install matplotlib)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plot",
         default=None,
         metavar="FILE.png",
-        help=f"draw throughput and hit rates over the run (needs matplotlib: {PLOT_HINT})",
+        help="multiturn only: draw throughput and hit rates per turn into a PNG (needs "
+        f"matplotlib: {PLOT_HINT}); the file is checked writable before the run",
     )
 
 
@@ -102,6 +112,8 @@ class MultiturnResult:
     #: waiting for writes still queued after the last turn
     flush_seconds: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
+    #: what the run did besides measuring (the plot it wrote, or why it could not)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -139,6 +151,7 @@ class MultiturnResult:
             else 0.0,
             "pages_per_s": round(pages / self.cache_seconds, 1) if self.cache_seconds else 0.0,
             "mismatched_pages": self.mismatched_pages,
+            "notes": list(self.notes),
             "failures": self.stats.get("failures", {}),
             "latency_p50_ms": {
                 op: None if h["p50"] is None else round(h["p50"] * 1e3, 3)
@@ -167,22 +180,8 @@ class MultiturnResult:
             lines.append(f"  failures    {d['failures']}")
         if d["mismatched_pages"]:
             lines.append(f"  MISMATCHED  {d['mismatched_pages']} loaded pages differed")
+        lines += [f"  note: {n}" for n in d["notes"]]
         return "\n".join(lines)
-
-
-def _check_plot(path: str | None) -> None:
-    if path is None:
-        return
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ConfigError(
-            f"--plot {path} needs matplotlib, which is not installed; install it with "
-            f"{PLOT_HINT}, or drop --plot",
-            value=path,
-        ) from None
-    if not path.lower().endswith(".png"):
-        raise InvalidFieldError("--plot", f"must name a .png file, got {path!r}", value=path)
 
 
 def _histories(args: argparse.Namespace, seed: int) -> list[list[list[int]]]:
@@ -207,12 +206,28 @@ def run_multiturn(
     progress_stream: IO[str] | None = None,
 ) -> MultiturnResult:
     """Open a TieredCache for the options, run the conversations, return the measurements."""
+    check_workload_options(args, "multiturn")
     for name in ("conversations", "turns", "turn_tokens"):
-        if getattr(args, name) <= 0:
-            raise InvalidFieldError(f"--{name.replace('_', '-')}", "must be positive", value=0)
+        value = getattr(args, name)
+        if value <= 0:
+            flag = "--" + name.replace("_", "-")
+            raise InvalidFieldError(flag, f"must be a positive integer, got {value}", value=value)
     if args.system_tokens < 0:
-        raise InvalidFieldError("--system-tokens", "must be >= 0", value=args.system_tokens)
-    _check_plot(args.plot)
+        raise InvalidFieldError(
+            "--system-tokens",
+            f"must be 0 or more, got {args.system_tokens}",
+            value=args.system_tokens,
+        )
+    if args.host_pages is not None and args.host_pages <= 0:
+        raise InvalidFieldError(
+            "--host-pages",
+            f"must be a positive integer, got {args.host_pages}; leave it out for the default "
+            "(a quarter of the working set)",
+            value=args.host_pages,
+        )
+    check_seed(args.seed)
+    check_plot(args.plot, "multiturn")
+    device_name = resolve_device(args.device)
     if registry is None:
         from kvtier.plugins.manager import load_registry
 
@@ -221,16 +236,27 @@ def run_multiturn(
     max_pages = (args.system_tokens + args.turns * args.turn_tokens) // ps
     working_set = (args.system_tokens + args.conversations * args.turns * args.turn_tokens) // ps
     # room for one turn's prefetch plus the writes still in flight from the previous one
-    host_pages = args.host_pages or max(2 * max_pages + 2, working_set // 4)
+    host_pages = (
+        args.host_pages if args.host_pages is not None else max(2 * max_pages + 2, working_set // 4)
+    )
     extra = parse_extra_config(args.extra_config, source="--extra-config")
-    workdir = Path(tempfile.mkdtemp(prefix="kvtier-multiturn-", dir=args.workdir))
+    workdir = make_workdir(args.workdir, "kvtier-multiturn-")
     try:
         extra = temporary_root(registry, args.backend, extra, workdir)
-        config = engine_config(
-            args, extra, model="kvtier-bench-multiturn", host_pages=host_pages
+        config = engine_config(args, extra, model="kvtier-bench-multiturn", host_pages=host_pages)
+        geometry = config.geometry()
+        resolved = resolve(config, registry.backends, registry.io_backends)
+        check_device_runs(device_name, resolved.io_backend.name, resolved.io_backend.devices)
+        stored = geometry.kv_count * region_stride_bytes(geometry, resolved.layout) + ENVELOPE_BYTES
+        check_memory(
+            host_pages * stored,
+            max(max_pages, 1) * geometry.bytes_per_page,
+            device_name,
+            what="the host pool and the device pool",
+            fix="use fewer --host-pages, shorter conversations (--turns, --turn-tokens, "
+            "--system-tokens) or a smaller geometry",
         )
-        device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        device = TorchDevicePool(config.geometry(), max(max_pages, 1) * ps, device_name)
+        device = TorchDevicePool(geometry, max(max_pages, 1) * ps, device_name)
         options = {
             "write_policy": args.write_policy,
             "prefetch_policy": args.prefetch_policy,
@@ -242,7 +268,12 @@ def run_multiturn(
             cache.close()
         result.stats = cache.stats()
         if args.plot:
-            _plot(result, args.plot)
+            try:
+                _plot(result, args.plot)
+            except OSError as exc:  # checked writable before the run; the disk may have filled
+                result.notes.append(f"could not write the plot {args.plot}: {exc}")
+            else:
+                result.notes.append(f"plot written to {args.plot}")
         return result
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

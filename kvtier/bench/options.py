@@ -1,17 +1,15 @@
-"""What every ``kvtier bench`` workload shares: its options, the engine config, progress.
+"""What every ``kvtier bench`` workload shares: its options and the engine config.
 
 Both workloads (``single`` and ``multiturn``) take the same storage, transfer-plan,
-geometry and run options, build their engine config from them the same way (so a
-geometry flag of the other attention kind is refused the same way), and show the same
-progress line.
+geometry and run options, and build their engine config from them the same way (so a
+geometry flag of the other attention kind is refused the same way).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.core.config import EngineConfig, load_engine_config
 from kvtier.core.errors import InvalidFieldError
@@ -23,9 +21,11 @@ if TYPE_CHECKING:
 __all__ = [
     "GB",
     "GEOMETRY_DEFAULTS",
-    "Progress",
+    "WORKLOAD_OPTIONS",
     "add_common_arguments",
+    "check_workload_options",
     "engine_config",
+    "remember_defaults",
     "temporary_root",
 ]
 
@@ -68,7 +68,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--device",
         default=None,
-        help="torch device of the device pool (default: cuda if available, else cpu)",
+        help="torch device of the device pool: cpu, cuda, cuda:N (default: cuda if "
+        "available, else cpu); checked before the run",
     )
     geo = parser.add_argument_group("geometry (default: an 8B-class model, 8 MiB pages)")
     geo.add_argument("--attention", choices=("mha", "mla"), default="mha")
@@ -85,7 +86,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch", type=int, default=1, help="pages per put/get call (latency is per call)"
     )
     run_.add_argument("--rounds", type=int, default=3, help="timed rounds after a warm-up")
-    run_.add_argument("--seed", type=int, default=0, help="seed of the random KV")
+    run_.add_argument("--seed", type=int, default=0, help="seed of the random KV, 0 to 2**62 - 1")
     run_.add_argument("--no-raw", action="store_true", help="skip the raw pwritev/preadv side")
     run_.add_argument(
         "--workdir",
@@ -93,7 +94,12 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory for the temporary page files (default: the system temp dir)",
     )
     run_.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    run_.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    run_.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress on stderr (default: a bar on a terminal, else a plain line every "
+        "few seconds; the single workload is quiet with --json)",
+    )
     run_.add_argument(
         "--workload",
         choices=("single", "multiturn"),
@@ -101,6 +107,47 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         help="single (default): back up and read back --pages pages; multiturn: simulated "
         "conversations sharing prefixes through TieredCache (options below)",
     )
+
+
+#: The options only one workload reads (``--plot`` is checked along with its file).
+WORKLOAD_OPTIONS: dict[str, tuple[str, ...]] = {
+    "single": ("pages", "batch", "rounds", "no_raw"),
+    "multiturn": (
+        "conversations",
+        "turns",
+        "system_tokens",
+        "turn_tokens",
+        "host_pages",
+        "write_policy",
+        "prefetch_policy",
+    ),
+}
+
+
+def remember_defaults(parser: argparse.ArgumentParser) -> None:
+    """Keep the defaults of :data:`WORKLOAD_OPTIONS` in the parsed args, to see what was set."""
+    dests = [dest for names in WORKLOAD_OPTIONS.values() for dest in names]
+    parser.set_defaults(_bench_defaults={dest: parser.get_default(dest) for dest in dests})
+
+
+def check_workload_options(args: argparse.Namespace, workload: str) -> None:
+    """Refuse an option of the other workload, which this run would silently ignore."""
+    defaults: dict[str, Any] | None = getattr(args, "_bench_defaults", None)
+    if defaults is None:  # args not built by kvtier bench's parser
+        return
+    for other, dests in WORKLOAD_OPTIONS.items():
+        if other == workload:
+            continue
+        for dest in dests:
+            value = getattr(args, dest, defaults[dest])
+            if value != defaults[dest]:
+                flag = "--" + dest.replace("_", "-")
+                raise InvalidFieldError(
+                    flag,
+                    f"is an option of the {other} workload, but this run is the {workload} "
+                    f"workload, which would ignore it; add --workload {other}, or drop {flag}",
+                    value=value,
+                )
 
 
 def engine_config(
@@ -145,45 +192,3 @@ def temporary_root(
     if spec is not None and "root" in spec.config_model.model_fields and "root" not in extra:
         return {**extra, "root": str(workdir / "pages")}
     return extra
-
-
-class Progress:
-    """A one-line progress bar on a terminal; silent otherwise."""
-
-    def __init__(
-        self,
-        total: int,
-        stream: IO[str],
-        enabled: bool,
-        *,
-        title: str = "",
-        unit: str = "",
-    ) -> None:
-        self.total = max(total, 1)
-        self.done = 0
-        self.stream = stream
-        self.enabled = enabled and stream.isatty()
-        self.title = title
-        self.unit = unit
-        self._last = 0.0
-
-    def step(self, label: str, n: int = 1) -> None:
-        """Count ``n`` more units done and redraw (at most every 50 ms, and at the end)."""
-        self.done += n
-        now = time.monotonic()
-        if not self.enabled or (now - self._last < 0.05 and self.done < self.total):
-            return
-        self._last = now
-        width = 30
-        filled = width * self.done // self.total
-        bar = "#" * filled + "." * (width - filled)
-        count = f" {self.done}/{self.total} {self.unit}" if self.unit else ""
-        percent = 100 * self.done // self.total
-        self.stream.write(f"\r{self.title}[{bar}]{count} {percent:3d}% {label:<28}")
-        self.stream.flush()
-
-    def close(self) -> None:
-        """Clear the line."""
-        if self.enabled:
-            self.stream.write("\r" + " " * 79 + "\r")
-            self.stream.flush()

@@ -10,6 +10,12 @@ go through raw os.pwritev / os.preadv (one file per page, the raw reads landing 
 host pool of their own), batch by batch and alternating which side goes first, so the
 report shows kvtier's storage path (envelope checksums included) next to the raw
 vectored path. A warm-up round is not timed.
+
+Each round stores its pages under keys of its own (the tokens differ per round) after
+emptying the bench's namespace with the backend's ``clear()``. So a put never lands on a
+key that an earlier get read: a backend that protects a page it just served (Mooncake's
+read lease refuses to remove it for a few seconds) or keeps the first write of a key
+cannot fail the put or serve last round's page, and the store holds one round of pages.
 """
 
 from __future__ import annotations
@@ -18,18 +24,27 @@ import argparse
 import contextlib
 import os
 import shutil
-import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
 
 import torch
 
-from kvtier.bench.options import GB, Progress, engine_config, temporary_root
+from kvtier.bench.checks import (
+    check_device_runs,
+    check_disk,
+    check_memory,
+    check_plot,
+    check_seed,
+    make_workdir,
+    resolve_device,
+)
+from kvtier.bench.measure import Timing
+from kvtier.bench.options import check_workload_options, engine_config, temporary_root
+from kvtier.bench.progress import Progress
+from kvtier.bench.single_report import BenchResult
 from kvtier.core.capabilities import (
     ResolvedPlan,
     build_host_pool,
@@ -39,8 +54,10 @@ from kvtier.core.capabilities import (
 )
 from kvtier.core.config import parse_extra_config
 from kvtier.core.device_pool import TorchDevicePool
-from kvtier.core.errors import ConfigError, InvalidFieldError
+from kvtier.core.envelope import ENVELOPE_BYTES
+from kvtier.core.errors import InvalidFieldError
 from kvtier.core.host_pool import HostPool
+from kvtier.core.layout import region_stride_bytes
 from kvtier.core.pagestore import PageStore
 
 if TYPE_CHECKING:
@@ -58,46 +75,23 @@ examples:
   kvtier bench --extra-config '{"root": "/mnt/nvme/kv", "fsync": "batch"}'
   kvtier bench --attention mla --num-layers 61 --layout page_first
   kvtier bench --layout layer_first --io-backend kernel --device cpu
+  kvtier bench --workload multiturn --plot run.png
+
+The table: GB/s is a round's bytes over its time (median of the timed rounds); p50 / p99
+are the latency of one call, and the last column says how many pages one call moves
+(the device rows move a whole round in one call, the storage and raw rows --batch pages).
+"kvtier / raw" compares the storage path with raw os.pwritev / os.preadv of the same
+bytes, next to its target (a local-disk backend: 0.90, and 0.81 for a get with --verify
+full, which also pays the payload checksum; memory and network stores: none). A path
+with a failed page gets no ratio.
 
 The exit status is 0 when every page came back bit-exact, 1 when a page failed or
-differed, 2 when the configuration was rejected.
+differed, 2 when an option or the configuration was rejected (the reason on stderr,
+found before anything runs).
 """
 
 
-# --- measurements ---------------------------------------------------------------------
-
-
-@dataclass
-class Timing:
-    """Per-call durations of one operation over all timed rounds."""
-
-    bytes_per_round: int
-    calls: list[float] = field(default_factory=list)
-    rounds: list[float] = field(default_factory=list)
-
-    def add_round(self, total: float, calls: Sequence[float]) -> None:
-        """Record one timed round: its total time and each call's time."""
-        self.rounds.append(total)
-        self.calls.extend(calls)
-
-    def summary(self) -> dict[str, float]:
-        """GB/s (median over rounds), p50 / p99 call latency in ms."""
-        rates = [self.bytes_per_round / t / GB for t in self.rounds if t > 0]
-        calls = sorted(self.calls)
-        return {
-            "gbps": round(statistics.median(rates), 3) if rates else 0.0,
-            "p50_ms": round(_percentile(calls, 50) * 1e3, 3),
-            "p99_ms": round(_percentile(calls, 99) * 1e3, 3),
-        }
-
-
-def _percentile(values: Sequence[float], pct: float) -> float:
-    if not values:
-        return 0.0
-    rank = (len(values) - 1) * pct / 100
-    low = int(rank)
-    high = min(low + 1, len(values) - 1)
-    return values[low] + (values[high] - values[low]) * (rank - low)
+# --- the raw side ---------------------------------------------------------------------
 
 
 def _raw_put(path: Path, regions: list[memoryview]) -> None:
@@ -119,115 +113,6 @@ def _raw_get(path: Path, regions: list[memoryview]) -> int:
 # --- the run --------------------------------------------------------------------------
 
 
-@dataclass
-class BenchResult:
-    """What ``kvtier bench`` measured; :meth:`to_dict` is the ``--json`` output."""
-
-    plan: ResolvedPlan
-    pages: int
-    batch: int
-    rounds: int
-    device: str
-    page_bytes: int
-    stored_bytes: int
-    ok: bool
-    failures: list[str]
-    put: Timing
-    get: Timing
-    backup: Timing
-    load: Timing
-    raw_put: Timing | None
-    raw_get: Timing | None
-    backend_stats: dict[str, int | float]
-    store_stats: dict[str, int | float]
-    workdir: str
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "bench": "kvtier",
-            "ok": self.ok,
-            "failures": self.failures,
-            "backend": self.plan.backend.name,
-            "io_backend": self.plan.io_backend.name,
-            "layout": self.plan.layout.value,
-            "device": self.device,
-            "geometry": self.plan.to_dict()["geometry"],
-            "verify": self.plan.config.verify,
-            "pages": self.pages,
-            "batch": self.batch,
-            "rounds": self.rounds,
-            "page_bytes": self.page_bytes,
-            "stored_bytes_per_page": self.stored_bytes,
-            "put": self.put.summary(),
-            "get": self.get.summary(),
-            "device_to_host": self.backup.summary(),
-            "host_to_device": self.load.summary(),
-            "notes": list(self.plan.notes),
-        }
-        if self.raw_put is not None and self.raw_get is not None:
-            raw_put, raw_get = self.raw_put.summary(), self.raw_get.summary()
-            out["raw_put"], out["raw_get"] = raw_put, raw_get
-            out["ratio"] = {
-                "put": _ratio(out["put"]["gbps"], raw_put["gbps"]),
-                "get": _ratio(out["get"]["gbps"], raw_get["gbps"]),
-            }
-        out["backend_stats"] = self.backend_stats
-        out["store_stats"] = self.store_stats
-        return out
-
-    def report(self) -> str:
-        """A human-readable table."""
-        d = self.to_dict()
-        g = self.plan.geometry
-        lines = [
-            f"kvtier bench: {d['backend']} backend, io {d['io_backend']}, layout {d['layout']}, "
-            f"device {d['device']}",
-            f"  geometry   {g.describe()}",
-            f"  workload   {self.pages} pages x {self.page_bytes / 2**20:.2f} MiB "
-            f"(+{self.stored_bytes - self.page_bytes} B envelope), {self.batch} page(s) per "
-            f"call, {self.rounds} timed round(s) after a warm-up, verify={d['verify']}",
-            "",
-            f"  {'path':<28}{'GB/s':>9}{'p50 ms':>10}{'p99 ms':>10}",
-        ]
-        rows = [
-            ("device -> host (backup)", d["device_to_host"]),
-            ("host -> storage (put)", d["put"]),
-            ("storage -> host (get)", d["get"]),
-            ("host -> device (load)", d["host_to_device"]),
-        ]
-        if "raw_put" in d:
-            rows += [("raw os.pwritev", d["raw_put"]), ("raw os.preadv", d["raw_get"])]
-        for name, s in rows:
-            lines.append(f"  {name:<28}{s['gbps']:>9.2f}{s['p50_ms']:>10.2f}{s['p99_ms']:>10.2f}")
-        if "ratio" in d:
-            lines.append(
-                f"\n  kvtier / raw: put {d['ratio']['put']:.2f}x, get {d['ratio']['get']:.2f}x"
-            )
-        lines.append("")
-        if self.ok:
-            lines.append(
-                f"  verified: all {self.pages} pages bit-exact after device -> storage -> "
-                f"device, every round"
-            )
-        else:
-            lines.append(f"  FAILED: {len(self.failures)} problem(s):")
-            lines += [f"    - {f}" for f in self.failures[:20]]
-            counters = {**self.store_stats, **self.backend_stats}
-            causes = [
-                f"{name}={value}"
-                for name, value in sorted(counters.items())
-                if value and ("fail" in name or "invalid" in name or "error" in name)
-            ]
-            if causes:
-                lines.append(f"  counters: {', '.join(causes)}")
-        lines += [f"  note: {n}" for n in d["notes"]]
-        return "\n".join(lines)
-
-
-def _ratio(ours: float, raw: float) -> float:
-    return round(ours / raw, 3) if raw > 0 else 0.0
-
-
 def _positive(name: str, value: int) -> None:
     if value <= 0:
         raise InvalidFieldError(name, f"must be a positive integer, got {value}", value=value)
@@ -239,37 +124,105 @@ def run_bench(
     registry: Registry | None = None,
     progress_stream: IO[str] | None = None,
 ) -> BenchResult:
-    """Resolve the plan, build everything, run the rounds; raises ConfigError on bad input."""
+    """Check the options, resolve the plan, build everything, run the rounds.
+
+    Every mistake in the options raises ConfigError before anything is allocated.
+    """
+    check_workload_options(args, "single")
     for name in ("pages", "batch", "rounds"):
         _positive(f"--{name}", getattr(args, name))
+    if args.batch > args.pages:
+        raise InvalidFieldError(
+            "--batch",
+            f"{args.batch} pages per call is more than a round has (--pages {args.pages}); "
+            f"use at most {args.pages}, or more --pages",
+            value=args.batch,
+        )
+    check_seed(args.seed)
+    check_plot(getattr(args, "plot", None), "single")
+    device = resolve_device(args.device)
     if registry is None:
         from kvtier.plugins.manager import load_registry
 
         registry = load_registry()
     extra = parse_extra_config(args.extra_config, source="--extra-config")
-    base = Path(args.workdir) if args.workdir else None
-    if base is not None and not base.is_dir():
-        raise ConfigError(f"--workdir {str(base)!r} is not a directory", value=str(base))
-    workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=base))
+    workdir = make_workdir(args.workdir, "kvtier-bench-")
     try:
+        given = dict(extra)
         extra = temporary_root(registry, args.backend, extra, workdir)
         config = engine_config(args, extra, model="kvtier-bench", host_pages=args.pages)
         plan = resolve(config, registry.backends, registry.io_backends)
-        return _run_plan(args, plan, workdir, progress_stream or sys.stderr)
+        check_device_runs(device, plan.io_backend.name, plan.io_backend.devices)
+        _check_fits(args, plan, device, workdir, temp_root="root" in extra and "root" not in given)
+        raw_note = None
+        if "root" in given and not args.no_raw and not _same_disk(workdir, given["root"]):
+            raw_note = (
+                f"the raw side writes to --workdir ({workdir.parent}), the backend to its "
+                f"root ({given['root']}) on another file system: the ratio compares the disks"
+            )
+        return _run_plan(args, plan, device, workdir, progress_stream or sys.stderr, raw_note)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _same_disk(workdir: Path, root: object) -> bool:
+    """Whether ``root`` (or its nearest existing parent) is on ``workdir``'s file system."""
+    path = Path(str(root)).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return path.stat().st_dev == workdir.stat().st_dev
+    except OSError:
+        return True  # cannot tell: say nothing rather than guess
+
+
+def _check_fits(
+    args: argparse.Namespace,
+    plan: ResolvedPlan,
+    device: torch.device,
+    workdir: Path,
+    *,
+    temp_root: bool,
+) -> None:
+    """Refuse a run whose pools do not fit in memory, or whose files do not fit on disk."""
+    g = plan.geometry
+    stored = g.kv_count * region_stride_bytes(g, plan.layout) + ENVELOPE_BYTES
+    pools = 1 if args.no_raw else 2
+    fix = "use fewer --pages or a smaller geometry (--num-layers, --page-size)"
+    check_memory(
+        args.pages * stored * pools,
+        2 * args.pages * g.bytes_per_page,
+        device,
+        what="the host pool"
+        + ("" if args.no_raw else ", the raw side's pool")
+        + ", the device pool and the copy it is compared with",
+        fix=fix,
+    )
+    files = (0 if args.no_raw else 1) + (1 if temp_root else 0)
+    if files:
+        check_disk(
+            workdir,
+            files * args.pages * stored,
+            what="the raw side's files" + (" and the backend's pages" if temp_root else ""),
+            fix=fix + ", or a --workdir with more room",
+        )
+
+
 def _run_plan(
-    args: argparse.Namespace, plan: ResolvedPlan, workdir: Path, stream: IO[str]
+    args: argparse.Namespace,
+    plan: ResolvedPlan,
+    device: torch.device,
+    workdir: Path,
+    stream: IO[str],
+    raw_note: str | None,
 ) -> BenchResult:
     host = build_host_pool(plan)
     store = open_page_store(plan, host)
     try:
-        bench = _Run(args, plan, store, workdir, stream)
+        bench = _Run(args, plan, store, device, workdir, stream)
         for round_ in range(args.rounds + 1):
             bench.round(round_)
-        return bench.result()
+        return bench.result(raw_note)
     finally:
         store.backend.close()
 
@@ -282,6 +235,7 @@ class _Run:
         args: argparse.Namespace,
         plan: ResolvedPlan,
         store: PageStore,
+        device: torch.device,
         workdir: Path,
         stream: IO[str],
     ) -> None:
@@ -290,20 +244,18 @@ class _Run:
         self.backend = store.backend
         assert isinstance(store.pool, HostPool)
         self.host: HostPool = store.pool
-        self.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.pages, self.rounds = args.pages, args.rounds
-        self.batch = min(args.batch, args.pages)
+        self.device = str(device)
+        self.pages, self.rounds, self.seed = args.pages, args.rounds, args.seed
+        self.batch = args.batch
         page_size = geometry.page_size
         self.mover = build_io_backend(plan)
-        self.dev = TorchDevicePool(geometry, self.pages * page_size, self.device)
+        self.dev = TorchDevicePool(geometry, self.pages * page_size, device)
         self.dev.fill_random_(torch.Generator().manual_seed(args.seed))
         self.original = [t.clone() for t in self.dev.kv_tensors]
-        keyer = plan.keyer()
-        token_gen = torch.Generator().manual_seed(args.seed + 1)
-        tokens = torch.randint(0, 128_000, (self.pages * page_size,), generator=token_gen)
-        self.keys = keyer.keys(tokens.tolist())
+        self.keyer = plan.keyer()
+        self.keys: list[str] = []
         self.host_pages = self.host.allocate(self.pages)
-        self.slots = torch.arange(self.pages * page_size, dtype=torch.int64, device=self.device)
+        self.slots = torch.arange(self.pages * page_size, dtype=torch.int64, device=device)
         self.regions = [[e.view for e in self.host.page_buffers(p)] for p in self.host_pages]
         self.stored_bytes = sum(e.length for e in self.host.page_buffers(self.host_pages[0]))
         self.do_raw = not args.no_raw
@@ -323,28 +275,42 @@ class _Run:
         self.raw_paths = [raw_dir / f"{i}.page" for i in range(self.pages)]
         payload_round = self.pages * geometry.bytes_per_page
         stored_round = self.pages * self.stored_bytes
-        self.put_t, self.get_t = Timing(stored_round), Timing(stored_round)
-        self.backup_t, self.load_t = Timing(payload_round), Timing(payload_round)
-        self.raw_put_t, self.raw_get_t = Timing(stored_round), Timing(stored_round)
+        self.put_t = Timing(stored_round, self.batch)
+        self.get_t = Timing(stored_round, self.batch)
+        self.backup_t = Timing(payload_round, self.pages)
+        self.load_t = Timing(payload_round, self.pages)
+        self.raw_put_t = Timing(stored_round, self.batch)
+        self.raw_get_t = Timing(stored_round, self.batch)
         self.failures: list[str] = []
+        self.timed = False
         self.batches = [
             (i, min(i + self.batch, self.pages)) for i in range(0, self.pages, self.batch)
         ]
         show = not args.no_progress and not args.json
-        self.bar = Progress((self.rounds + 1) * self.pages * 2, stream, show)
+        self.bar = Progress((self.rounds + 1) * self.pages * 2, stream, show, unit="page transfers")
+
+    def _round_keys(self, number: int) -> list[str]:
+        """Round ``number``'s keys: tokens of its own, so no key is stored twice in a run."""
+        page_size = self.plan.geometry.page_size
+        gen = torch.Generator().manual_seed(self.seed + 1 + number)
+        tokens = torch.randint(0, 128_000, (self.pages * page_size,), generator=gen)
+        return self.keyer.keys(tokens.tolist())
 
     # --- one side, one batch: seconds taken ----------------------------------------------
 
-    def _failed(self, label: str, template: str, lo: int, results: Sequence[object]) -> None:
-        self.failures.extend(
-            f"{label}: " + template.format(page=lo + i) for i, ok in enumerate(results) if not ok
-        )
+    def _failed(
+        self, timing: Timing, label: str, template: str, lo: int, results: Sequence[object]
+    ) -> None:
+        bad = [lo + i for i, ok in enumerate(results) if not ok]
+        self.failures.extend(f"{label}: " + template.format(page=page) for page in bad)
+        if self.timed:
+            timing.failed_pages += len(bad)
 
     def ours_put(self, lo: int, hi: int, label: str) -> float:
         t0 = time.perf_counter()
         results = self.store.put(self.keys[lo:hi], self.host_pages[lo:hi])
         elapsed = time.perf_counter() - t0
-        self._failed(label, "put of page {page} failed", lo, results)
+        self._failed(self.put_t, label, "put of page {page} failed", lo, results)
         return elapsed
 
     def raw_put(self, lo: int, hi: int, label: str) -> float:
@@ -357,16 +323,15 @@ class _Run:
         t0 = time.perf_counter()
         results = self.store.get(self.keys[lo:hi], self.host_pages[lo:hi])
         elapsed = time.perf_counter() - t0
-        self._failed(label, "get of page {page} failed or was rejected", lo, results)
+        self._failed(self.get_t, label, "get of page {page} failed or was rejected", lo, results)
         return elapsed
 
     def raw_get(self, lo: int, hi: int, label: str) -> float:
         t0 = time.perf_counter()
         got = [_raw_get(self.raw_paths[i], self.raw_into[i]) for i in range(lo, hi)]
         elapsed = time.perf_counter() - t0
-        self._failed(
-            label, "raw read of page {page} was short", lo, [n == self.stored_bytes for n in got]
-        )
+        short = [n == self.stored_bytes for n in got]
+        self._failed(self.raw_get_t, label, "raw read of page {page} was short", lo, short)
         return elapsed
 
     def phase(
@@ -393,10 +358,11 @@ class _Run:
     def round(self, number: int) -> None:
         """Device -> host -> storage, wipe, storage -> host -> device, compare; round 0 is
         the untimed warm-up."""
-        timed = number > 0
+        self.timed = timed = number > 0
         label = f"round {number}/{self.rounds}" if timed else "warm-up"
-        # new pages every round: last round's pages are removed, untimed
-        self.store.delete(self.keys)
+        # new pages every round, untimed: last round's are cleared, this round's keys are new
+        self.backend.clear()
+        self.keys = self._round_keys(number)
         for path in self.raw_paths:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -433,7 +399,7 @@ class _Run:
                     f"(kv {kv}, first differing page {bad})"
                 )
 
-    def result(self) -> BenchResult:
+    def result(self, raw_note: str | None) -> BenchResult:
         """The measurements; the stored pages are removed."""
         self.bar.close()
         result = BenchResult(
@@ -444,7 +410,6 @@ class _Run:
             device=str(self.dev.device),
             page_bytes=self.plan.geometry.bytes_per_page,
             stored_bytes=self.stored_bytes,
-            ok=not self.failures,
             failures=self.failures,
             put=self.put_t,
             get=self.get_t,
@@ -455,6 +420,7 @@ class _Run:
             backend_stats=self.backend.stats(),
             store_stats=self.store.stats(),
             workdir=str(self.workdir),
+            raw_note=raw_note,
         )
         self.backend.clear()
         return result
