@@ -27,6 +27,7 @@ from kvtier.backends.file.backend import FileBackend
 from kvtier.backends.filestore import paths as fs_paths
 from kvtier.backends.filestore import startup as fs_startup
 from kvtier.backends.filestore import writes as fs_writes
+from kvtier.backends.filestore.debris import Debris
 from kvtier.core.errors import ConfigError, InvalidFieldError, KvtierError, StorageError
 from kvtier.core.extents import Extent, extent_of_view
 from kvtier.core.geometry import KVGeometry
@@ -469,7 +470,12 @@ def test_stale_temp_files_are_removed_at_start_up(root: Path) -> None:
         assert not stale.exists()
         assert live.exists()  # a live writer's temp file is left alone
         assert again.exists(["k"]) == [True]
-        assert fs_startup.remove_stale_temps(b.store, max_age=0) == 1  # ... until it is too old
+        assert again.stats()["debris_stale_temps"] == 1
+        debris = Debris("file")
+        assert fs_startup.sweep_store(b.store, debris, max_age=0) == [  # ... until too old
+            ("k", 3 * REGION, fs_paths.page_path(b.store, "k").stat().st_mtime)
+        ]
+        assert not live.exists() and debris.stats()["debris_stale_temps"] == 1
     finally:
         sleeper.kill()
         sleeper.wait()

@@ -508,12 +508,12 @@ def test_publish_happens_only_after_the_whole_page_is_written(
             seen.append(("inline", Path(dst).exists(), Path(src).read_bytes()))
         real_replace(src, dst, **kwargs)
 
-    def checking_rename(put: Any) -> Any:  # the ring's rename is queued only now
+    def checking_rename(self: UringBackend, put: Any) -> Any:  # queued only now
         seen.append(("ring", put.final.exists(), put.tmp.read_bytes()))
-        return real_rename(put)
+        return real_rename(self, put)
 
     monkeypatch.setattr(os, "replace", checking_replace)
-    monkeypatch.setattr(UringBackend, "_rename", staticmethod(checking_rename))
+    monkeypatch.setattr(UringBackend, "_rename", checking_rename)
     keys = [f"w{i}" for i in range(6)]
     for version in range(2):
         datas = [_data(10 * version + i, 12000) for i in range(6)]

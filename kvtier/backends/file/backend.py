@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.backends.file.config import FileConfig
-from kvtier.backends.filestore import paths, startup, writes
-from kvtier.backends.filestore.index import FileIndex
+from kvtier.backends.filestore import paths, writes
+from kvtier.backends.filestore.store import FileStore
 from kvtier.core.errors import StorageError
 from kvtier.core.layout import ALIGNMENT
-from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBackend
+from kvtier.core.storage import BackendContext, PageBuffers, StorageBackend
 
 __all__ = ["FileBackend"]
 
@@ -52,31 +52,17 @@ class FileBackend(StorageBackend):
         self.config = config or FileConfig()
         self.context = context
         namespace = context.namespace if context is not None else "default"
-        self.store = startup.prepare_store(self.config.root, namespace)
-        self._store_str = os.fspath(self.store)
-        if self.config.o_direct:
-            writes.probe_o_direct(self.store, self.config.root)
-        self.index = FileIndex(
-            self.store,
-            capacity_bytes=self.config.capacity_bytes,
-            min_free_bytes=self.config.min_free_bytes,
-            check_disk_on_miss=self.config.check_disk_on_miss,
-        )
-        found = self.index.rebuild()
-        self._counters = Counters()
-        self._counters.set("pages_found_at_start", found)
+        self._fs = FileStore(self.config, namespace, "file", log)  # opened, swept, indexed
+        self.store = self._fs.path
+        self._store_str = self._fs.path_str
+        self.index = self._fs.index
+        self._counters = self._fs.counters
+        self._warn_once = self._fs.warn_once
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self._warned: set[str] = set()
 
     # --- helpers -------------------------------------------------------------------------
-
-    def _warn_once(self, what: str, message: str, *args: object) -> None:
-        self._counters.add(what)
-        if what not in self._warned:
-            self._warned.add(what)
-            log.warning(message, *args)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -121,24 +107,12 @@ class FileBackend(StorageBackend):
 
     def _get_one(self, key: str, page: PageBuffers) -> bool:
         final = paths.page_path_str(self._store_str, key)
-        flags = os.O_RDONLY | os.O_CLOEXEC
-        if self._direct_for(page):
-            flags |= os.O_DIRECT
-        try:
-            fd = os.open(final, flags)
-        except (FileNotFoundError, NotADirectoryError):
-            self.index.forget(key)  # another process deleted or evicted it
-            self._counters.add("misses")
-            return False
-        except OSError as exc:
-            self._warn_once("get_errors", "file backend: cannot open %s: %s", final, exc)
+        expected = sum(e.length for e in page)
+        direct = self._direct_for(page)
+        fd = self._fs.open_page(key, final, expected, direct=direct, blocking=False)
+        if fd is None:
             return False
         try:
-            expected = sum(e.length for e in page)
-            size = os.fstat(fd).st_size
-            if size != expected:
-                self._counters.add("get_size_mismatch")
-                return False
             got = _preadv_all(fd, [e.view for e in page])
         except OSError as exc:
             self._warn_once("get_errors", "file backend: reading %s failed: %s", final, exc)
@@ -148,7 +122,7 @@ class FileBackend(StorageBackend):
         if got != expected:
             self._counters.add("get_short_reads")
             return False
-        self.index.touch(key, size)
+        self.index.touch(key, expected)
         self._counters.add("hits")
         self._counters.add("bytes_read", got)
         return True
@@ -189,7 +163,7 @@ class FileBackend(StorageBackend):
         direct = self._direct_for(page)
         tmp: Path | None = None
         try:
-            fd, tmp = paths.open_temp(final, o_direct=direct)
+            fd, tmp = self._fs.open_temp(final, o_direct=direct)
             try:
                 writes.pwritev_all(fd, [e.view for e in page])
                 if self.config.fsync != "none":
@@ -213,8 +187,8 @@ class FileBackend(StorageBackend):
 
     def _publish(self, key: str, tmp: Path, final: Path, nbytes: int, *, sync_dir: bool) -> bool:
         try:
-            writes.publish(tmp, final)
-        except OSError as exc:
+            self._fs.publish(tmp, final)
+        except OSError as exc:  # nothing was published: the temp file is still ours
             writes.unlink_quietly([tmp])
             self.index.release(nbytes)
             self._warn_once("put_failed_io", "file backend: publishing %s: %s", final, exc)
@@ -231,19 +205,18 @@ class FileBackend(StorageBackend):
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
         self._check_open()
-        paths.check_keys(keys)
-        return [self.index.remove(key) for key in keys]
+        return self._fs.delete(keys)
 
     def clear(self) -> None:
         self._check_open()
-        self.index.remove_all()
+        self._fs.clear()
 
     def rescan(self) -> int:
-        """Rebuild the index from disk (pages other processes wrote); return the count."""
-        return self.index.rebuild()
+        """Sweep the store and rebuild the index from disk (pages other processes wrote)."""
+        return self._fs.rescan()
 
     def stats(self) -> dict[str, int | float]:
-        return {**self._counters.snapshot(), **self.index.stats()}
+        return self._fs.stats()
 
     def close(self) -> None:
         with self._lock:

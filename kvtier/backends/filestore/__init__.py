@@ -9,10 +9,16 @@ This package holds no code of its own; each module does one job:
 * :mod:`~kvtier.backends.filestore.writes`: moving bytes to disk and publishing them
   (``pwritev`` loops, ``fsync`` of directories, the ``renameat2`` exchange, temp file
   clean-up) and the O_DIRECT alignment and filesystem checks;
-* :mod:`~kvtier.backends.filestore.startup`: opening a store (private directories,
-  stale temp files removed, the scan of published pages);
+* :mod:`~kvtier.backends.filestore.startup`: opening a store (private directories) and
+  :func:`~kvtier.backends.filestore.startup.sweep_store`, the one walk over a store
+  (start-up, ``rescan``, ``clear``) that finds the pages and deals with debris;
+* :mod:`~kvtier.backends.filestore.debris`: what debris is (its kinds and counters), and
+  removing it without following a symlink;
 * :mod:`~kvtier.backends.filestore.index`: :class:`FileIndex`, the in-memory LRU index
-  with capacity and the free-space guard.
+  with capacity and the free-space guard;
+* :mod:`~kvtier.backends.filestore.store`: :class:`FileStore`, one opened store, which
+  both backends hold: counters, opening pages for reading, temp files and publishing
+  over debris, ``delete`` / ``clear`` / ``rescan`` / ``stats``.
 
 Layout of a store (``paths.store_dir(root, namespace)``)::
 
@@ -48,17 +54,24 @@ each keeps its own index. A key missing from this process's index is looked up o
 dropped from the index when a read finds no file. Capacity is therefore enforced per
 process over the pages it knows of; the free-space guard sees the whole filesystem.
 
-A backend built on this scheme (file, io_uring) does, per page::
+A backend built on this scheme (file, io_uring) opens ``fs = FileStore(config, namespace,
+name, log)`` at start-up (0700 dirs, the debris sweep, the index), then does, per page::
 
-    final = paths.page_path(store, key)           # validates the key
-    reason = index.reserve(key, nbytes)           # evicts LRU pages; None when it fits
-    fd, tmp = paths.open_temp(final, o_direct=...)  # 0600, O_EXCL, shard dirs made 0700
+    final = paths.page_path(fs.path, key)         # validates the key
+    reason = fs.index.reserve(key, nbytes)        # evicts LRU pages; None when it fits
+    fd, tmp = fs.open_temp(final, o_direct=...)   # 0600, O_EXCL, shard dirs made 0700
     ...write every region at its offset...; fsync(fd) unless durability == "none"
-    writes.publish(tmp, final, sync_dir=durability == "page"); index.commit(key, nbytes)
-    # on any failure: writes.unlink_quietly([tmp]); index.release(nbytes); report False
+    fs.publish(tmp, final); fs.index.commit(key, nbytes)   # never fails once published
+    # on any failure before publishing: writes.unlink_quietly([tmp]);
+    # fs.index.release(nbytes); report False
 
-and at start-up ``store = startup.prepare_store(root, namespace)`` (0700 dirs, stale temps
-removed), then ``index = FileIndex(store, ...)`` and ``index.rebuild()``.
+and reads with ``fd = fs.open_page(key, path, nbytes)`` (None: a counted miss).
+
+Debris (anything in the store that is not a page, a shard directory or a live writer's
+temp file) never stops a store from opening: the sweep removes it or resets its mode,
+logs each thing once and counts it in ``stats()["debris_<kind>"]``
+(:data:`~kvtier.backends.filestore.debris.KINDS`); a put, get or delete that meets debris
+under a name it needs removes it the same way. Symlinks are removed, never followed.
 
 Keys reach the filesystem only after ``paths.check_key`` (the key module's
 ``validate_key``: lowercase ASCII letters, digits, ``_`` and ``-``, starting with a letter

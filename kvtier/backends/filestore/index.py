@@ -7,11 +7,11 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from kvtier.backends.filestore.paths import check_key, page_path, page_path_str
-from kvtier.backends.filestore.startup import scan_pages
+from kvtier.backends.filestore.debris import Debris, discard
+from kvtier.backends.filestore.paths import check_key, page_path_str
 
 __all__ = ["FileIndex"]
 
@@ -33,8 +33,10 @@ class FileIndex:
         capacity_bytes: int | None = None,
         min_free_bytes: int = 0,
         check_disk_on_miss: bool = True,
+        debris: Debris | None = None,
     ) -> None:
         self.store = store
+        self.debris = debris if debris is not None else Debris("file")
         self._store_str = os.fspath(store)
         self.capacity_bytes = capacity_bytes
         self.min_free_bytes = min_free_bytes
@@ -48,15 +50,14 @@ class FileIndex:
 
     # --- start-up ----------------------------------------------------------------------
 
-    def rebuild(self) -> int:
-        """Replace the index with a scan of the store; return the number of pages found."""
-        pages = scan_pages(self.store)
+    def load(self, pages: Iterable[tuple[str, int, float]]) -> int:
+        """Replace the index with ``pages`` (key, size, mtime), oldest first; their count."""
         with self._lock:
             self._sizes.clear()
             for key, size, _mtime in pages:
                 self._sizes[key] = size
             self._bytes = sum(self._sizes.values())
-        return len(pages)
+            return len(self._sizes)
 
     # --- lookups -----------------------------------------------------------------------
 
@@ -188,9 +189,7 @@ class FileIndex:
         size = self._sizes.pop(victim)
         self._bytes -= size
         try:
-            os.unlink(page_path(self.store, victim))
-        except FileNotFoundError:
-            pass  # another process evicted or deleted it; the bytes are free either way
+            self.unlink_page(victim)
         except OSError as exc:
             log.warning("could not evict page %s: %s", victim, exc)
         self.evictions += 1
@@ -199,25 +198,30 @@ class FileIndex:
 
     # --- removal -----------------------------------------------------------------------
 
-    def remove(self, key: str) -> bool:
-        """Unlink ``key``'s page and drop it from the index; True if a file was removed."""
-        self.forget(key)
+    def unlink_page(self, key: str) -> bool:
+        """Unlink ``key``'s page file; True if one was removed.
+
+        Missing is fine (another process evicted or deleted it). Anything else under the
+        page's name (a directory, a symlink...) is debris: removed, logged and counted,
+        never followed, and no page was removed.
+        """
+        path = page_path_str(self._store_str, key)
         try:
-            os.unlink(page_path(self.store, key))
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                discard(path, self.debris, where="a page")
+                return False
+            os.unlink(path)
         except (FileNotFoundError, NotADirectoryError):
             return False
         return True
 
-    def remove_all(self) -> int:
-        """Unlink every page in the store (indexed or not); return how many were removed."""
-        removed = 0
+    def remove(self, key: str) -> bool:
+        """Unlink ``key``'s page and drop it from the index; True if a file was removed."""
+        self.forget(key)
+        return self.unlink_page(key)
+
+    def drop_all(self) -> None:
+        """Forget every page (``clear`` then unlinks what a sweep finds)."""
         with self._lock:
             self._sizes.clear()
             self._bytes = 0
-        for key, _size, _mtime in scan_pages(self.store):
-            try:
-                os.unlink(page_path(self.store, key))
-                removed += 1
-            except FileNotFoundError:
-                pass
-        return removed

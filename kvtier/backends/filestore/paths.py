@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -20,6 +21,8 @@ __all__ = [
     "FILE_MODE",
     "MAX_KEY_LENGTH",
     "PAGE_SUFFIX",
+    "PROBE_PREFIX",
+    "STARTED",
     "TEMP_SUFFIX",
     "check_key",
     "check_keys",
@@ -27,6 +30,7 @@ __all__ = [
     "open_temp",
     "page_path",
     "page_path_str",
+    "shard_of",
     "store_dir",
     "temp_flags",
     "temp_path",
@@ -36,6 +40,10 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 PAGE_SUFFIX = ".kv"
 TEMP_SUFFIX = ".tmp"
+PROBE_PREFIX = ".o_direct_probe."
+#: When this process loaded the scheme: a temp file named with this process's pid but
+#: older than this was left by an earlier process that had the same pid (containers).
+STARTED = time.time()
 _temp_seq: dict[int, int] = {}
 _temp_lock = threading.Lock()
 
@@ -73,6 +81,12 @@ def page_path_str(store: str, key: str) -> str:
     check_key(key)
     shard = hashlib.blake2b(key.encode("ascii"), digest_size=2).hexdigest()
     return f"{store}/{shard[:2]}/{shard[2:]}/{key}{PAGE_SUFFIX}"
+
+
+def shard_of(key: str) -> tuple[str, str]:
+    """The two shard directory names of an already checked ``key``."""
+    shard = hashlib.blake2b(key.encode("ascii"), digest_size=2).hexdigest()
+    return shard[:2], shard[2:]
 
 
 def temp_path(final: Path) -> Path:

@@ -10,11 +10,14 @@ import contextlib
 import ctypes
 import errno
 import os
+import stat
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from kvtier.backends.filestore.debris import Debris, discard
+from kvtier.backends.filestore.paths import PROBE_PREFIX
 from kvtier.core.errors import ConfigError
 from kvtier.core.layout import ALIGNMENT
 from kvtier.core.storage import PageBuffers
@@ -22,12 +25,14 @@ from kvtier.core.storage import PageBuffers
 __all__ = [
     "IOV_MAX",
     "advance_views",
+    "clear_name",
     "direct_aligned",
     "fsync_dir",
     "is_no_space",
     "probe_o_direct",
     "publish",
     "pwritev_all",
+    "replace",
     "unlink_quietly",
 ]
 
@@ -92,8 +97,12 @@ def _load_renameat2() -> Any:
 _renameat2: Any = _load_renameat2() if sys.platform.startswith("linux") else None
 
 
-def _exchange(tmp: Path, final: Path) -> bool:
-    """Swap ``tmp`` and ``final`` atomically (renameat2 RENAME_EXCHANGE); False if unusable."""
+def _exchange(tmp: Path, final: Path) -> bool | None:
+    """Swap ``tmp`` and ``final`` atomically (renameat2 RENAME_EXCHANGE).
+
+    True when swapped; None when nothing is under ``final`` (ENOENT: a plain rename will
+    do); False when this kernel or filesystem cannot exchange.
+    """
     global _renameat2
     if _renameat2 is None:
         return False
@@ -103,14 +112,71 @@ def _exchange(tmp: Path, final: Path) -> bool:
     ):
         return True
     err = ctypes.get_errno()
+    if err == errno.ENOENT:  # no page yet under ``final``
+        return None
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         _renameat2 = None  # this kernel or filesystem has no exchange: plain renames from now on
-    elif err != errno.ENOENT:  # ENOENT: no page yet under ``final``, a plain rename will do
-        raise OSError(err, os.strerror(err), str(final))
-    return False
+        return False
+    raise OSError(err, os.strerror(err), str(final))
 
 
-def publish(tmp: Path, final: Path, *, sync_dir: bool = False) -> None:
+#: Errors of rename(2) that mean something other than a page holds the final name.
+_BLOCKED = frozenset({errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST})
+_UNTRACKED = Debris("kvtier")
+
+
+def clear_name(final: Path | str, debris: Debris | None = None) -> bool:
+    """Remove (and count) whatever other than a page file holds ``final``'s name.
+
+    A rename would replace a symlink or FIFO silently and fail on a directory; this
+    lstat first makes every such thing counted and logged, whichever way it is published.
+    True when something was found (removed or not).
+    """
+    try:
+        info = os.lstat(final)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if stat.S_ISREG(info.st_mode):
+        return False
+    discard(os.fspath(final), debris or _UNTRACKED, where="a page")
+    return True
+
+
+def replace(
+    tmp: Path | str, final: Path | str, debris: Debris | None = None, *, vacant: bool = False
+) -> None:
+    """``rename(tmp, final)`` over whatever non-page entry holds ``final`` (removed first).
+
+    ``vacant``: the caller just saw nothing under ``final``, so the lstat is skipped (a
+    directory made meanwhile still fails the rename, and is removed then). Raises (and
+    publishes nothing) when the rename fails.
+    """
+    tried = False if vacant else clear_name(final, debris)
+    try:
+        os.replace(tmp, final)
+    except OSError as exc:
+        if exc.errno not in _BLOCKED or tried:  # tried: it is counted already
+            raise
+        discard(os.fspath(final), debris or _UNTRACKED, where="a page")
+        os.replace(tmp, final)
+
+
+def _drop_replaced(tmp: Path, debris: Debris) -> None:
+    """Remove what an exchange moved under the temp name: the old page, or debris."""
+    try:
+        info = os.lstat(tmp)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(info.st_mode):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    else:  # a directory, symlink, FIFO... sat where the page now is
+        discard(os.fspath(tmp), debris, where="a page")
+
+
+def publish(
+    tmp: Path, final: Path, *, sync_dir: bool = False, debris: Debris | None = None
+) -> None:
     """Atomically replace ``final`` with the fully written ``tmp`` (same directory).
 
     Where a page already exists, the two names are exchanged (``renameat2`` with
@@ -118,12 +184,16 @@ def publish(tmp: Path, final: Path, *, sync_dir: bool = False) -> None:
     still see the whole old or the whole new page, and ext4 does not start writeback of
     the new page as it does for a rename over an existing file (``auto_da_alloc``), which
     made overwrites several times slower. Elsewhere it is a plain ``rename``.
+
+    Whatever held ``final`` before (a directory, a symlink...) is removed as debris and
+    counted in ``debris``. Once the page is published nothing here raises (except the
+    directory fsync of ``sync_dir``), so a caller never reports a published page as failed.
     """
-    if _exchange(tmp, final):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    exchanged = _exchange(tmp, final)
+    if exchanged:
+        _drop_replaced(tmp, debris or _UNTRACKED)
     else:
-        os.replace(tmp, final)
+        replace(tmp, final, debris, vacant=exchanged is None)
     if sync_dir:
         fsync_dir(final.parent)
 
@@ -147,7 +217,7 @@ def direct_aligned(page: PageBuffers) -> bool:
 
 def probe_o_direct(store: Path, root: Path) -> None:
     """Refuse at start-up, with a ConfigError naming ``root``, a store that rejects O_DIRECT."""
-    probe = store / f".o_direct_probe.{os.getpid()}"
+    probe = store / f"{PROBE_PREFIX}{os.getpid()}"
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
     except OSError as exc:

@@ -23,14 +23,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.backends.filestore import paths, startup, writes
-from kvtier.backends.filestore.index import FileIndex
+from kvtier.backends.filestore import paths, writes
+from kvtier.backends.filestore.store import FileStore
 from kvtier.backends.uring.config import UringConfig
 from kvtier.backends.uring.probe import INSTALL_HINT, probe_io_uring
 from kvtier.backends.uring.ring import IORequest, Op, RingPool
 from kvtier.core.errors import BackendUnavailableError, StorageError
 from kvtier.core.layout import ALIGNMENT
-from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBackend
+from kvtier.core.storage import BackendContext, PageBuffers, StorageBackend
 
 __all__ = ["UringBackend"]
 
@@ -49,7 +49,7 @@ class _Put:
     fd: int
     views: list[memoryview] = field(default_factory=list)
     direct: bool = False
-    made_dirs: bool = False
+    retried: bool = False  # a failed create was cured once (shard dirs, stale name)
     dir_fd: int = -1
     published: bool = False
     finished: bool = False  # committed or failed: nothing left to clean up
@@ -67,19 +67,12 @@ class UringBackend(StorageBackend):
         self.config = config or UringConfig()
         self.context = context
         namespace = context.namespace if context is not None else "default"
-        self.store = startup.prepare_store(self.config.root, namespace)
-        if self.config.o_direct:
-            writes.probe_o_direct(self.store, self.config.root)
-        self._counters = Counters()
-        self.index = FileIndex(
-            self.store,
-            capacity_bytes=self.config.capacity_bytes,
-            min_free_bytes=self.config.min_free_bytes,
-            check_disk_on_miss=self.config.check_disk_on_miss,
-        )
-        self._counters.set("pages_found_at_start", self.index.rebuild())
+        self._fs = FileStore(self.config, namespace, "uring", log)  # opened, swept, indexed
+        self.store = self._fs.path
+        self.index = self._fs.index
+        self._counters = self._fs.counters
+        self._warn_once = self._fs.warn_once
         self._rings = RingPool(self.config.queue_depth)
-        self._warned: set[str] = set()
         self._closed = False
 
     # --- helpers ---------------------------------------------------------------------
@@ -128,13 +121,6 @@ class UringBackend(StorageBackend):
         """
         return self.config.submit_async == "auto" and (self.config.queue_depth == 1 or batch == 1)
 
-    def _warn_once(self, what: str, message: str, *args: object) -> None:
-        """Count ``what`` and log its first occurrence at WARNING."""
-        self._counters.add(what)
-        if what not in self._warned:
-            self._warned.add(what)
-            log.warning(message, *args)
-
     def _fail_put(self, put: _Put, cause: int) -> None:
         put.finished = True
         writes.unlink_quietly([put.tmp])
@@ -169,33 +155,14 @@ class UringBackend(StorageBackend):
 
         def requests() -> Iterator[IORequest]:
             for index, (key, page) in enumerate(zip(keys, pages, strict=True)):
-                flags = os.O_RDONLY | os.O_CLOEXEC
-                if self._direct(page):
-                    flags |= os.O_DIRECT
-                try:
-                    fd = os.open(files[index], flags)
-                except (FileNotFoundError, NotADirectoryError):
-                    self.index.forget(key)
-                    self._counters.add("misses")
-                    continue
-                except OSError as exc:
-                    self._warn_once(
-                        "get_errors", "uring backend: cannot open %s: %s", files[index], exc
-                    )
+                direct = self._direct(page)
+                nbytes = sum(e.length for e in page)
+                fd = self._fs.open_page(key, files[index], nbytes, direct=direct)
+                if fd is None:  # a miss, debris or a wrong size: counted
                     continue
                 open_fds.add(fd)
-                try:
-                    size = os.fstat(fd).st_size
-                except OSError:
-                    size = -1
-                if size != sum(e.length for e in page):  # truncated, foreign or torn
-                    open_fds.discard(fd)
-                    os.close(fd)
-                    self._counters.add("get_size_mismatch")
-                    continue
-                yield IORequest(
-                    Op.READ, fd, [e.view for e in page], tag=index, punt=self._punt(flags)
-                )
+                punt = self._punt(os.O_DIRECT if direct else 0)
+                yield IORequest(Op.READ, fd, [e.view for e in page], tag=index, punt=punt)
 
         def on_done(request: IORequest) -> None:
             open_fds.discard(request.fd)
@@ -260,7 +227,7 @@ class UringBackend(StorageBackend):
                     yield self._open(put)
                     continue
                 try:
-                    fd, tmp = paths.open_temp(finals[index], o_direct=direct)
+                    fd, tmp = self._fs.open_temp(finals[index], o_direct=direct)
                 except OSError as exc:
                     self.index.release(nbytes)
                     self._fail_cause(exc.errno or errno.EIO, finals[index])
@@ -282,15 +249,16 @@ class UringBackend(StorageBackend):
         def on_done(request: IORequest) -> IORequest | None:
             put: _Put = request.tag
             if request.op == Op.OPEN:
-                if request.error == errno.ENOENT and not put.made_dirs:
-                    put.made_dirs = True  # a new shard: make its directories, open again
+                if request.error and not put.retried:
+                    put.retried = True  # a new shard, or debris in the way: cure, open again
                     try:
-                        paths.make_shard_dirs(put.final)
+                        retry = self._fs.retry_temp(put.final, request.error, put.tmp)
                     except OSError as exc:
                         del live[put.index]
                         self._fail_put(put, exc.errno or errno.EIO)
                         return None
-                    return self._open(put)
+                    if retry:
+                        return self._open(put)
                 if request.error:
                     del live[put.index]
                     self._fail_put(put, request.error)
@@ -316,7 +284,7 @@ class UringBackend(StorageBackend):
                     # the ring. Replacing a page goes through the ring: ext4 then starts
                     # writeback of the new file inside rename, which takes far longer.
                     try:
-                        os.replace(put.tmp, put.final)
+                        self._fs.replace(put.tmp, put.final)
                     except OSError as exc:
                         del live[put.index]
                         self._fail_put(put, exc.errno or errno.EIO)
@@ -324,7 +292,7 @@ class UringBackend(StorageBackend):
                     return on_done(IORequest(Op.RENAME, -1, tag=put))
                 return self._rename(put)
             if request.op == Op.RENAME:
-                if request.error:
+                if request.error and not self._rename_again(put, request.error):
                     del live[put.index]
                     self._fail_put(put, request.error)
                     return None
@@ -355,7 +323,7 @@ class UringBackend(StorageBackend):
 
         def finish_batch(request: IORequest) -> None:
             put: _Put = request.tag
-            if request.error:
+            if request.error and not self._rename_again(put, request.error):
                 self._fail_put(put, request.error)
             else:
                 put.published = True
@@ -393,9 +361,24 @@ class UringBackend(StorageBackend):
             Op.OPEN, -1, paths=(tmp, tmp), open_flags=flags, mode=paths.FILE_MODE, tag=put
         )
 
-    @staticmethod
-    def _rename(put: _Put) -> IORequest:
+    def _rename(self, put: _Put) -> IORequest:
+        """The ring's rename of ``put``'s temp file over its page (debris cleared first)."""
+        self._fs.clear_name(put.final)
         return IORequest(Op.RENAME, -1, paths=(str(put.tmp), str(put.final)), tag=put)
+
+    def _rename_again(self, put: _Put, error: int) -> bool:
+        """After the ring's rename failed with ``error``: rename inline over debris; True if done.
+
+        A directory under the page's name (EISDIR) is removed as debris first; any other
+        error, or a second failure, leaves the put failed and nothing published.
+        """
+        if error not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+            return False
+        try:
+            self._fs.replace(put.tmp, put.final)
+        except OSError:
+            return False
+        return True
 
     def _committed(self, put: _Put, results: list[bool]) -> None:
         put.finished = True
@@ -405,18 +388,17 @@ class UringBackend(StorageBackend):
         self._counters.add("bytes_written", put.nbytes)
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
-        paths.check_keys(keys)
-        return [self.index.remove(key) for key in keys]
+        return self._fs.delete(keys)
 
     def clear(self) -> None:
-        self.index.remove_all()
+        self._fs.clear()
 
     def rescan(self) -> int:
-        """Rebuild the index from disk (pages other processes wrote); return the count."""
-        return self.index.rebuild()
+        """Sweep the store and rebuild the index from disk (pages other processes wrote)."""
+        return self._fs.rescan()
 
     def stats(self) -> dict[str, int | float]:
-        return {**self._counters.snapshot(), **self.index.stats()}
+        return self._fs.stats()
 
     def close(self) -> None:
         if not self._closed:

@@ -1,0 +1,208 @@
+"""One opened store: what the file and io_uring backends share beyond moving the bytes.
+
+:class:`FileStore` opens the store (private directories, the debris sweep, the index),
+and holds the parts both backends would otherwise each keep a copy of: the counters and
+their warn-once log, opening a page for reading without following a symlink or blocking
+on a FIFO, creating a temp file and publishing it over whatever debris holds the name,
+``delete`` / ``clear`` / ``rescan`` and ``stats``. A backend keeps only its data path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvtier.backends.filestore import paths, startup, writes
+from kvtier.backends.filestore.debris import Debris, discard
+from kvtier.backends.filestore.index import FileIndex
+from kvtier.backends.filestore.options import FileStoreOptions
+from kvtier.core.storage import Counters
+
+__all__ = ["FileStore"]
+
+#: How a page is opened for reading: never through a symlink, never blocking on a FIFO.
+READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+#: open(2) errors that mean the name holds something other than a page file.
+_NOT_A_PAGE = frozenset({errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EINVAL})
+#: open(2) errors of a temp file that a repaired shard directory cures.
+_BAD_SHARD = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
+
+
+class FileStore:
+    """The store of one backend instance under ``root/<namespace>``, opened and swept.
+
+    ``backend`` names the backend in log lines ("file", "uring"), which go to ``log``
+    (the backend's logger). Opening never fails
+    on debris inside the store (see :func:`~kvtier.backends.filestore.startup.sweep_store`);
+    only a root that is not a private directory of this user, or a namespace entry that
+    cannot be removed, is refused with a ConfigError.
+    """
+
+    def __init__(
+        self, options: FileStoreOptions, namespace: str, backend: str, log: logging.Logger
+    ) -> None:
+        self.backend = backend
+        self.log = log
+        self.debris = Debris(backend, log=log)
+        self.counters = Counters()
+        self._warned: set[str] = set()
+        self.path = startup.prepare_store(options.root, namespace, self.debris)
+        self.path_str = os.fspath(self.path)
+        if options.o_direct:
+            writes.probe_o_direct(self.path, options.root)
+        self.index = FileIndex(
+            self.path,
+            capacity_bytes=options.capacity_bytes,
+            min_free_bytes=options.min_free_bytes,
+            check_disk_on_miss=options.check_disk_on_miss,
+            debris=self.debris,
+        )
+        self.counters.set("pages_found_at_start", self.rescan())
+
+    # --- counters ----------------------------------------------------------------------
+
+    def warn_once(self, what: str, message: str, *args: object) -> None:
+        """Count ``what`` and log its first occurrence at WARNING."""
+        self.counters.add(what)
+        if what not in self._warned:
+            self._warned.add(what)
+            self.log.warning(message, *args)
+
+    def stats(self) -> dict[str, int | float]:
+        """The backend's counters, the debris counters and the index's figures."""
+        return {**self.counters.snapshot(), **self.debris.stats(), **self.index.stats()}
+
+    # --- reads -------------------------------------------------------------------------
+
+    def open_page(
+        self, key: str, path: str, nbytes: int, *, direct: bool = False, blocking: bool = True
+    ) -> int | None:
+        """Open ``key``'s page (at ``path``) for reading; its descriptor, or None for a miss.
+
+        A missing page, or something other than a regular file under its name (removed as
+        debris), is a counted miss; a file of another size than ``nbytes`` counts as
+        ``get_size_mismatch``. ``O_NONBLOCK`` (so a FIFO cannot block the open) is cleared
+        again when ``blocking``: io_uring honours it on regular files (a read would fail
+        with EAGAIN instead of waiting), ``preadv`` does not (open(2)), so the ``file``
+        backend passes False and saves the system call.
+        """
+        flags = READ_FLAGS | os.O_DIRECT if direct else READ_FLAGS
+        try:
+            fd = os.open(path, flags)
+        except (FileNotFoundError, NotADirectoryError):
+            self.index.forget(key)  # another process deleted or evicted it
+            self.counters.add("misses")
+            return None
+        except OSError as exc:
+            if exc.errno in _NOT_A_PAGE and self._not_a_page(key, path):
+                return None
+            self.warn_once("get_errors", "%s backend: cannot open %s: %s", self.backend, path, exc)
+            return None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                os.close(fd)
+                fd = -1
+                self._not_a_page(key, path)
+                return None
+            if info.st_size != nbytes:  # truncated, foreign or the wrong page buffer
+                os.close(fd)
+                fd = -1
+                self.counters.add("get_size_mismatch")
+                return None
+            if blocking:
+                fcntl.fcntl(fd, fcntl.F_SETFL, os.O_DIRECT if direct else 0)
+        except OSError as exc:
+            if fd >= 0:
+                os.close(fd)
+            self.warn_once("get_errors", "%s backend: reading %s: %s", self.backend, path, exc)
+            return None
+        return fd
+
+    def _not_a_page(self, key: str, path: str) -> bool:
+        """Remove the non-page entry under ``key``'s name; count a miss. False: it is a file."""
+        try:
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                return False
+        except FileNotFoundError:
+            pass
+        self.index.forget(key)
+        discard(path, self.debris, where="a page")
+        self.counters.add("misses")
+        return True
+
+    # --- writes ------------------------------------------------------------------------
+
+    def make_leaf(self, final: Path) -> None:
+        """Create the shard directories above ``final`` (0700), removing debris in the way."""
+        for directory in (final.parent.parent, final.parent):
+            try:
+                info = os.lstat(directory)
+            except FileNotFoundError:
+                info = None
+            if info is not None and stat.S_ISDIR(info.st_mode):
+                continue
+            if info is not None:
+                discard(os.fspath(directory), self.debris, where="a shard directory")
+            with contextlib.suppress(FileExistsError):  # another writer made it meanwhile
+                os.mkdir(directory, paths.DIR_MODE)
+
+    def open_temp(self, final: Path, *, o_direct: bool = False) -> tuple[int, Path]:
+        """:func:`paths.open_temp`, curing what blocks it: debris shard dirs, stale names."""
+        for _attempt in range(3):
+            try:
+                return paths.open_temp(final, o_direct=o_direct)
+            except FileExistsError as exc:  # an earlier process with this pid left it
+                discard(os.fspath(exc.filename), self.debris, where="a fresh temp file")
+            except OSError as exc:
+                if exc.errno not in _BAD_SHARD:
+                    raise
+                self.make_leaf(final)
+        return paths.open_temp(final, o_direct=o_direct)
+
+    def retry_temp(self, final: Path, error: int, tmp: Path) -> bool:
+        """After a failed create of ``tmp`` with ``error``: cure the cause; True to retry."""
+        if error == errno.EEXIST:
+            discard(os.fspath(tmp), self.debris, where="a fresh temp file")
+            return True
+        if error in _BAD_SHARD:
+            self.make_leaf(final)
+            return True
+        return False
+
+    def publish(self, tmp: Path, final: Path, *, sync_dir: bool = False) -> None:
+        """:func:`writes.publish` with this store's debris counters."""
+        writes.publish(tmp, final, sync_dir=sync_dir, debris=self.debris)
+
+    def clear_name(self, final: Path | str) -> bool:
+        """Before a rename: remove whatever other than a page file holds ``final``."""
+        return writes.clear_name(final, self.debris)
+
+    def replace(self, tmp: Path | str, final: Path | str) -> None:
+        """A plain rename over ``final``, removing a directory that holds its name."""
+        writes.replace(tmp, final, self.debris)
+
+    # --- removal and rescans -----------------------------------------------------------
+
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        """Unlink each key's page; True where one was removed."""
+        paths.check_keys(keys)
+        return [self.index.remove(key) for key in keys]
+
+    def clear(self) -> int:
+        """Unlink every page of this store (indexed or not), sweeping debris; the count."""
+        self.index.drop_all()
+        return sum(
+            self.index.unlink_page(key)
+            for key, _size, _mtime in startup.sweep_store(self.path, self.debris)
+        )
+
+    def rescan(self) -> int:
+        """Sweep the store and rebuild the index from what is on disk; the page count."""
+        return self.index.load(startup.sweep_store(self.path, self.debris))
