@@ -25,3 +25,5 @@ fi
 "$PY" -m pip install -q -e examples/kvtier-example-backend
 # SGLang's storage classes, without its serving stack, for the integration tests.
 bash scripts/install-sglang.sh
+# A real vLLM (CPU build) in its own virtual environment, for the vLLM connector's tests.
+bash scripts/install-vllm.sh

@@ -1,0 +1,162 @@
+"""vLLM's paged KV cache seen as kvtier pages: one vLLM block (all layers) is one page.
+
+On vLLM's CPU attention backend the KV cache lives in host memory, in the ``LBHNC``
+layout: per layer one tensor ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``,
+so a block of one layer is one contiguous run. A page's extents are those runs, one per
+layer in layer order (adjacent runs merged), and backends read and write them in place:
+no staging copy and no host pool in between. The envelope of each page sits in a slot of
+a slab kept here, since vLLM's blocks have no header room.
+
+Refused at start-up, with the reason: KV caches on an accelerator (they need a host pool
+and an IO backend, which this adapter does not build yet), per-layer tensors whose blocks
+are not contiguous (K and V split across the tensor, as the GPU backends' ``[2, blocks,
+...]`` shape is), and tensors that disagree with the geometry.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kvtier.core.envelope import ENVELOPE_BYTES
+from kvtier.core.errors import PageError, UnsupportedCombinationError
+from kvtier.core.extents import Extent, extent_of_tensor
+from kvtier.core.geometry import KVGeometry
+from kvtier.core.host_pool import aligned_empty
+from kvtier.core.layout import Layout
+
+__all__ = ["SUPPORTED", "VLLMBlocks", "order_layers"]
+
+#: What this adapter stores, as start-up errors list it.
+SUPPORTED = [
+    "vLLM's CPU attention backend (CPU_ATTN, KV cache layout LBHNC): per layer "
+    "[num_blocks, num_kv_heads, block_size, 2 * head_size], MHA/GQA, full attention"
+]
+
+
+def _refuse(what: str, value: object) -> UnsupportedCombinationError:
+    return UnsupportedCombinationError(
+        f"vLLM KV cache: {what}; kvtier stores blocks that are one contiguous run per layer "
+        "in host memory",
+        value=value,
+        supported=SUPPORTED,
+    )
+
+
+def order_layers(
+    kv_caches: Mapping[str, torch.Tensor], layer_index: dict[str, int]
+) -> list[tuple[str, torch.Tensor]]:
+    """The layers' tensors in model order (by ``layer_index``, else vLLM's order)."""
+    names = list(kv_caches)
+    if all(name in layer_index for name in names):
+        names.sort(key=lambda name: layer_index[name])
+    return [(name, kv_caches[name]) for name in names]
+
+
+class VLLMBlocks:
+    """kvtier's page view of vLLM's KV blocks: envelope slots here, payload in place.
+
+    Page ``b`` is vLLM block ``b``; its extents are block ``b`` of every layer's tensor.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[tuple[str, torch.Tensor]],
+        *,
+        num_blocks: int,
+        geometry: KVGeometry,
+        layout: Layout,
+    ) -> None:
+        if len(layers) != geometry.num_layers:
+            raise _refuse(
+                f"vLLM registered {len(layers)} KV cache tensors for a model of "
+                f"{geometry.num_layers} attention layers",
+                len(layers),
+            )
+        per_layer = geometry.bytes_per_page // geometry.num_layers
+        for name, tensor in layers:
+            if tensor.device.type != "cpu":
+                raise _refuse(
+                    f"layer {name!r} keeps its KV cache on {tensor.device}; this version stores "
+                    "vLLM KV caches in host memory only (vLLM's CPU backend)",
+                    str(tensor.device),
+                )
+            block = tensor[0] if tensor.dim() > 1 else None
+            if block is None or tensor.shape[0] != num_blocks or not block.is_contiguous():
+                raise _refuse(
+                    f"layer {name!r} has shape {tuple(tensor.shape)} and strides "
+                    f"{tuple(tensor.stride())}, so a block is not one contiguous run "
+                    f"(expected the block axis first, {num_blocks} blocks, each contiguous)",
+                    tuple(tensor.shape),
+                )
+            nbytes = block.numel() * block.element_size()
+            if nbytes != per_layer:
+                raise _refuse(
+                    f"a block of layer {name!r} holds {nbytes} bytes, but "
+                    f"{geometry.describe()} takes {per_layer} bytes per block and layer",
+                    nbytes,
+                )
+        self.geometry = geometry
+        self.num_pages = num_blocks
+        self._layout = layout
+        self._tensors = [tensor for _, tensor in layers]
+        #: One ENVELOPE_BYTES slot per block; untouched slots cost no memory.
+        self._headers = aligned_empty(num_blocks * ENVELOPE_BYTES)[1]
+        self._cache: dict[int, list[Extent]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    def _check(self, page: int) -> None:
+        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
+            raise PageError(
+                f"vLLM block {page!r} is out of range: the KV cache has blocks "
+                f"0..{self.num_pages - 1}",
+                value=page,
+            )
+
+    def header_extent(self, page: int) -> Extent:
+        """The envelope slot of block ``page``."""
+        self._check(page)
+        start = page * ENVELOPE_BYTES
+        return extent_of_tensor(self._headers[start : start + ENVELOPE_BYTES])
+
+    def extents(self, page: int) -> list[Extent]:
+        """Block ``page`` of every layer, in layer order; adjacent runs merged."""
+        cached = self._cache.get(page)
+        if cached is None:
+            self._check(page)
+            runs: list[tuple[int, int]] = []
+            for tensor in self._tensors:
+                block = tensor[page]
+                ptr, length = block.data_ptr(), block.numel() * block.element_size()
+                if runs and runs[-1][0] + runs[-1][1] == ptr:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + length)
+                else:
+                    runs.append((ptr, length))
+            cached = [_extent_at(ptr, length) for ptr, length in runs]
+            with self._lock:
+                self._cache[page] = cached
+        return list(cached)
+
+    def page_buffers(self, page: int) -> list[Extent]:
+        """``[header_extent(page), *extents(page)]``: what the backend stores."""
+        return [self.header_extent(page), *self.extents(page)]
+
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy block ``source`` (every layer) over block ``target``, bit for bit."""
+        self._check(source)
+        self._check(target)
+        for tensor in self._tensors:
+            tensor[target].copy_(tensor[source])
+
+
+def _extent_at(ptr: int, length: int) -> Extent:
+    """An extent over ``length`` bytes of vLLM's KV memory at ``ptr`` (checked above)."""
+    view = memoryview((ctypes.c_ubyte * length).from_address(ptr)).cast("B")
+    return Extent(view, ptr, length)

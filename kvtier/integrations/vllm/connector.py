@@ -1,0 +1,341 @@
+"""``KvtierConnector``: vLLM's KV-connector API (``KVConnectorBase_V1``) on any kvtier backend.
+
+vLLM builds one connector in its scheduler (``KVConnectorRole.SCHEDULER``) and one in each
+worker (``KVConnectorRole.WORKER``). Both resolve the ``kvtier`` section through kvtier's
+one construction path (:func:`.plan.resolve_plan`, then
+:func:`~kvtier.core.capabilities.open_page_store`), so every configuration mistake stops
+the engine at start-up with kvtier's error. This module is the glue to vLLM's classes;
+the scheduler's logic lives in :mod:`.scheduler`, the worker's in :mod:`.worker`.
+
+Scheduler: :meth:`get_num_new_matched_tokens` counts the stored pages beyond vLLM's own
+prefix-cache hit; :meth:`update_state_after_alloc` plans their load;
+:meth:`build_connector_meta` hands the workers the step's loads and stores;
+:meth:`update_connector_output` learns what the workers stored and failed to load;
+:meth:`request_finished` keeps a request's blocks until its pages are stored.
+
+Worker: :meth:`register_kv_caches` turns vLLM's KV blocks into kvtier pages in place;
+:meth:`start_load_kv` starts the step's loads and :meth:`wait_for_layer_load` waits for
+them before the first attention layer reads the cache; :meth:`wait_for_save` queues the
+step's stores; :meth:`get_block_ids_with_load_errors` hands vLLM the blocks to recompute;
+:meth:`get_finished` reports requests whose stores are done. Counters reach vLLM's metrics
+through :meth:`get_kv_connector_stats`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvtier.core.capabilities import ResolvedPlan, open_page_store
+from kvtier.core.errors import KvtierError
+from kvtier.integrations.vllm.messages import Report, StepWork
+from kvtier.integrations.vllm.plan import resolve_plan
+from kvtier.integrations.vllm.scheduler import NoPages, SchedulerSide
+from kvtier.integrations.vllm.settings import VLLMSection, read_section
+from kvtier.integrations.vllm.worker import WorkerSide
+from kvtier.plugins.manager import default_registry
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        KVConnectorWorkerMetadata,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+except ImportError as exc:  # pragma: no cover - exercised only without vLLM
+    raise ImportError(
+        "kvtier.integrations.vllm.KvtierConnector needs vLLM's KV-connector API "
+        f"(vllm.distributed.kv_transfer.kv_connector.v1), which failed to import: {exc}. "
+        "Install the extra with `pip install 'kvtier[vllm]'` in your vLLM environment"
+    ) from exc
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = [
+    "KvtierConnector",
+    "KvtierConnectorMetadata",
+    "KvtierConnectorStats",
+    "KvtierWorkerMetadata",
+]
+
+log = logging.getLogger("kvtier.vllm")
+
+
+@dataclass
+class KvtierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's work, from the scheduler to every worker."""
+
+    work: StepWork = field(default_factory=StepWork)
+
+
+@dataclass
+class KvtierWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """One worker's report, summed over the workers by vLLM."""
+
+    report: Report = field(default_factory=Report)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KvtierWorkerMetadata:
+        """The sum of two workers' reports (a page is stored once every rank stored it)."""
+        if not isinstance(other, KvtierWorkerMetadata):
+            return self
+        return KvtierWorkerMetadata(self.report.merged(other.report))
+
+
+@dataclass
+class KvtierConnectorStats(KVConnectorStats):  # type: ignore[misc]
+    """kvtier's counters since the last report, summed over ranks and intervals."""
+
+    def reset(self) -> None:
+        self.data = dict[str, Any]()
+
+    def aggregate(self, other: KVConnectorStats) -> KvtierConnectorStats:
+        merged = dict(self.data)
+        for key, value in (other.data or {}).items():
+            if isinstance(value, (int, float)):
+                merged[key] = merged.get(key, 0) + value
+        return KvtierConnectorStats(data=merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        return {key: value for key, value in sorted(self.data.items()) if value}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def _tp_rank(role: KVConnectorRole) -> int:
+    if role is KVConnectorRole.SCHEDULER:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+def _layer_index(names: list[str]) -> dict[str, int]:
+    """vLLM's layer index of each KV cache name, or {} when a name has none."""
+    try:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        return {name: int(extract_layer_index(name)) for name in names}
+    except (ImportError, ValueError, AssertionError):  # no index in a name: vLLM's order
+        return {}
+
+
+class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM KV connector on a kvtier storage backend (file, uring, mooncake, plugins)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        registry = default_registry()
+        try:
+            self.settings: VLLMSection = read_section(
+                transfer.kv_connector_extra_config, registry.backends
+            )
+            self.plan: ResolvedPlan = resolve_plan(
+                vllm_config, kv_cache_config, self.settings, registry, tp_rank=_tp_rank(role)
+            )
+            self.scheduler: SchedulerSide | None = None
+            self.worker: WorkerSide | None = None
+            if role is KVConnectorRole.SCHEDULER:
+                store = open_page_store(self.plan, NoPages(self.plan.layout))
+                self.scheduler = SchedulerSide(
+                    self.plan,
+                    self.settings,
+                    store,
+                    loads=bool(transfer.is_kv_consumer),
+                    saves=bool(transfer.is_kv_producer),
+                )
+            else:
+                self.worker = WorkerSide(self.plan, self.settings)
+        except KvtierError as exc:
+            log.error("kvtier: vLLM KV connector configuration refused: %s", exc)
+            raise
+        self._reported: dict[str, Any] = {}
+        log.info(
+            "kvtier: vLLM %s connector on backend %r, %s, namespace %s, verify %s",
+            "scheduler" if self.scheduler is not None else "worker",
+            self.plan.backend.name,
+            self.plan.geometry.describe(),
+            self.plan.context.namespace,
+            self.plan.config.verify,
+        )
+
+    def _side(self) -> SchedulerSide:
+        assert self.scheduler is not None, "a scheduler-side call on a worker connector"
+        return self.scheduler
+
+    def _worker(self) -> WorkerSide:
+        assert self.worker is not None, "a worker-side call on the scheduler's connector"
+        return self.worker
+
+    # --- scheduler side ---------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        """Remember the request: its token ids key its pages until it finishes."""
+        self._side().add_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens kvtier holds beyond vLLM's own hit; loaded in the step (not async)."""
+        return self._side().matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Plan the load of the accepted pages into the request's blocks."""
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        self._side().after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierConnectorMetadata:
+        """This step's loads, and every full page computed by the end of this step."""
+        cached = scheduler_output.scheduled_cached_reqs
+        work = self._side().step(
+            new=(
+                (new.req_id, new.block_ids[0], new.num_computed_tokens)
+                for new in scheduler_output.scheduled_new_reqs
+            ),
+            cached=(
+                (
+                    req_id,
+                    blocks[0] if blocks else None,
+                    req_id in cached.resumed_req_ids,
+                    cached.num_computed_tokens[i],
+                )
+                for i, (req_id, blocks) in enumerate(
+                    zip(cached.req_ids, cached.new_block_ids, strict=True)
+                )
+            ),
+            scheduled=scheduler_output.num_scheduled_tokens,
+            preempted=scheduler_output.preempted_req_ids or (),
+        )
+        return KvtierConnectorMetadata(work)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Learn which pages the workers stored and which failed to load."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KvtierWorkerMetadata):
+            self._side().learn(meta.report)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Free the blocks now, or once the workers stored this request's pages."""
+        return self._side().finished(request.request_id), None
+
+    # --- worker side ------------------------------------------------------------------
+
+    def _work(self) -> StepWork:
+        meta = self._get_connector_metadata()
+        return meta.work if isinstance(meta, KvtierConnectorMetadata) else StepWork()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Take vLLM's KV tensors as kvtier pages; refuse a layout kvtier cannot store."""
+        config = self._kv_cache_config
+        try:
+            self._worker().register(
+                kv_caches, _layer_index(list(kv_caches)), int(config.num_blocks)
+            )
+        except KvtierError as exc:
+            log.error("kvtier: vLLM KV cache refused: %s", exc)
+            raise
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Start reading this step's pages into their vLLM blocks."""
+        self._worker().start_loads(self._work().loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until this step's pages are in place (a page holds every layer)."""
+        worker = self._worker()
+        if worker.loading:
+            worker.finish_loads()
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Nothing per layer: a page holds all layers and is stored whole in wait_for_save."""
+        return
+
+    def wait_for_save(self) -> None:
+        """Queue this step's full pages for storage; the writer runs while the model does."""
+        worker = self._worker()
+        if worker.loading:
+            worker.finish_loads()
+        worker.submit_saves(self._work().saves)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Finish the stores of preempted requests before vLLM reuses their blocks."""
+        if isinstance(kv_connector_metadata, KvtierConnectorMetadata):
+            self._worker().preempted(kv_connector_metadata.work.preempted)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose pages are stored, so vLLM may free their blocks."""
+        return (self._worker().finished(finished_req_ids) or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose page was missing or failed verification: vLLM recomputes them."""
+        return self._worker().take_load_errors()
+
+    def build_connector_worker_meta(self) -> KvtierWorkerMetadata | None:
+        """What this rank stored and failed to load since the last step."""
+        report = self._worker().take_report()
+        return KvtierWorkerMetadata(report) if report else None
+
+    # --- both sides -------------------------------------------------------------------
+
+    def kvtier_stats(self) -> dict[str, Any]:
+        """Cumulative counters of this side (the worker's include the page store's)."""
+        if self.scheduler is not None:
+            return self.scheduler.stats()
+        return self._worker().stats()
+
+    def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
+        """kvtier's counters since the last call, for vLLM's metrics (``kvtier_*``)."""
+        now = self.kvtier_stats()
+        delta = {
+            f"kvtier_{k}": v - self._reported.get(k, 0)
+            for k, v in now.items()
+            if isinstance(v, (int, float)) and v != self._reported.get(k, 0)
+        }
+        self._reported = now
+        return KvtierConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KvtierConnectorStats | None:
+        """vLLM's hook to rebuild the stats object from its aggregated data."""
+        return KvtierConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        """Finish queued stores, then close the backend. Idempotent."""
+        if self.worker is not None:
+            self.worker.close()
+        if self.scheduler is not None:
+            self.scheduler.store.close()
+            self.scheduler.store.backend.close()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache, not a hand-off: a store lost to preemption is only a later miss."""
+        return False

@@ -1,0 +1,59 @@
+"""What the scheduler-side and worker-side connectors tell each other, as plain data.
+
+vLLM carries a :class:`StepWork` from the scheduler to every worker each step (inside the
+connector's metadata object) and a :class:`Report` back from each worker (summed over the
+workers with :meth:`Report.merged`). Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["PageOp", "Report", "StepWork"]
+
+
+@dataclass
+class PageOp:
+    """Pages of one request to load or store: base keys and vLLM block ids, in order."""
+
+    req_id: str
+    keys: list[str]
+    blocks: list[int]
+    #: The index in the request of the first page (saves restart there after a bad load).
+    first: int
+
+
+@dataclass
+class StepWork:
+    """One step's work for the workers: loads, stores, and the requests just preempted."""
+
+    loads: list[PageOp] = field(default_factory=list)
+    saves: list[PageOp] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    """What workers stored and failed to load since their last report.
+
+    ``stored`` and ``failed`` map a base key to the number of ranks reporting it (a page
+    is stored once every rank stored its share); ``failed_from`` maps a request to the
+    index of its first page that failed to load.
+    """
+
+    stored: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)
+    failed_from: dict[str, int] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.failed)
+
+    def merged(self, other: Report) -> Report:
+        """The sum of two ranks' reports."""
+        merged = Report(dict(self.stored), dict(self.failed), dict(self.failed_from))
+        for source, target in ((other.stored, merged.stored), (other.failed, merged.failed)):
+            for key, count in source.items():
+                target[key] = target.get(key, 0) + count
+        for req_id, first in other.failed_from.items():
+            merged.failed_from[req_id] = min(first, merged.failed_from.get(req_id, first))
+        return merged

@@ -1,0 +1,179 @@
+"""Run one real vLLM engine over a job and write what happened as JSON.
+
+``python tests/vllm/engine.py JOB.json RESULT.json``, with the vLLM environment's python.
+The job names the model directory, the connector (none, ``kvtier`` with its section, or
+vLLM's ``ExampleConnector``) and a list of phases, each a batch of token-id prompts run
+with greedy sampling; between phases a stored page can be corrupted (one bit flipped
+through the backend itself). The result holds, per phase, every prompt's output tokens,
+vLLM's own count of tokens it did not compute (``num_cached_tokens``) and the wall time,
+and, for kvtier, the scheduler's and the worker's cumulative counters. With
+``"log_stats": true`` vLLM logs its stats after each phase (kvtier's counters among them,
+as "KV Transfer metrics: ...", on stdout, where vLLM's logger writes).
+
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, unless the
+job says ``"spawn": true``), so the connectors can be read after each phase. A start-up
+failure is written as ``{"startup_error": {"type": ..., "message": ...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def _connector_config(job: dict[str, Any]) -> dict[str, Any] | None:
+    kind = job.get("connector")
+    if kind is None:
+        return None
+    if kind == "example":
+        return {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": job["example_path"]},
+        }
+    return {
+        "kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": job.get("kv_load_failure_policy", "recompute"),
+        "kv_connector_extra_config": {"kvtier": job["kvtier"]},
+    }
+
+
+def _connectors() -> tuple[Any, Any]:
+    """The scheduler's and this process's worker connector (in-process engine only)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    worker = get_kv_transfer_group() if has_kv_transfer_group() else None
+    return _scheduler_connector(), worker
+
+
+_LLM: Any = None
+
+
+def _scheduler_connector() -> Any:
+    try:
+        return _LLM.llm_engine.engine_core.engine_core.scheduler.connector
+    except AttributeError:
+        return None
+
+
+def _flip_bit(scheduler: Any, worker: Any, tokens: list[int], page: int) -> str:
+    """Flip one payload bit of ``tokens``' stored page ``page``, through the backend itself."""
+    from kvtier.core.envelope import ENVELOPE_BYTES
+    from kvtier.core.extents import extent_of_view
+
+    side = worker.worker
+    key = side.names([scheduler.scheduler.keyers(None).keys(tokens)[page]])[0]
+    backend = side.store.backend
+    side.flush()  # every queued store has landed
+    header = bytearray(ENVELOPE_BYTES)
+    payload = bytearray(side.plan.geometry.bytes_per_page)
+    regions = [extent_of_view(memoryview(header)), extent_of_view(memoryview(payload))]
+    if not backend.get([key], [regions])[0]:
+        raise RuntimeError(f"page {page} ({key}) is not stored; nothing to corrupt")
+    payload[len(payload) // 2] ^= 0x10
+    if not backend.put([key], [regions])[0]:
+        raise RuntimeError(f"could not write the corrupted page {key} back")
+    return key
+
+
+def _flush(worker: Any) -> None:
+    if getattr(worker, "worker", None) is not None:
+        worker.worker.flush()
+
+
+def run(job: dict[str, Any]) -> dict[str, Any]:
+    """Start the engine, run the phases, return the result (see the module docstring)."""
+    global _LLM
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    started = time.perf_counter()
+    kwargs: dict[str, Any] = {}
+    transfer = _connector_config(job)
+    if transfer is not None:
+        kwargs["kv_transfer_config"] = transfer
+    try:
+        _LLM = LLM(
+            model=job["model"],
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            enforce_eager=True,
+            block_size=job.get("block_size", 32),
+            max_model_len=job.get("max_model_len", 1024),
+            enable_prefix_caching=bool(job.get("prefix_caching", False)),
+            disable_log_stats=not job.get("log_stats", False),
+            seed=0,
+            **kwargs,
+        )
+    except Exception as exc:
+        cause: BaseException = exc
+        while cause.__cause__ is not None and type(cause).__module__.startswith("vllm"):
+            cause = cause.__cause__
+        return {
+            "startup_error": {
+                "type": type(cause).__name__,
+                "module": type(cause).__module__,
+                "message": str(cause),
+            }
+        }
+    result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "phases": []}
+    for phase in job["phases"]:
+        scheduler, worker = _connectors()
+        entry: dict[str, Any] = {"name": phase.get("name", "")}
+        if "flip" in phase:
+            flip = phase["flip"]
+            entry["flipped"] = _flip_bit(scheduler, worker, flip["tokens"], flip["page"])
+        params = SamplingParams(
+            temperature=0, max_tokens=phase.get("max_tokens", 8), detokenize=False
+        )
+        outputs = []
+        t0 = time.perf_counter()
+        for batch in (
+            ([p] for p in phase["prompts"]) if phase.get("one_by_one") else [phase["prompts"]]
+        ):
+            prompts = [TokensPrompt(prompt_token_ids=p) for p in batch]
+            outputs += _LLM.generate(prompts, params, use_tqdm=False)
+            if phase.get("one_by_one"):
+                _flush(worker)
+        entry["seconds"] = time.perf_counter() - t0
+        _flush(worker)
+        entry["tokens"] = [list(out.outputs[0].token_ids) for out in outputs]
+        entry["cached"] = [int(out.num_cached_tokens or 0) for out in outputs]
+        if job.get("log_stats"):
+            # vLLM's own stats path: the connectors' get_kv_connector_stats, summed over
+            # workers and intervals by vLLM, logged as "KV Transfer metrics: ..."
+            print(f"phase {entry['name']}:", flush=True)  # vLLM logs to stdout
+            _LLM.llm_engine.do_log_stats()
+        if scheduler is not None and hasattr(scheduler, "kvtier_stats"):
+            entry["scheduler"] = scheduler.kvtier_stats()
+        if worker is not None and hasattr(worker, "kvtier_stats"):
+            entry["worker"] = worker.kvtier_stats()
+        result["phases"].append(entry)
+    _, worker = _connectors()
+    if worker is not None and hasattr(worker, "shutdown"):
+        worker.shutdown()
+    return result
+
+
+def main() -> None:
+    with open(sys.argv[1]) as handle:
+        job = json.load(handle)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if not job.get("spawn"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    result = run(job)
+    with open(sys.argv[2], "w") as handle:
+        json.dump(result, handle)
+    # vLLM's engine threads can keep the interpreter alive; the result is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
