@@ -1,4 +1,5 @@
-"""kvtier behind SGLang's HiCache (zero-copy v1 path) vs raw os.pwritev / os.preadv.
+"""kvtier behind SGLang's HiCache (zero-copy v1 path) vs raw os.pwritev / os.preadv and
+vs SGLang's own HiCacheFile.
 
 Usage: ``python benchmarks/sglang.py [--quick] [--root DIR] [--reps N]``. One JSON object
 per line on stdout, a table on stderr.
@@ -21,6 +22,19 @@ per page file, one request at a time in this thread. Cases:
 - ``get warm, generic path``: the same through SGLang's generic path (no
   ``interface_v1``: a fresh tensor per page and copies), for comparison, no target.
 
+Peer comparison, same pages, same run: SGLang's own ``HiCacheFile`` (``--hicache-storage-
+backend file``), built by SGLang's ``StorageBackendFactory`` and driven through the generic
+page path its cache controller takes for it (``batch_set`` of ``get_data_page`` tensors;
+``batch_exists``, then ``batch_get`` into ``get_dummy_flat_data_page`` tensors copied back
+with ``set_from_flat_data_page``). ``ratio`` is kvtier's v1 path (full verification on) over
+``HiCacheFile``:
+
+- ``put vs HiCacheFile``: both stores emptied (untimed) before each repetition, since
+  ``HiCacheFile`` skips keys it already has; target 1.1;
+- ``get warm vs HiCacheFile``: files in the page cache; target 2.0;
+- ``get cold vs HiCacheFile``: every file of both stores written back and evicted from the
+  page cache (``posix_fadvise(DONTNEED)``, untimed) before each repetition; no target.
+
 The host pool is the test stand-in with SGLang's ``MHATokenToKVPoolHost`` buffer shapes
 (``tests/sglang_host_pool.py``; the real class needs GPU dependencies to import). Both sides
 run interleaved in each repetition after a warm-up; the median is reported.
@@ -38,7 +52,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # This file is named sglang.py: drop its folder from the path so that `sglang` is SGLang.
 _HERE = Path(__file__).resolve().parent
@@ -79,6 +93,17 @@ def _raw_get(paths: list[Path], pages: list[list[Any]]) -> None:
             os.preadv(fd, [r.view for r in regions], 0)
         finally:
             os.close(fd)
+
+
+class Case(NamedTuple):
+    """One measured case: our side, the baseline, and an untimed step before each run."""
+
+    name: str
+    ours: Callable[[], None]
+    baseline: Callable[[], None]
+    baseline_name: str
+    target: float | None
+    setup: Callable[[], None] | None = None
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -132,7 +157,17 @@ def main() -> int:
             assert isinstance(controller.storage, HiCacheStorage)
             return controller
 
+        def attach_peer() -> shp.Controller:
+            from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+            extra = {"file_storage_path": str(workdir / "peer")}
+            config = shp.storage_config(extra_config=extra)
+            storage = StorageBackendFactory.create_backend("file", config, pool)
+            storage.register_mem_pool_host(pool)
+            return shp.Controller(storage, config, pool, zero_copy=False)
+
         ours = attach("ours", zero_copy=True)
+        peer = attach_peer()
         header_only = attach("ours", zero_copy=True, verify="header")  # the same files
         generic = attach("generic", zero_copy=False)
         pages = [ours.storage._require().pages.page_buffers(i) for i in range(count)]
@@ -153,7 +188,30 @@ def main() -> int:
         def generic_get() -> None:
             assert generic.prefetch(generic.hit_query(hashes), indices) == count
 
+        def peer_put() -> None:
+            assert peer.backup(hashes, indices) == count * ps
+
+        def peer_get() -> None:
+            assert peer.prefetch(peer.hit_query(hashes), indices) == count
+
+        def empty_both() -> None:
+            ours.storage.clear()
+            peer.storage.clear()
+
+        def evict_both() -> None:
+            files = [*(workdir / "ours").rglob("*.kv"), *(workdir / "peer").rglob("*.bin")]
+            assert len(files) >= 2 * count, len(files)
+            for path in files:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
         # warm-up: every file written and read once, every buffer touched
+        peer_put()
+        peer_get()
         our_put()
         _raw_put(raw_paths, pages)
         assert generic.backup(hashes, indices) == count * ps
@@ -161,37 +219,34 @@ def main() -> int:
         _raw_get(raw_paths, pages)
         generic_get()
 
-        cases: list[tuple[str, Callable[[], None], Callable[[], None], str, float | None]] = [
-            ("put", our_put, lambda: _raw_put(raw_paths, pages), "os.pwritev", TARGET),
-            ("get warm", our_get, lambda: _raw_get(raw_paths, pages), "os.preadv", TARGET),
-            (
-                "get warm, verify=header",
-                header_get,
-                lambda: _raw_get(raw_paths, pages),
-                "os.preadv",
-                None,
-            ),
-            (
-                "get warm, generic path",
-                generic_get,
-                lambda: _raw_get(raw_paths, pages),
-                "os.preadv",
-                None,
-            ),
+        raw_put = lambda: _raw_put(raw_paths, pages)  # noqa: E731
+        raw_get = lambda: _raw_get(raw_paths, pages)  # noqa: E731
+        peer_name = "sglang HiCacheFile (generic path)"
+        cases: list[Case] = [
+            Case("put", our_put, raw_put, "os.pwritev", TARGET),
+            Case("get warm", our_get, raw_get, "os.preadv", TARGET),
+            Case("get warm, verify=header", header_get, raw_get, "os.preadv", None),
+            Case("get warm, generic path", generic_get, raw_get, "os.preadv", None),
+            Case("put vs HiCacheFile", our_put, peer_put, peer_name, 1.1, empty_both),
+            Case("get warm vs HiCacheFile", our_get, peer_get, peer_name, 2.0),
+            Case("get cold vs HiCacheFile", our_get, peer_get, peer_name, None, evict_both),
         ]
         rows = []
-        for case, mine, raw, raw_name, target in cases:
+        for case, mine, raw, raw_name, target, setup in cases:
             if args.only not in case:
                 continue
             times_ours: list[float] = []
             times_raw: list[float] = []
             for rep in range(reps):
-                if rep % 2:
-                    times_raw.append(_timed(raw))
-                    times_ours.append(_timed(mine))
-                else:
-                    times_ours.append(_timed(mine))
-                    times_raw.append(_timed(raw))
+                order = [(times_raw, raw), (times_ours, mine)]
+                for times, fn in order if rep % 2 else order[::-1]:
+                    if setup is not None:
+                        setup()
+                    times.append(_timed(fn))
+            if "vs HiCacheFile" in case:
+                # the put case emptied both stores: leave every page stored for the gets
+                our_put()
+                peer_put()
             ours_gbs = nbytes / statistics.median(times_ours) / 1e9
             raw_gbs = nbytes / statistics.median(times_raw) / 1e9
             row = {
@@ -208,11 +263,14 @@ def main() -> int:
             rows.append(row)
         stats = ours.storage.kvtier_stats()
         assert stats["invalid"] == 0 and stats["backend_errors"] == 0, stats
-        print(f"{'case':<36}{'kvtier GB/s':>12}{'raw GB/s':>10}{'ratio':>8}", file=sys.stderr)
+        print(
+            f"{'case':<40}{'kvtier GB/s':>12}{'baseline GB/s':>15}{'ratio':>8}  baseline",
+            file=sys.stderr,
+        )
         for row in rows:
             print(
-                f"{row['case']:<36}{row['ours']:>12.2f}{row['baseline']:>10.2f}"
-                f"{row['ratio']:>8.2f}",
+                f"{row['case']:<40}{row['ours']:>12.2f}{row['baseline']:>15.2f}"
+                f"{row['ratio']:>8.2f}  {row['baseline_name']}",
                 file=sys.stderr,
             )
         for controller in (ours, header_only, generic):

@@ -1,15 +1,28 @@
 #!/usr/bin/env bash
 # Install the SGLang release kvtier's SGLang integration is tested against, without its
-# serving stack (CUDA kernels, triton, transformers, FlashInfer ...), then check that the
-# two SGLang modules the tests use import on this machine.
+# serving stack (CUDA kernels, transformers, FlashInfer ...), plus the small modules that
+# `import sglang` itself needs, then check, in a fresh interpreter outside this checkout,
+# that `import kvtier.integrations.sglang` and SGLang's `dynamic` loader work.
 #
-# The tests import sglang.srt.mem_cache.hicache_storage and
-# sglang.srt.mem_cache.storage.backend_factory; their only dependency is torch, which
-# scripts/install.sh installs first. Safe to run again.
+# SGLang's own requirements pin a CUDA torch; this installs nothing that replaces the torch
+# scripts/install.sh put here (a constraint holds it). Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 SGLANG_VERSION=0.5.23
+# What `import sglang` (sglang/__init__.py -> sglang.srt.utils) and SGLang's storage
+# modules import at module level, at the versions tested. None of them requires torch.
+IMPORT_DEPS=(
+  "orjson>=3.8"
+  "msgspec==0.23.0"
+  "psutil==7.2.2"
+  "pybase64==1.5.1"
+  "pyzmq==27.3.0"
+  "starlette==1.10.0"
+  "anyio==4.16.0"
+  "tqdm==4.70.1"
+  "triton==3.7.0"
+)
 
 # That release ships wheels for CPython 3.11 and 3.12 only (Linux x86_64, glibc >= 2.34).
 if ! "$PY" -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 12))'; then
@@ -22,12 +35,15 @@ if [ "$("$PY" -c 'import importlib.metadata as m; print(m.version("sglang"))' 2>
   "$PY" -m pip install -q --no-deps "sglang==$SGLANG_VERSION"
 fi
 
-"$PY" - <<'PY'
-import sys
+TORCH_VERSION=$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))')
+CONSTRAINT=$(mktemp)
+trap 'rm -f "$CONSTRAINT"' EXIT
+echo "torch==$TORCH_VERSION" > "$CONSTRAINT"
+"$PY" -m pip install -q -c "$CONSTRAINT" "${IMPORT_DEPS[@]}"
 
-sys.path.insert(0, "tests")
-import sglang_host_pool
-
-sglang_host_pool.load_sglang()
+# The import a user makes, in a fresh interpreter, away from this checkout's cwd.
+(cd / && "$PY" - <<'PY'
+import kvtier.integrations.sglang  # noqa: F401
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: F401
 PY
+)

@@ -1,24 +1,25 @@
-"""SGLang test support: the real storage module on CPU, a stand-in host pool, and the
-cache controller's storage calls in the controller's order.
+"""SGLang test support: the real storage module, a stand-in host pool, and the cache
+controller's storage calls in the controller's order.
 
 Real SGLang code used here: ``sglang.srt.mem_cache.hicache_storage`` (``HiCacheStorage``,
 ``HiCacheStorageConfig``, ``HiCacheStorageExtraInfo``, ``STORAGE_BATCH_SIZE``,
 ``PoolName``) and ``sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory``
-(the ``dynamic`` loader), imported from the installed wheel. Their only dependency is
-torch. ``import sglang`` itself runs ``sglang/__init__.py``, which pulls in the serving
-stack (triton, transformers, ...); :func:`load_sglang` therefore registers the installed
-``sglang`` directory as a bare package (its ``__init__`` not run) unless SGLang is already
-fully imported, and imports the real module files from it.
+(the ``dynamic`` loader), imported from the installed wheel the way a user imports them
+(``import sglang`` runs; ``scripts/install-sglang.sh`` installs what it needs).
 
-Not real: SGLang's host pools (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``) import
-``sglang.srt.utils``, which imports triton at module level, so they cannot be built on a
-CPU-only machine without GPU dependencies. :class:`MHAHostPool` and :class:`MLAHostPool`
-have the attributes and page methods of those classes that storage backends use, with the
-same buffer shapes per layout: ``kv_buffer``, ``layout``, ``page_size``, ``size``,
-``page_num``, ``dtype``, ``layer_num``, ``head_num``/``head_dim``/``v_head_dim`` (MHA),
-``kv_lora_rank``/``qk_rope_head_dim``/``kv_cache_dim`` (MLA), ``dcp_size``, ``alloc``,
-``free``, ``get_data_page``, ``get_dummy_flat_data_page`` and
-``set_from_flat_data_page``.
+Not real: SGLang's host pools (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``), its
+``HiCacheController`` and its ``StorageMetricsCollector``. Their modules import
+``sglang.srt.mem_cache.memory_pool`` / ``sglang.srt.configs``, whose ``__init__`` imports
+``sglang/srt/multimodal/internvl_utils.py``, whose line 5 is ``import
+torchvision.transforms``; torchvision's Linux wheels on PyPI link ``libtorch_cuda.so`` and
+``libc10_cuda.so``, which the CPU torch build does not have, so that import fails on a
+CPU-only machine (``docs/sglang.md`` has the chain). :class:`MHAHostPool` and
+:class:`MLAHostPool` have the attributes and page methods of those classes that storage
+backends use, with the same buffer shapes per layout: ``kv_buffer``, ``layout``,
+``page_size``, ``size``, ``page_num``, ``dtype``, ``layer_num``,
+``head_num``/``head_dim``/``v_head_dim`` (MHA), ``kv_lora_rank``/``qk_rope_head_dim``/
+``kv_cache_dim`` (MLA), ``dcp_size``, ``alloc``, ``free``, ``get_data_page``,
+``get_dummy_flat_data_page`` and ``set_from_flat_data_page``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import hashlib
 import importlib
 import importlib.util
 import os
-import sys
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -40,19 +40,12 @@ CLASS_NAME = "KvtierHiCacheStorage"
 
 
 def load_sglang() -> types.ModuleType:
-    """Import SGLang's real ``hicache_storage`` module; raises ImportError if not installed."""
-    if "sglang" not in sys.modules:
-        spec = importlib.util.find_spec("sglang")
-        if spec is None or not spec.submodule_search_locations:
-            raise ImportError(
-                f"SGLang is not installed: run scripts/install-sglang.sh "
-                f"(pip install --no-deps sglang=={SGLANG_VERSION})"
-            )
-        package = types.ModuleType("sglang")
-        package.__path__ = list(spec.submodule_search_locations)
-        package.__spec__ = spec
-        package.__file__ = spec.origin
-        sys.modules["sglang"] = package
+    """Import SGLang's real ``hicache_storage`` module; raises ImportError if it cannot."""
+    if importlib.util.find_spec("sglang") is None:
+        raise ImportError(
+            f"SGLang is not installed: run scripts/install-sglang.sh "
+            f"(pip install --no-deps sglang=={SGLANG_VERSION} and its import-time modules)"
+        )
     return importlib.import_module("sglang.srt.mem_cache.hicache_storage")
 
 

@@ -1,10 +1,11 @@
 """kvtier behind SGLang's HiCache ``dynamic`` storage backend, against the real SGLang module.
 
 SGLang's ``HiCacheStorage``, ``HiCacheStorageConfig`` and ``StorageBackendFactory`` (the
-``dynamic`` loader) are the installed release's own (see ``tests/sglang_host_pool.py`` for
-how they are imported on CPU). The host pool is a stand-in with the attributes and page
-methods of SGLang's ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost``, which need GPU
-dependencies to import. Every data-path test drives the storage through the calls SGLang's
+``dynamic`` loader) are the installed release's own, imported with ``import sglang``. The
+host pool is a stand-in with the attributes and page methods of SGLang's
+``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost``, whose modules import torchvision,
+which cannot load beside the CPU torch (``docs/sglang.md``, "How this is tested", names the
+chain). Every data-path test drives the storage through the calls SGLang's
 cache controller makes, in its order (:class:`sglang_host_pool.Controller`).
 """
 
@@ -387,6 +388,35 @@ def test_get_stats_in_sglang_metrics_shape(attach: Any) -> None:
     assert len(stats.prefetch_bandwidth) == 1 and stats.prefetch_bandwidth[0] > 0
     again = controller.storage.get_stats()
     assert again.backup_pgs == [] and again.prefetch_pgs == []
+
+
+def test_get_stats_says_whose_metrics_class_it_returns(
+    attach: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    import importlib
+
+    from kvtier.integrations import sglang as adapter
+
+    adapter._storage_metrics_class.cache_clear()
+    try:
+        importlib.import_module("sglang.srt.observability.metrics_collector")
+    except Exception as exc:  # SGLang's metrics module needs its serving stack
+        reason: Exception | None = exc
+    else:
+        reason = None
+    storage = attach("memory", MHAHostPool()).storage
+    with caplog.at_level(logging.WARNING, logger="kvtier.integrations.sglang"):
+        metrics, again = storage.get_stats(), storage.get_stats()
+    warnings = [r for r in caplog.records if "metrics_collector" in r.getMessage()]
+    if reason is None:  # a full SGLang: its own class, which its collector accepts
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        assert type(metrics) is StorageMetrics and not warnings
+        assert storage.kvtier_stats()["metrics_fallback"] == 0
+    else:  # the fallback is announced once, with the import error, and counted
+        assert len(warnings) == 1 and repr(reason) in warnings[0].getMessage()
+        assert type(metrics) is type(again) is adapter._StorageMetricsShape
+        assert storage.kvtier_stats()["metrics_fallback"] == 1
 
 
 def test_host_indices_must_be_whole_pages(attach: Any) -> None:

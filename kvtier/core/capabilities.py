@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel
 
@@ -52,6 +52,7 @@ from kvtier.core.errors import (
     UnknownNameError,
     UnsupportedCombinationError,
 )
+from kvtier.core.extents import Extent
 from kvtier.core.geometry import AttentionKind, KVGeometry
 from kvtier.core.host_pool import HostPool
 from kvtier.core.io import IOBackend
@@ -64,6 +65,7 @@ from kvtier.core.storage import BackendContext, StorageBackend
 __all__ = [
     "DEFAULT_HOST_BYTES",
     "LAYOUT_PREFERENCE",
+    "ForeignPageMemory",
     "ResolvedPlan",
     "build_backend",
     "build_host_pool",
@@ -490,19 +492,31 @@ def build_host_pool(
     return HostPool(plan.geometry, plan.layout, size_bytes=size, pin_memory=pin_memory)
 
 
+@runtime_checkable
+class ForeignPageMemory(PageMemory, Protocol):
+    """Page memory kvtier did not allocate, that can name the regions holding its pages."""
+
+    def memory_regions(self) -> list[Extent]: ...
+
+
 def open_page_store(
     plan: ResolvedPlan, pool: PageMemory, *, checksum_workers: int = 1
 ) -> PageStore:
     """Build the plan's backend and put a :class:`PageStore` over ``pool`` in front of it.
 
     A kvtier :class:`HostPool` is attached to the backend first (backends that register
-    memory, such as Mooncake, do it once here). The caller closes ``store.backend``; if
-    anything fails here, the backend is closed before the error propagates.
+    memory, such as Mooncake, do it once here). Foreign page memory (an engine's own host
+    pool, served through :class:`ForeignPageMemory`) goes to the backend's
+    ``register_memory(regions)`` instead. The caller closes ``store.backend``; if anything
+    fails here, the backend is closed before the error propagates.
     """
     backend = build_backend(plan)
     try:
         if isinstance(pool, HostPool):
             _plugin_call(plan.backend, "attach", backend.attach, pool)
+        elif isinstance(pool, ForeignPageMemory):
+            regions = pool.memory_regions()
+            _plugin_call(plan.backend, "register_memory", backend.register_memory, regions)
         return PageStore(
             backend,
             pool,

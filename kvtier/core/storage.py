@@ -70,6 +70,14 @@ class StorageBackend(ABC):
     def attach(self, pool: HostPool) -> None:  # noqa: B027 - optional hook, no-op default
         """Register the host pool's memory once (RDMA, io_uring fixed buffers). Optional."""
 
+    def register_memory(self, regions: Sequence[Extent]) -> None:  # noqa: B027 - optional hook
+        """Register page memory kvtier did not allocate (an engine's own host pool). Optional.
+
+        Called once, before any put or get, with the regions that hold every page the
+        core will hand over; a backend that moves bytes zero-copy only from registered
+        memory (Mooncake) registers them here.
+        """
+
     @abstractmethod
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is stored. Must be cheap: the core calls it for prefix hits."""

@@ -19,7 +19,9 @@ Data path: with ``"interface_v1": 1`` SGLang calls ``batch_exists``, ``batch_get
 ``batch_set_v1``. A page reaches the backend as its envelope slot (one 4096-byte slot per
 host page, in a slab kept here because SGLang's pool has no header room) followed by the
 page's contiguous runs inside SGLang's own ``kv_buffer``; backends read and write those
-regions in place, with no fresh tensor and no gather or scatter. The core's
+regions in place, with no fresh tensor and no gather or scatter; backends that move only
+registered memory (Mooncake) get the whole ``kv_buffer`` and the slab registered once, when
+SGLang hands over its pool (:meth:`SGLangPages.memory_regions`). The core's
 :class:`~kvtier.core.pagestore.PageStore` writes and verifies the envelopes, so a truncated,
 bit-flipped or foreign page is a counted miss, never data. The legacy tensor API
 (``get``/``set``/``batch_get``/``batch_set``/``exists``) stores the same bytes in the same
@@ -325,6 +327,14 @@ class SGLangPages:
     @property
     def layout(self) -> Layout:
         return self._layout
+
+    def memory_regions(self) -> list[Extent]:
+        """SGLang's whole ``kv_buffer`` and the envelope slab: registered once by backends
+        that need registered memory (Mooncake), so every page moves zero-copy."""
+        return [
+            _extent_at(self._low, self._high - self._low),
+            _extent_at(self._headers.data_ptr(), self._headers.numel()),
+        ]
 
     def _check_page(self, page: int) -> None:
         if not 0 <= page < self.num_pages:
@@ -798,7 +808,11 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def kvtier_stats(self) -> dict[str, int | float]:
         """kvtier's counters: the page store's, the backend's (``backend_*``) and ours."""
-        stats: dict[str, int | float] = {"generic_path_pages": 0, "skipped_not_writer": 0}
+        stats: dict[str, int | float] = {
+            "generic_path_pages": 0,
+            "skipped_not_writer": 0,
+            "metrics_fallback": int(_storage_metrics_class() is _StorageMetricsShape),
+        }
         stats.update(self._counters.snapshot())
         state = self._state
         if state is not None:
@@ -826,9 +840,18 @@ class _StorageMetricsShape:
 
 @functools.lru_cache(maxsize=1)
 def _storage_metrics_class() -> Any:
+    """SGLang's StorageMetrics, or the same fields in our class (one WARNING) without it."""
     try:
         from sglang.srt.observability.metrics_collector import StorageMetrics
-    except Exception:  # a stripped SGLang install: same fields, our class
+    except Exception as exc:  # SGLang without its serving stack: same fields, our class
+        log.warning(
+            "kvtier: SGLang's metrics module (sglang.srt.observability.metrics_collector) "
+            "failed to import (%r), so get_stats() returns kvtier's class with the same "
+            "fields; SGLang's StorageMetricsCollector would refuse it. A full SGLang "
+            "install has the module (%s)",
+            exc,
+            _DOCS,
+        )
         return _StorageMetricsShape
     return StorageMetrics
 
