@@ -22,6 +22,7 @@ IMPORT_DEPS=(
   "anyio==4.16.0"
   "tqdm==4.70.1"
   "triton==3.7.0"
+  "ipython>=8.12"  # sglang/utils.py imports IPython.display
 )
 
 # That release ships wheels for CPython 3.11 and 3.12 only (Linux x86_64, glibc >= 2.34).
