@@ -7,10 +7,10 @@ layer in layer order (adjacent runs merged), and backends read and write them in
 no staging copy and no host pool in between. The envelope of each page sits in a slot of
 a slab kept here, since vLLM's blocks have no header room.
 
-Refused at start-up, with the reason: KV caches on an accelerator (they need a host pool
-and an IO backend, which this adapter does not build yet), per-layer tensors whose blocks
-are not contiguous (K and V split across the tensor, as the GPU backends' ``[2, blocks,
-...]`` shape is), and tensors that disagree with the geometry.
+Refused at start-up, with the reason: KV caches on an accelerator (an accelerator engine
+takes the device strategy, :mod:`.device_worker`, chosen from vLLM's device), per-layer
+tensors whose blocks are not contiguous (K and V split across the tensor, as the GPU
+backends' ``[2, blocks, ...]`` shape is), and tensors that disagree with the geometry.
 """
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ class VLLMBlocks:
         for name, tensor in layers:
             if tensor.device.type != "cpu":
                 raise _refuse(
-                    f"layer {name!r} keeps its KV cache on {tensor.device}; this version stores "
-                    "vLLM KV caches in host memory only (vLLM's CPU backend)",
+                    f"layer {name!r} keeps its KV cache on {tensor.device}, but vLLM's device is "
+                    "the CPU; the CPU strategy stores blocks in host memory (accelerator "
+                    "engines take kvtier's device strategy)",
                     str(tensor.device),
                 )
             block = tensor[0] if tensor.dim() > 1 else None

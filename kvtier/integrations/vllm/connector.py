@@ -13,10 +13,13 @@ prefix-cache hit; :meth:`update_state_after_alloc` plans their load;
 :meth:`update_connector_output` learns what the workers stored and failed to load;
 :meth:`request_finished` keeps a request's blocks until its pages are stored.
 
-Worker: :meth:`register_kv_caches` turns vLLM's KV blocks into kvtier pages in place;
-:meth:`start_load_kv` starts the step's loads and :meth:`wait_for_layer_load` waits for
-them before the first attention layer reads the cache; :meth:`wait_for_save` queues the
-step's stores; :meth:`get_block_ids_with_load_errors` hands vLLM the blocks to recompute;
+Worker: the strategy follows vLLM's device, and :meth:`register_kv_caches` checks that
+the KV tensors vLLM hands over fit it: vLLM's CPU blocks in host memory become kvtier
+pages in place (:mod:`.worker`); KV caches on an accelerator become kvtier's device pool
+under a ``TieredCache`` (:mod:`.device_worker`), loaded per layer in
+:meth:`wait_for_layer_load` and backed up per layer in :meth:`save_kv_layer`.
+:meth:`start_load_kv` starts the step's loads and :meth:`wait_for_save` ends the step's
+stores; :meth:`get_block_ids_with_load_errors` hands vLLM the blocks to recompute;
 :meth:`get_finished` reports requests whose stores are done. Counters reach vLLM's metrics
 through :meth:`get_kv_connector_stats`.
 """
@@ -31,8 +34,9 @@ import torch
 
 from kvtier.core.capabilities import ResolvedPlan, open_page_store
 from kvtier.core.errors import KvtierError
+from kvtier.integrations.vllm.device_worker import DeviceWorkerSide
 from kvtier.integrations.vllm.messages import Report, StepWork
-from kvtier.integrations.vllm.plan import resolve_plan
+from kvtier.integrations.vllm.plan import plan_strategy, resolve_plan
 from kvtier.integrations.vllm.scheduler import NoPages, SchedulerSide
 from kvtier.integrations.vllm.settings import VLLMSection, read_section
 from kvtier.integrations.vllm.worker import WorkerSide
@@ -151,7 +155,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 vllm_config, kv_cache_config, self.settings, registry, tp_rank=_tp_rank(role)
             )
             self.scheduler: SchedulerSide | None = None
-            self.worker: WorkerSide | None = None
+            #: By vLLM's device; register_kv_caches checks the tensors it hands over agree.
+            self.worker: WorkerSide | DeviceWorkerSide | None = None
             if role is KVConnectorRole.SCHEDULER:
                 store = open_page_store(self.plan, NoPages(self.plan.layout))
                 self.scheduler = SchedulerSide(
@@ -161,6 +166,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     loads=bool(transfer.is_kv_consumer),
                     saves=bool(transfer.is_kv_producer),
                 )
+            elif plan_strategy(self.plan) == "device":
+                self.worker = DeviceWorkerSide(self.plan, self.settings)
             else:
                 self.worker = WorkerSide(self.plan, self.settings)
         except KvtierError as exc:
@@ -180,7 +187,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self.scheduler is not None, "a scheduler-side call on a worker connector"
         return self.scheduler
 
-    def _worker(self) -> WorkerSide:
+    def _worker(self) -> WorkerSide | DeviceWorkerSide:
         assert self.worker is not None, "a worker-side call on the scheduler's connector"
         return self.worker
 
@@ -261,20 +268,27 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker().start_loads(self._work().loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Block until this step's pages are in place (a page holds every layer)."""
+        """Block until this layer of the step's pages is in place (CPU: every layer)."""
         worker = self._worker()
-        if worker.loading:
+        if isinstance(worker, DeviceWorkerSide):
+            worker.wait_layer(layer_name)
+        elif worker.loading:
             worker.finish_loads()
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """Nothing per layer: a page holds all layers and is stored whole in wait_for_save."""
-        return
+        """Accelerator: back this layer up. CPU: nothing, a page is stored whole at the end."""
+        worker = self._worker()
+        if isinstance(worker, DeviceWorkerSide):
+            worker.save_layer(layer_name, self._work().saves)
 
     def wait_for_save(self) -> None:
-        """Queue this step's full pages for storage; the writer runs while the model does."""
+        """End the step's stores; the copies and writes run while the model does."""
         worker = self._worker()
+        if isinstance(worker, DeviceWorkerSide):
+            worker.end_step(self._work().saves)
+            return
         if worker.loading:
             worker.finish_loads()
         worker.submit_saves(self._work().saves)

@@ -9,6 +9,7 @@ from vLLM.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from kvtier.core.capabilities import ResolvedPlan, resolve
@@ -17,14 +18,30 @@ from kvtier.core.errors import KvtierError, UnsupportedCombinationError
 from kvtier.core.geometry import AttentionKind, dtype_name
 from kvtier.core.layout import Layout
 from kvtier.integrations.vllm.blocks import SUPPORTED
+from kvtier.integrations.vllm.paged import Strategy
 from kvtier.integrations.vllm.settings import LABEL, OPTIONS_AT, VLLMSection
 from kvtier.plugins.registry import Registry
 
-__all__ = ["BLOCK_TAG", "LAYOUT", "resolve_plan"]
+__all__ = [
+    "BLOCK_TAG",
+    "DEVICE_ONLY",
+    "DEVICE_TAG",
+    "LAYOUT",
+    "engine_strategy",
+    "plan_strategy",
+    "resolve_plan",
+]
+
+log = logging.getLogger("kvtier.vllm")
 
 #: The vLLM KV memory this connector stores, part of the key namespace's model id: pages
 #: in vLLM's CPU block order never pass for kvtier host-pool pages or another engine's.
 BLOCK_TAG = "vllm-cpu-lbhnc"
+#: The same for accelerator KV caches: pages in kvtier's own layer-first host layout,
+#: moved by an IO backend, never read as CPU blocks (their bytes are ordered differently).
+DEVICE_TAG = "vllm-paged"
+#: Section fields that only the accelerator path uses.
+DEVICE_ONLY = ("io_backend", "host_pages", "operations")
 #: The kvtier layout the plan is resolved for: layer-major pages, as vLLM's blocks are.
 LAYOUT = Layout.LAYER_FIRST
 
@@ -99,6 +116,39 @@ def check_engine(vllm_config: Any) -> None:
         )
 
 
+def engine_strategy(vllm_config: Any) -> Strategy:
+    """``"host"`` for vLLM's CPU engine (blocks in host memory), else ``"device"``."""
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
+    return "host" if str(device or "cpu") == "cpu" else "device"
+
+
+def plan_strategy(plan: ResolvedPlan) -> Strategy:
+    """The strategy a plan was resolved for (its namespace's model tag says which)."""
+    return "device" if plan.config.model.endswith(f"|{DEVICE_TAG}") else "host"
+
+
+def _device_fields(settings: VLLMSection) -> dict[str, Any]:
+    """The engine-config fields of the accelerator path; refuses a plan that cannot run."""
+    ops = set(settings.operations)
+    if not ops & {"load_layer", "load_all"} or not ops & {"backup_layer", "backup_all"}:
+        raise _refuse(
+            f"kvtier.operations {list(settings.operations)} lacks a load or a backup; the "
+            "vLLM connector loads hits and backs up computed blocks",
+            list(settings.operations),
+            [
+                '"operations": ["load_layer", "backup_layer"] (the default)',
+                '"operations": ["load_all", "backup_all"]',
+            ],
+        )
+    fields: dict[str, Any] = {
+        "operations": list(settings.operations),
+        "io_backend": settings.io_backend,
+    }
+    if settings.host_pages is not None:
+        fields["host_pages"] = settings.host_pages
+    return fields
+
+
 def resolve_plan(
     vllm_config: Any,
     kv_cache_config: Any,
@@ -109,18 +159,30 @@ def resolve_plan(
 ) -> ResolvedPlan:
     """The plan of one vLLM rank: its KV geometry and the ``kvtier`` section, resolved."""
     check_engine(vllm_config)
+    strategy = engine_strategy(vllm_config)
+    extra: dict[str, Any] = {}
+    if strategy == "device":
+        extra = _device_fields(settings)
+    elif unused := sorted(set(DEVICE_ONLY) & settings.model_fields_set):
+        log.warning(
+            "kvtier: %s apply to accelerator KV caches only; vLLM's CPU engine stores its "
+            "blocks in place and does not use them",
+            ", ".join(f"kvtier.{name}" for name in unused),
+        )
+    tag = DEVICE_TAG if strategy == "device" else BLOCK_TAG
     config = load_engine_config(
         {
             "backend": settings.backend,
             "extra_config": settings.extra_config,
             "attention": AttentionKind.MHA.value,
             "layout": LAYOUT.value,
-            "model": f"{settings.model or vllm_config.model_config.model}|{BLOCK_TAG}",
+            "model": f"{settings.model or vllm_config.model_config.model}|{tag}",
             "tenant": settings.tenant,
             "verify": settings.verify,
             "tp_rank": tp_rank,
             "tp_size": int(vllm_config.parallel_config.tensor_parallel_size),
             **geometry_fields(kv_cache_config),
+            **extra,
         },
         source=LABEL,
     )

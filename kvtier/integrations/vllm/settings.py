@@ -60,6 +60,25 @@ class VLLMSection(BaseModel):
         description="Threads that checksum the pages of one batch (the engine's cores run "
         "the model, so one by default).",
     )
+    io_backend: str = Field(
+        "auto",
+        description="Accelerator KV caches only: the kvtier IO backend between vLLM's "
+        "blocks and the host pool ('direct', 'kernel', a plugin's, or 'auto').",
+    )
+    host_pages: int | None = Field(
+        None,
+        strict=True,
+        ge=1,
+        description="Accelerator KV caches only: host-pool (L2) size in pages; default: "
+        "kvtier's (1 GiB).",
+    )
+    operations: tuple[Literal["load_layer", "load_all", "backup_layer", "backup_all"], ...] = Field(
+        ("load_layer", "backup_layer"),
+        min_length=1,
+        description="Accelerator KV caches only: the transfers to run. 'load_layer' / "
+        "'backup_layer' move one layer per vLLM call, overlapping compute; without "
+        "them all layers move at the first layer's load and at the step's end.",
+    )
     known_keys: int = Field(
         1 << 18,
         strict=True,

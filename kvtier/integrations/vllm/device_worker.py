@@ -1,0 +1,413 @@
+"""The worker side of kvtier's vLLM connector for KV caches on an accelerator.
+
+:class:`DeviceWorkerSide` makes vLLM's paged KV tensors kvtier's device pool
+(:class:`.paged.VLLMPagedPool`, views, no copy) and opens a
+:class:`~kvtier.cache.TieredCache` over it through kvtier's one construction path, so
+pages move device <-> host pool (L2) through the plan's IO backend and host pool <->
+storage (L3) on the cache's threads. Per step, as vLLM calls it:
+
+- ``start_load_kv``: :meth:`start_loads` starts one prefetch per request (storage reads
+  run while vLLM prepares the step);
+- ``wait_for_layer_load(layer)``: :meth:`wait_layer` loads that layer of every request
+  (``load_layer``), so later layers' copies overlap earlier layers' compute; without
+  ``load_layer`` the first call loads all layers;
+- ``save_kv_layer(layer)``: :meth:`save_layer` backs that layer of the step's new full
+  blocks up (``backup_layer``); :meth:`end_step` (``wait_for_save``) completes missing
+  layers, or backs every layer up without ``backup_layer``;
+- ``get_finished``: :meth:`finished` lets vLLM free a request's blocks once their
+  device -> host copies are done (the storage write may still run).
+
+A page that is missing or fails verification goes back to vLLM (:meth:`take_load_errors`)
+to be recomputed, is counted, and is reported to the scheduler, exactly as on the CPU
+path (:mod:`.worker`). Keys are the scheduler's chained keys plus this rank's suffix.
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtier.cache.handles import BackupHandle, PrefetchHandle
+from kvtier.cache.tiered import TieredCache
+from kvtier.core.capabilities import ResolvedPlan
+from kvtier.core.errors import KvtierError, StorageError, UnsupportedCombinationError
+from kvtier.core.specs import Operation
+from kvtier.core.storage import Counters
+from kvtier.integrations.vllm.blocks import order_layers
+from kvtier.integrations.vllm.messages import PageOp, Report
+from kvtier.integrations.vllm.paged import (
+    DEVICE_SUPPORTED,
+    VLLMPagedPool,
+    block_slots,
+    strategy_of,
+)
+from kvtier.integrations.vllm.settings import DOCS, VLLMSection
+from kvtier.integrations.vllm.worker import WORKER_COUNTERS
+
+__all__ = ["CACHE_OPTIONS", "DeviceWorkerSide"]
+
+log = logging.getLogger("kvtier.vllm")
+
+#: The cache's options: vLLM was promised every page the scheduler counted as a hit, so a
+#: load waits for the whole prefetch (bounded by ``max_load_wait_s``); the rest recomputes.
+CACHE_OPTIONS: dict[str, Any] = {"prefetch_policy": "wait_complete"}
+
+
+@dataclass(eq=False)
+class _Load:
+    """One request's load in this step: its prefetch, and the layers loaded so far."""
+
+    op: PageOp
+    slots: torch.Tensor
+    handle: PrefetchHandle | None
+    loaded: int | None = None
+    layers: set[int] = field(default_factory=set)
+    failed: bool = False
+
+
+@dataclass(eq=False)
+class _Save:
+    """One request's backup in this step: a handle per backup call, the layers sent."""
+
+    op: PageOp
+    names: list[str]
+    slots: torch.Tensor
+    num_layers: int
+    handles: list[BackupHandle] = field(default_factory=list)
+    layers: set[int] = field(default_factory=set)
+    failed: bool = False
+
+    def sent(self) -> bool:
+        """Every layer was handed to the cache (or a call failed: nothing more comes)."""
+        return self.failed or len(self.layers) == self.num_layers
+
+    def host_done(self) -> bool:
+        return self.sent() and all(handle.host_done.is_set() for handle in self.handles)
+
+    def done(self) -> bool:
+        return self.sent() and all(handle.finished.is_set() for handle in self.handles)
+
+    def ok(self) -> bool:
+        return not self.failed and all(h.pages_failed == 0 for h in self.handles)
+
+
+class DeviceWorkerSide:
+    """Loads and stores of one vLLM worker whose KV cache is on an accelerator."""
+
+    def __init__(self, plan: ResolvedPlan, settings: VLLMSection) -> None:
+        self.plan = plan
+        self.settings = settings
+        #: This rank's key suffix (``_r<rank>of<size>`` under tensor parallelism).
+        self.suffix = plan.rank_suffix
+        self.cache: TieredCache | None = None
+        self.pool: VLLMPagedPool | None = None
+        #: vLLM's layer name -> kvtier layer index (model order).
+        self.layers: dict[str, int] = {}
+        self.counters = Counters()
+        self.per_layer_load = plan.declares(Operation.LOAD_LAYER)
+        self.per_layer_save = plan.declares(Operation.BACKUP_LAYER)
+        self._lock = threading.Lock()
+        self._loads: list[_Load] = []
+        self._load_errors: set[int] = set()
+        self._current: list[_Save] | None = None
+        self._in_flight: dict[str, list[_Save]] = {}
+        self._saving: set[str] = set()
+        self._finishing: set[str] = set()
+        self._report = Report()
+
+    def register(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        layer_index: dict[str, int],
+        num_blocks: int,
+    ) -> None:
+        """Take vLLM's KV tensors as a device pool and open the tiered cache over them.
+
+        Host-memory blocks in the CPU backend's layout are refused: this strategy follows
+        vLLM's device, and such blocks would be keyed and ordered as the CPU strategy's.
+        """
+        layers = order_layers(kv_caches, layer_index)
+        if strategy_of([tensor for _, tensor in layers]) == "host":
+            raise UnsupportedCombinationError(
+                "vLLM KV cache: the engine runs on an accelerator, but its KV caches are "
+                "host-memory blocks in the CPU backend's layout [num_blocks, num_kv_heads, "
+                "block_size, 2 * head_size] (LBHNC); the worker strategy follows vLLM's device",
+                value=str(layers[0][1].device) if layers else None,
+                supported=DEVICE_SUPPORTED,
+            )
+        pool = VLLMPagedPool(layers, num_blocks=num_blocks, geometry=self.plan.geometry)
+        cache = TieredCache.open(self.plan.config, pool, options=CACHE_OPTIONS)
+        if cache.plan.namespace != self.plan.namespace:  # one config, one namespace
+            cache.close()
+            raise StorageError(
+                f"the tiered cache's key namespace {cache.plan.namespace.id} differs from the "
+                f"connector's {self.plan.namespace.id}",
+                value=cache.plan.namespace.id,
+            )
+        self.pool, self.cache = pool, cache
+        self.layers = {name: i for i, (name, _) in enumerate(layers)}
+
+    def _require(self) -> TieredCache:
+        if self.cache is None:
+            raise StorageError(
+                "the kvtier connector has no KV pages: vLLM calls register_kv_caches() at "
+                f"start-up, before any step ({DOCS})",
+                value=None,
+            )
+        return self.cache
+
+    def names(self, keys: Iterable[str]) -> list[str]:
+        """This rank's storage keys for base keys."""
+        return [key + self.suffix for key in keys]
+
+    # --- loads --------------------------------------------------------------------------
+
+    def start_loads(self, loads: Sequence[PageOp]) -> None:
+        """Start the prefetch of each request's pages; storage reads run on the cache's workers."""
+        if not loads:
+            return
+        cache = self._require()
+        if self._loads:
+            self.finish_loads()
+        ps = self.plan.geometry.page_size
+        for op in loads:
+            handle: PrefetchHandle | None = None
+            try:
+                handle = cache.prefetch(self.names(op.keys))
+            except KvtierError as exc:
+                log.warning(
+                    "kvtier: a prefetch raised %s; its %d pages recompute", exc, len(op.keys)
+                )
+            self._loads.append(_Load(op, block_slots(op.blocks, ps), handle))
+
+    @property
+    def loading(self) -> bool:
+        return bool(self._loads)
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Load layer ``layer_name`` of this step's pages (all layers without ``load_layer``)."""
+        if not self._loads:
+            return
+        layer = self.layers.get(layer_name)
+        if layer is None or not self.per_layer_load:
+            self.finish_loads()
+            return
+        for item in self._loads:
+            self._load_layer(item, layer)
+        if all(item.failed or len(item.layers) == len(self.layers) for item in self._loads):
+            self._settle()
+
+    def _load_layer(self, item: _Load, layer: int | None) -> None:
+        if item.failed or (layer is not None and layer in item.layers):
+            return
+        if item.handle is None:
+            item.failed = True
+            return
+        try:
+            count = self._require().load(item.handle, item.slots, layer=layer)
+        except KvtierError as exc:
+            log.warning("kvtier: a load raised %s; its %d pages recompute", exc, len(item.op.keys))
+            item.failed = True
+            item.handle.release()
+            return
+        item.loaded = count if item.loaded is None else min(item.loaded, count)
+        item.layers.update(range(len(self.layers)) if layer is None else (layer,))
+
+    def finish_loads(self) -> None:
+        """Load every layer not loaded yet, then record the blocks whose page did not load."""
+        for item in self._loads:
+            if self.per_layer_load:
+                for layer in range(len(self.layers)):
+                    self._load_layer(item, layer)
+            else:
+                self._load_layer(item, None)
+        self._settle()
+
+    def _settle(self) -> None:
+        loads, self._loads = self._loads, []
+        for item in loads:
+            count = len(item.op.keys)
+            good = 0 if item.failed else min(item.loaded or 0, count)
+            if item.handle is not None:
+                item.handle.release()
+            self.counters.add("load_pages", count)
+            self.counters.add("load_hit_pages", good)
+            if good < count:
+                self._failed(item.op, list(range(good, count)))
+
+    def _failed(self, op: PageOp, bad: list[int]) -> None:
+        self.counters.add("load_failed_pages", len(bad))
+        self._load_errors.update(op.blocks[i] for i in bad)
+        failed = [op.keys[i] for i in bad]
+        with self._lock:
+            for key in failed:
+                self._report.failed[key] = self._report.failed.get(key, 0) + 1
+            first = op.first + bad[0]
+            self._report.failed_from[op.req_id] = min(
+                first, self._report.failed_from.get(op.req_id, first)
+            )
+        try:  # a bad page is removed, so the recomputed one is stored in its place
+            self._require().page_store.delete(self.names(failed))
+        except KvtierError as exc:
+            log.warning("kvtier: deleting %d failed pages raised %s", len(failed), exc)
+        log.info(
+            "kvtier: %d of %d pages of request %s were missing or invalid; vLLM recomputes them",
+            len(bad),
+            len(op.keys),
+            op.req_id,
+        )
+
+    def take_load_errors(self) -> set[int]:
+        """vLLM blocks whose page was missing or failed verification (finishes loads)."""
+        if self._loads:
+            self.finish_loads()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # --- saves --------------------------------------------------------------------------
+
+    def _records(self, saves: Sequence[PageOp]) -> list[_Save]:
+        if self._current is None:
+            ps, layers = self.plan.geometry.page_size, len(self.layers)
+            self._current = [
+                _Save(op, self.names(op.keys), block_slots(op.blocks, ps), layers) for op in saves
+            ]
+            with self._lock:  # held from now: get_finished waits for every layer's copy
+                for record in self._current:
+                    self._in_flight.setdefault(record.op.req_id, []).append(record)
+                    self._saving.add(record.op.req_id)
+        return self._current
+
+    def _backup(self, record: _Save, layer: int | None) -> None:
+        if record.failed or (layer is not None and layer in record.layers):
+            return
+        try:
+            record.handles.append(self._require().backup(record.names, record.slots, layer=layer))
+        except KvtierError as exc:
+            log.warning(
+                "kvtier: a backup raised %s; its %d pages are not kept", exc, len(record.names)
+            )
+            record.failed = True
+            return
+        record.layers.update(range(len(self.layers)) if layer is None else (layer,))
+
+    def save_layer(self, layer_name: str, saves: Sequence[PageOp]) -> None:
+        """Back layer ``layer_name`` of the step's new full blocks up (``backup_layer``)."""
+        layer = self.layers.get(layer_name)
+        if not saves or not self.per_layer_save or layer is None:
+            return
+        for record in self._records(saves):
+            self._backup(record, layer)
+
+    def end_step(self, saves: Sequence[PageOp]) -> None:
+        """Finish the step: loads done, every layer of its new full blocks backed up."""
+        if self._loads:
+            self.finish_loads()
+        records = self._records(saves) if saves else (self._current or [])
+        self._current = None
+        for record in records:
+            if self.per_layer_save:
+                for layer in range(len(self.layers)):
+                    self._backup(record, layer)
+            else:
+                self._backup(record, None)
+
+    def _poll(self) -> None:
+        """Account the backups that finished (host copy and storage write)."""
+        with self._lock:
+            for req_id, records in list(self._in_flight.items()):
+                keep = []
+                for record in records:
+                    if not record.done():
+                        keep.append(record)
+                        continue
+                    count = len(record.op.keys)
+                    stored = count if record.ok() else 0
+                    if stored:
+                        for key in record.op.keys:
+                            self._report.stored[key] = self._report.stored.get(key, 0) + 1
+                    self.counters.add("save_pages", count)
+                    self.counters.add("save_stored_pages", stored)
+                    self.counters.add("save_failed_pages", count - stored)
+                if keep:
+                    self._in_flight[req_id] = keep
+                else:
+                    del self._in_flight[req_id]
+
+    def _host_done(self, req_id: str) -> bool:
+        return all(record.host_done() for record in self._in_flight.get(req_id, ()))
+
+    def preempted(self, req_ids: Iterable[str]) -> None:
+        """Wait for the device -> host copies of preempted requests before vLLM reuses blocks."""
+        if self.cache is None:
+            return
+        bound = self.cache.options.max_load_wait_s
+        with self._lock:
+            handles = [
+                handle
+                for req_id in req_ids
+                for record in self._in_flight.get(req_id, ())
+                for handle in record.handles
+            ]
+        for handle in handles:
+            handle.wait_host(bound)
+
+    def finished(self, finished_req_ids: Iterable[str]) -> set[str]:
+        """Of the finished requests with backups, those whose device -> host copies are done."""
+        self._poll()
+        with self._lock:
+            self._finishing.update(set(finished_req_ids) & self._saving)
+            done = {r for r in self._finishing if self._host_done(r)}
+            self._finishing -= done
+            self._saving -= done
+        return done
+
+    def take_report(self) -> Report:
+        """What this rank stored and failed to load since the last call."""
+        self._poll()
+        with self._lock:
+            report, self._report = self._report, Report()
+        return report
+
+    # --- housekeeping -------------------------------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every backup so far has finished (host copy and storage write)."""
+        cache = self._require()
+        with self._lock:
+            handles = [
+                h for records in self._in_flight.values() for r in records for h in r.handles
+            ]
+        ok = all(handle.wait(timeout) for handle in handles)
+        return cache.flush(timeout) and ok
+
+    def stats(self) -> dict[str, Any]:
+        """Cumulative counters: the worker's and the tiered cache's (``cache_*``)."""
+        self._poll()
+        stats: dict[str, Any] = dict.fromkeys(WORKER_COUNTERS, 0)
+        stats.update(self.counters.snapshot())
+        if self.cache is not None:
+            for key, value in self.cache.stats().items():
+                if isinstance(value, dict):
+                    for sub, number in value.items():
+                        if isinstance(number, (int, float)) and not isinstance(number, bool):
+                            stats[f"cache_{key}_{sub}"] = number
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    stats[f"cache_{key}"] = value
+        return stats
+
+    def close(self) -> None:
+        """Release loads in flight, then close the cache (drains its writes). Idempotent."""
+        for item in self._loads:
+            if item.handle is not None:
+                item.handle.release()
+        self._loads = []
+        cache, self.cache = self.cache, None
+        if cache is not None:
+            cache.close()

@@ -1,0 +1,170 @@
+"""vLLM's paged KV tensors on an accelerator as kvtier's device pool, without a copy.
+
+vLLM 0.32 hands ``register_kv_caches`` one tensor per attention layer. Its accelerator
+backends' tensor is the logical ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
+view (``[B, H, N, C]``, K and V side by side in ``C``) whose strides follow the resolved
+``KVCacheLayout``; FlashAttention and Triton run the token-major ``LBNHC`` (``NHD``)
+layout, where a block's tokens are evenly spaced. Older FlashAttention-style caches are
+``[2, num_blocks, block_size, num_kv_heads, head_size]``. Both give, per layer, a K and a V
+buffer ``[num_slots, num_kv_heads, head_size]`` (slot = block * block_size + offset) as
+strided views of vLLM's memory: :class:`VLLMPagedPool` implements kvtier's
+``MHADevicePool`` over them, so ``TieredCache`` moves pages through its IO backend.
+
+:func:`strategy_of` tells this path from the CPU backend's (``LBHNC`` blocks in host
+memory, stored in place by :mod:`.blocks`); a layout neither handles is refused at
+start-up with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from kvtier.core.errors import UnsupportedCombinationError
+from kvtier.core.geometry import KVGeometry
+from kvtier.integrations.vllm.blocks import SUPPORTED as HOST_SUPPORTED
+
+__all__ = ["DEVICE_SUPPORTED", "Strategy", "VLLMPagedPool", "block_slots", "strategy_of"]
+
+#: What the device path takes, as start-up errors list it.
+DEVICE_SUPPORTED = [
+    "vLLM's accelerator attention backends with a token-major KV cache layout (LBNHC, "
+    "VLLM_KV_CACHE_LAYOUT=NHD; FlashAttention, Triton): per layer [num_blocks, "
+    "num_kv_heads, block_size, 2 * head_size] with a block's tokens evenly spaced",
+    "FlashAttention-style per layer [2, num_blocks, block_size, num_kv_heads, head_size]",
+]
+
+#: ``"host"``: vLLM's CPU blocks, stored in place; ``"device"``: through ``TieredCache``.
+Strategy = Literal["host", "device"]
+
+
+def _refuse(what: str, value: object) -> UnsupportedCombinationError:
+    return UnsupportedCombinationError(
+        f"vLLM KV cache: {what}",
+        value=value,
+        supported=[*HOST_SUPPORTED, *DEVICE_SUPPORTED],
+    )
+
+
+def _host_blocks(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is in the CPU backend's layout: host memory, contiguous blocks."""
+    return tensor.device.type == "cpu" and tensor.dim() == 4 and tensor[0].is_contiguous()
+
+
+def strategy_of(tensors: Sequence[torch.Tensor]) -> Strategy:
+    """The worker strategy for vLLM's KV tensors: by device, then by layout."""
+    if tensors and all(_host_blocks(tensor) for tensor in tensors):
+        return "host"
+    return "device"
+
+
+def _slot_major(x: torch.Tensor, name: str, what: str) -> torch.Tensor:
+    """``x`` ``[B, N, H, E]`` as ``[B * N, H, E]``, a view; refused if tokens are uneven."""
+    blocks, tokens, heads, width = x.shape
+    s_block, s_token, s_head, s_last = x.stride()
+    if s_last != 1 or (blocks > 1 and s_block != tokens * s_token):
+        raise _refuse(
+            f"layer {name!r} ({what}) has a token stride of {s_token} and a block stride of "
+            f"{s_block} elements, so its tokens are not evenly spaced across blocks (a "
+            "head-major LBHNC / HND or block-outermost layout): no [num_slots, heads, dim] "
+            "view exists without a copy; run vLLM with VLLM_KV_CACHE_LAYOUT=NHD",
+            tuple(x.stride()),
+        )
+    return x.as_strided((blocks * tokens, heads, width), (s_token, s_head, 1), x.storage_offset())
+
+
+def _kv_views(tensor: torch.Tensor, name: str, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V as ``[num_slots, heads, head_dim]`` views of ``tensor``."""
+    shape = tuple(tensor.shape)
+    if tensor.dim() == 5 and shape[0] == 2:
+        k, v = (_slot_major(tensor[i], name, "[2, B, N, H, D]") for i in range(2))
+        return k, v
+    if tensor.dim() == 4 and shape[3] == 2 * head_dim:
+        both = _slot_major(tensor.permute(0, 2, 1, 3), name, "[B, H, N, 2 * D]")
+        return both[..., :head_dim], both[..., head_dim:]
+    raise _refuse(
+        f"layer {name!r} has shape {shape}; expected [num_blocks, num_kv_heads, block_size, "
+        f"{2 * head_dim}] (vLLM 0.32) or [2, num_blocks, block_size, num_kv_heads, {head_dim}]",
+        shape,
+    )
+
+
+class VLLMPagedPool:
+    """kvtier's MHA device pool over vLLM's per-layer KV tensors (views, no copy).
+
+    Token slot ``block * block_size + offset`` is vLLM's block ``block``, token
+    ``offset``, in every layer's K and V buffer.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[tuple[str, torch.Tensor]],
+        *,
+        num_blocks: int,
+        geometry: KVGeometry,
+    ) -> None:
+        if len(layers) != geometry.num_layers:
+            raise _refuse(
+                f"vLLM registered {len(layers)} KV cache tensors for a model of "
+                f"{geometry.num_layers} attention layers",
+                len(layers),
+            )
+        g = geometry
+        wanted = (num_blocks * g.page_size, g.num_kv_heads, g.head_dim)
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+        device = layers[0][1].device if layers else torch.device("cpu")
+        for name, tensor in layers:
+            if tensor.device != device:
+                raise _refuse(
+                    f"layer {name!r} is on {tensor.device} but layer {layers[0][0]!r} on "
+                    f"{device}; one device pool holds one device's KV",
+                    str(tensor.device),
+                )
+            if tensor.dtype != g.dtype:
+                raise _refuse(
+                    f"layer {name!r} holds {tensor.dtype}, but {g.describe()} is {g.dtype}",
+                    str(tensor.dtype),
+                )
+            k, v = _kv_views(tensor, name, g.head_dim)
+            if tuple(k.shape) != wanted:
+                raise _refuse(
+                    f"layer {name!r} gives K/V buffers {tuple(k.shape)}; {num_blocks} blocks "
+                    f"of {g.describe()} take {wanted} ([num_slots, num_kv_heads, head_dim])",
+                    tuple(k.shape),
+                )
+            self._k.append(k)
+            self._v.append(v)
+        self._geometry = g
+        self._num_slots = wanted[0]
+        self._device = device
+
+    @property
+    def geometry(self) -> KVGeometry:
+        return self._geometry
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def k_buffer(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s keys, ``[num_slots, num_kv_heads, head_dim]`` (a view)."""
+        return self._k[layer]
+
+    def v_buffer(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s values, ``[num_slots, num_kv_heads, head_dim]`` (a view)."""
+        return self._v[layer]
+
+
+def block_slots(blocks: Sequence[int], block_size: int) -> torch.Tensor:
+    """The token slots of vLLM blocks, page ``i`` at ``[i * block_size, (i + 1) * block_size)``."""
+    if not blocks:
+        return torch.empty(0, dtype=torch.int64)
+    base = torch.tensor(list(blocks), dtype=torch.int64).unsqueeze(1) * block_size
+    return (base + torch.arange(block_size, dtype=torch.int64)).reshape(-1)
