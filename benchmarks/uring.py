@@ -1,7 +1,17 @@
-"""io_uring backend vs file backend vs a raw os.preadv / os.pwritev loop, cold cache.
+"""io_uring backend vs raw pwritev / preadv (1 and N threads) and vs the file backend.
 
-Usage: ``python benchmarks/uring.py [--quick] [--root DIR]``. One JSON object per line on
-stdout, a table on stderr. For each page size (256 x 8 MiB, 4096 x 128 KiB; --quick uses
+Usage: ``python benchmarks/uring.py [--quick] [--root DIR] [--no-suite] [--no-sweep]``.
+One JSON object per line on stdout, a table on stderr. Two parts, both in one run:
+
+The page-path suite (``_common.page_path_suite``, the same cases as ``file.py``): 8 MiB,
+128 KiB and 16 KiB pages through ``PageStore`` with full verification over a
+``UringBackend`` at its default queue depth (32), against a raw loop in one thread and
+the same raw calls on 4 threads (LMCache's local-disk pool; the file backend's default
+I/O threads): new puts (targets 0.9 and 1.0), warm gets (0.9, 1.0; full vs header-only
+verification 0.9), overwrites vs raw in-place ``pwritev`` (0.8), cold gets (1.2 vs one
+raw thread, 1.0 vs four).
+
+Then the queue-depth sweep: for each page size (256 x 8 MiB, 4096 x 128 KiB; --quick uses
 fewer pages) and each queue depth (1, 8, 32) it times:
 
 - ``get ... cold``: the page cache of every page file is dropped before each repetition
@@ -35,6 +45,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from _common import SIZES_FULL, SIZES_QUICK, page_path_suite
+
 from kvtier.backends.file import FileConfig
 from kvtier.backends.file.backend import FileBackend
 from kvtier.backends.filestore import paths as fs_paths
@@ -45,6 +57,8 @@ from kvtier.core.extents import Extent
 HEADER = 4096
 KiB = 1024
 MiB = 1024 * KiB
+#: Threads of the raw N-thread baseline of the suite (LMCache's local-disk pool).
+SUITE_THREADS = 4
 
 
 class Arena:
@@ -275,11 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depths", default="1,8,32", help="queue depths, comma-separated")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
     parser.add_argument("--ops", default="get,put", help="operations: get, put or both")
-    parser.add_argument("--sizes", default="8MiB,128KiB", help="page sizes: 8MiB, 128KiB")
+    parser.add_argument(
+        "--sizes", default="8MiB,128KiB,16KiB", help="page sizes (the sweep has no 16KiB)"
+    )
     parser.add_argument("--modes", default=None, help="cold (buffered), o_direct or both")
     parser.add_argument(
         "--count-scale", type=float, default=1.0, help="scale the page counts (e.g. 0.25)"
     )
+    parser.add_argument("--no-suite", action="store_true", help="skip the page-path suite")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the queue-depth sweep")
     args = parser.parse_args(argv)
     reason = probe_io_uring()
     if reason is not None:
@@ -316,7 +334,23 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
-        for label, count, payload, slots in sizes:
+        if not args.no_suite:
+            suite_sizes = SIZES_QUICK if args.quick else SIZES_FULL
+            suite_sizes = tuple(s for s in suite_sizes if s.label in wanted)
+
+            def make(store_root: Path) -> UringBackend:
+                return UringBackend(UringConfig(root=store_root, min_free_bytes=0))
+
+            page_path_suite(
+                "uring",
+                make,
+                SUITE_THREADS,
+                root,
+                sizes=suite_sizes,
+                reps=args.reps or 3,
+                cold_target=1.2,
+            )
+        for label, count, payload, slots in [] if args.no_sweep else sizes:
             bench_size(root, arena, label, count, payload, slots, depths, reps, modes, ops)
     finally:
         shutil.rmtree(root, ignore_errors=True)

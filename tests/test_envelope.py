@@ -15,6 +15,7 @@ from kvtier.core.envelope import (
     FORMAT_VERSION,
     HEADER,
     MAGIC,
+    EnvelopeFormat,
     Rejection,
     key_digest,
     layout_code,
@@ -180,3 +181,85 @@ def test_bad_arguments_are_errors() -> None:
             write(slot, payload, fingerprint=bad)
     with pytest.raises(ValueError):
         write(slot, payload, layout="diagonal")
+
+
+# --- EnvelopeFormat: the precomputed per-store form must say exactly what the functions say
+
+
+def _format_page(sizes: tuple[int, ...] = (1000, 3000)) -> tuple[memoryview, list[memoryview]]:
+    slot, payload = make_page(sizes)
+    return slot, [e.view for e in payload]
+
+
+def test_envelope_format_writes_the_same_bytes_as_write_envelope() -> None:
+    fmt = EnvelopeFormat(FP, Layout.PAGE_FIRST)
+    slot, views = _format_page()
+    fmt.write(slot, KEY, views)
+    other = memoryview(bytearray(os.urandom(ENVELOPE_BYTES)))
+    write(other, [extent_of_view(v) for v in views])
+    assert bytes(slot) == bytes(other)
+
+
+@pytest.mark.parametrize(
+    ("offset", "over"),
+    [
+        (0, {}),  # magic
+        (8, {}),  # version
+        (10, {}),  # header length
+        (12, {}),  # flags: only the header checksum notices
+        (16, {}),  # fingerprint
+        (48, {}),  # layout code
+        (49, {}),  # checksum id
+        (56, {}),  # key digest
+        (72, {}),  # payload length
+        (80, {}),  # stored payload checksum
+        (96, {}),  # the header checksum itself
+        (None, {"key": "another-key"}),
+        (None, {"fingerprint": "0000"}),
+        (None, {"layout": Layout.LAYER_FIRST}),
+        (None, {"payload_byte": 5}),
+        (None, {"short_payload": True}),
+    ],
+)
+@pytest.mark.parametrize("full", [True, False])
+def test_envelope_format_verify_agrees_with_verify_envelope(
+    offset: int | None, over: dict, full: bool
+) -> None:
+    slot, views = _format_page()
+    EnvelopeFormat(FP, Layout.PAGE_FIRST).write(slot, KEY, views)
+    over = dict(over)
+    payload_only = "payload_byte" in over
+    if offset is not None:
+        slot[offset] ^= 0x40
+    if "payload_byte" in over:
+        views[1][over.pop("payload_byte")] ^= 1
+    if over.pop("short_payload", False):
+        views = [views[0], views[1][:-1]]
+    key = over.get("key", KEY)
+    fmt = EnvelopeFormat(over.get("fingerprint", FP), over.get("layout", Layout.PAGE_FIRST))
+    expected = verify(slot, [extent_of_view(v) for v in views], full=full, **over)
+    assert fmt.verify(slot, key, views, full=full) == expected
+    # every case is a bad page, which only header-only mode may miss in the payload
+    assert (expected is None) == (payload_only and not full)
+
+
+def test_envelope_format_refuses_a_bad_fingerprint() -> None:
+    with pytest.raises(InvalidFieldError, match="fingerprint"):
+        EnvelopeFormat("x" * 33, Layout.PAGE_FIRST)
+
+
+def test_envelope_format_names_a_slot_too_small_for_the_header() -> None:
+    fmt = EnvelopeFormat(FP, Layout.PAGE_FIRST)
+    with pytest.raises(InvalidFieldError, match="slot"):
+        fmt.write(memoryview(bytearray(HEADER.size - 1)), KEY, [])
+    with pytest.raises(InvalidFieldError, match="slot"):
+        fmt.verify(memoryview(bytearray(HEADER.size - 1)), KEY, [])
+
+
+def test_envelope_format_takes_a_slot_of_wider_items() -> None:
+    fmt = EnvelopeFormat(FP, Layout.PAGE_FIRST)
+    slot, views = _format_page()
+    wide = slot.cast("I")  # the same bytes seen as 4-byte items
+    fmt.write(wide, KEY, views)
+    assert fmt.verify(wide, KEY, views) is None
+    assert verify(slot, [extent_of_view(v) for v in views]) is None

@@ -25,6 +25,7 @@ from pydantic import ByteSize, ValidationError
 from kvtier.backends.file import FileConfig
 from kvtier.backends.file.backend import FileBackend
 from kvtier.backends.filestore import paths as fs_paths
+from kvtier.backends.filestore import writes as fs_writes
 from kvtier.backends.uring import URING_SPEC, UringConfig, validate_uring_plan
 from kvtier.backends.uring.backend import UringBackend
 from kvtier.core.errors import (
@@ -497,30 +498,32 @@ def test_a_root_written_by_one_backend_is_read_by_the_other(
 def test_publish_happens_only_after_the_whole_page_is_written(
     make: Callable[..., UringBackend], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """New pages are renamed inline, replacements through the ring; both only when whole."""
+    """New pages are renamed, replacements exchanged (never a rename over a page, which
+    makes ext4 write the new file back); both only once the page is whole."""
     backend = make(queue_depth=2, fsync="page")
     seen: list[tuple[str, bool, bytes]] = []
     real_replace = os.replace
-    real_rename = UringBackend._rename
+    real_exchange = fs_writes._exchange
 
     def checking_replace(src: Any, dst: Any, **kwargs: Any) -> None:
         if str(dst).startswith(str(backend.store)):
-            seen.append(("inline", Path(dst).exists(), Path(src).read_bytes()))
+            seen.append(("rename", Path(dst).exists(), Path(src).read_bytes()))
         real_replace(src, dst, **kwargs)
 
-    def checking_rename(self: UringBackend, put: Any) -> Any:  # queued only now
-        seen.append(("ring", put.final.exists(), put.tmp.read_bytes()))
-        return real_rename(self, put)
+    def checking_exchange(tmp: Any, final: Any) -> bool | None:
+        if Path(final).exists():
+            seen.append(("exchange", True, Path(tmp).read_bytes()))
+        return real_exchange(tmp, final)
 
     monkeypatch.setattr(os, "replace", checking_replace)
-    monkeypatch.setattr(UringBackend, "_rename", checking_rename)
+    monkeypatch.setattr(fs_writes, "_exchange", checking_exchange)
     keys = [f"w{i}" for i in range(6)]
     for version in range(2):
         datas = [_data(10 * version + i, 12000) for i in range(6)]
         seen.clear()
         assert backend.put(keys, [_page(d, (4096, 5000)) for d in datas]) == [True] * 6
         assert sorted(body for _, _, body in seen) == sorted(datas)
-        assert {how for how, _, _ in seen} == ({"inline"} if version == 0 else {"ring"})
+        assert {how for how, _, _ in seen} == ({"rename"} if version == 0 else {"exchange"})
         assert all(existed == (version == 1) for _, existed, _ in seen)
         assert [fs_paths.page_path(backend.store, k).read_bytes() for k in keys] == datas
     assert _temps(backend.store) == []

@@ -14,28 +14,64 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
-from kvtier.core.envelope import (
-    HEADER,
-    Rejection,
-    validate_fingerprint,
-    verify_envelope,
-    write_envelope,
-)
+import xxhash
+
+from kvtier.core.envelope import HEADER, EnvelopeFormat, Rejection, validate_fingerprint
 from kvtier.core.errors import InvalidFieldError, PageError, StorageError
 from kvtier.core.extents import Extent
 from kvtier.core.keys import validate_key
 from kvtier.core.layout import Layout
 from kvtier.core.storage import Counters, StorageBackend
 
-__all__ = ["PageMemory", "PageStore", "VerifyMode"]
+__all__ = ["PageMemory", "PageStore", "PerPageHooks", "VerifyMode"]
 
 logger = logging.getLogger(__name__)
 
 VerifyMode = Literal["full", "header"]
 _VERIFY_MODES = ("full", "header")
 _R = TypeVar("_R")
+_ZERO_HEADER = bytes(HEADER.size)
+
+
+def _nbytes(views: Sequence[memoryview]) -> int:
+    total = 0
+    for view in views:
+        total += view.nbytes
+    return total
+
+
+@runtime_checkable
+class PerPageHooks(Protocol):
+    """What a backend offers to run the core's per-page work in its own I/O threads.
+
+    Optional (the file and io_uring backends have it). ``get_with`` is ``get`` that calls
+    ``on_filled(i)`` once for every page ``i`` it filled, in the thread that filled it,
+    right after the bytes landed (the result is the core's; the backend ignores it).
+    A backend may also call ``on_payload(i, piece)`` with consecutive pieces of page
+    ``i``'s payload (after its header region), in order, as each lands, before
+    ``on_filled(i)``: the core then hashes each piece while it is still in cache instead
+    of reading the whole page again (a backend that never calls it is fine).
+    ``put_with`` is ``put`` that calls ``before_write(i)`` (which writes page ``i``'s
+    envelope into its header slot) in the thread that then writes page ``i``, before any
+    of its bytes are written. Neither callback raises.
+    """
+
+    def get_with(
+        self,
+        keys: Sequence[str],
+        pages: Sequence[Sequence[Extent]],
+        on_filled: Callable[[int], object],
+        on_payload: Callable[[int, memoryview], object] | None = None,
+    ) -> list[bool]: ...
+
+    def put_with(
+        self,
+        keys: Sequence[str],
+        pages: Sequence[Sequence[Extent]],
+        before_write: Callable[[int], object],
+    ) -> list[bool]: ...
 
 
 class PageMemory(Protocol):
@@ -96,6 +132,9 @@ class PageStore:
         self._counters = Counters()
         self._warned: set[type[BaseException]] = set()
         self._lock = threading.Lock()
+        self._formats: dict[str, EnvelopeFormat] = {}
+        #: The backend's per-page hooks, when it has them (verification in its threads).
+        self._hooks: PerPageHooks | None = backend if isinstance(backend, PerPageHooks) else None
 
     # --- public API ---------------------------------------------------------------------
 
@@ -118,69 +157,105 @@ class PageStore:
         return hits
 
     def put(self, keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
-        """Envelope each page in its header slot and store it; True where the backend did."""
+        """Envelope each page in its header slot and store it; True where the backend did.
+
+        A backend with :class:`PerPageHooks` writes each envelope in the I/O thread that
+        then writes the page (the checksum runs in parallel, while the bytes are in that
+        core's cache); otherwise the envelopes are written here first.
+        """
         keys = self._checked_keys(keys, pages)
         if not keys:
             return []
         buffers = [self.pool.page_buffers(page) for page in pages]
-        layout = self.pool.layout
+        views = [[e.view for e in regions] for regions in buffers]
+        write = self._format().write
 
         def envelope(i: int) -> None:
-            write_envelope(
-                buffers[i][0],
-                key=keys[i],
-                fingerprint=self.fingerprint,
-                layout=layout,
-                payload=buffers[i][1:],
-            )
+            page = views[i]
+            write(page[0], keys[i], page[1:])
 
-        self._each(envelope, range(len(keys)))
-        results = self._call("put", len(keys), lambda: self.backend.put(keys, buffers))
-        for ok, regions in zip(results, buffers, strict=True):
-            if ok:
-                self._counters.add("puts")
-                self._counters.add("bytes_written", sum(r.length for r in regions))
-            else:
-                self._counters.add("put_failures")
+        hooks = self._hooks
+        if hooks is not None:
+            call = lambda: hooks.put_with(keys, buffers, envelope)  # noqa: E731
+        else:
+            self._each(envelope, range(len(keys)))
+            call = lambda: self.backend.put(keys, buffers)  # noqa: E731
+        results = self._call("put", len(keys), call)
+        stored = [i for i, ok in enumerate(results) if ok]
+        self._counters.add("puts", len(stored))
+        self._counters.add("bytes_written", sum(_nbytes(views[i]) for i in stored))
+        self._counters.add("put_failures", len(keys) - len(stored))
         return results
 
     def get(self, keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
-        """Fill pages from storage and verify them; an invalid page is a counted False."""
+        """Fill pages from storage and verify them; an invalid page is a counted False.
+
+        A backend with :class:`PerPageHooks` verifies each page in the I/O thread that
+        read it, right after its bytes landed; otherwise the pages are verified here
+        (on the checksum threads, if any) once the batch is in.
+        """
         keys = self._checked_keys(keys, pages)
         if not keys:
             return []
         buffers = [self.pool.page_buffers(page) for page in pages]
-        for regions in buffers:
+        views = [[e.view for e in regions] for regions in buffers]
+        for page in views:
             # A backend that reports True without filling the slot must not leave a stale
             # (valid-looking) envelope from an earlier put behind.
-            regions[0].view[: HEADER.size] = bytes(HEADER.size)
-        results = self._call("get", len(keys), lambda: self.backend.get(keys, buffers))
+            page[0][: HEADER.size] = _ZERO_HEADER
         full = self.verify == "full"
-        layout = self.pool.layout
+        verify = self._format().verify
+        reasons: dict[int, Rejection | None] = {}
+        streams: dict[int, tuple[Any, list[int]]] = {}
+
+        def feed(i: int, piece: memoryview) -> None:
+            stream = streams.get(i)
+            if stream is None:
+                stream = streams[i] = (xxhash.xxh3_128(), [0])
+            stream[0].update(piece)
+            stream[1][0] += piece.nbytes
 
         def check(i: int) -> Rejection | None:
-            return verify_envelope(
-                buffers[i][0],
-                key=keys[i],
-                fingerprint=self.fingerprint,
-                layout=layout,
-                payload=buffers[i][1:],
-                full=full,
-            )
+            page = views[i]
+            payload = page[1:]
+            stream = streams.pop(i, None)
+            digest = None
+            if stream is not None and stream[1][0] == _nbytes(payload):
+                digest = stream[0].digest()  # hashed as it landed, every byte once
+            reason = reasons[i] = verify(page[0], keys[i], payload, full=full, digest=digest)
+            return reason
 
+        hooks = self._hooks
+        if hooks is not None:
+            on_payload = feed if full else None
+            results = self._call(
+                "get", len(keys), lambda: hooks.get_with(keys, buffers, check, on_payload)
+            )
+        else:
+            results = self._call("get", len(keys), lambda: self.backend.get(keys, buffers))
         filled = [i for i, ok in enumerate(results) if ok]
         self._counters.add("misses", len(keys) - len(filled))
-        reasons = self._each(check, filled) if full else [check(i) for i in filled]
-        for i, reason in zip(filled, reasons, strict=True):
-            key, regions = keys[i], buffers[i]
+        todo = [i for i in filled if i not in reasons]
+        if todo:  # no hooks (or a backend that skipped some): verify here
+            if full:
+                self._each(check, todo)
+            else:
+                for i in todo:
+                    check(i)
+        hits = 0
+        nbytes = 0
+        for i in filled:
+            reason = reasons[i]
             if reason is not None:
                 results[i] = False
                 self._counters.add("invalid")
                 self._counters.add(f"invalid_{reason.value}")
-                logger.debug("page %r rejected: %s", key, reason.value)
+                logger.debug("page %r rejected: %s", keys[i], reason.value)
                 continue
-            self._counters.add("hits")
-            self._counters.add("bytes_read", sum(r.length for r in regions))
+            hits += 1
+            nbytes += _nbytes(views[i])
+        self._counters.add("hits", hits)
+        self._counters.add("bytes_read", nbytes)
         return results
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
@@ -230,6 +305,14 @@ class PageStore:
                 raise
             # close() shut the threads down under us; both callers are idempotent.
             return [fn(i) for i in items]
+
+    def _format(self) -> EnvelopeFormat:
+        """The envelope format of this store's fingerprint and the pool's layout."""
+        layout = self.pool.layout
+        fmt = self._formats.get(layout)
+        if fmt is None:
+            fmt = self._formats[layout] = EnvelopeFormat(self.fingerprint, layout)
+        return fmt
 
     @staticmethod
     def _checked_keys(keys: Sequence[str], pages: Sequence[int] | None = None) -> list[str]:

@@ -14,9 +14,8 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TypeVar
 
 from kvtier.backends.file.config import FileConfig
 from kvtier.backends.filestore import paths, writes
@@ -28,11 +27,38 @@ from kvtier.core.storage import BackendContext, PageBuffers, StorageBackend
 __all__ = ["FileBackend"]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
-def _preadv_all(fd: int, views: list[memoryview]) -> int:
-    """Fill every region from offset 0 onwards; stops early only at end of file."""
-    offset = 0
+#: Large pages are read in pieces of this size, each hashed while it is in cache (256 KiB
+#: measured best here: 0.64 -> 0.81 of header-only verification on 8 MiB pages).
+PIECE = 256 << 10
+
+
+def _pieces(views: list[memoryview], size: int) -> list[list[memoryview]]:
+    """``views`` regrouped into consecutive runs of at most ``size`` bytes (split as needed)."""
+    out: list[list[memoryview]] = []
+    run: list[memoryview] = []
+    room = size
+    for view in views:
+        while view.nbytes:
+            part = view[:room]
+            run.append(part)
+            view = view[part.nbytes :]
+            room -= part.nbytes
+            if room == 0:
+                out.append(run)
+                run, room = [], size
+    if run:
+        out.append(run)
+    return out
+
+
+def _preadv_all(fd: int, views: list[memoryview], offset: int = 0) -> int:
+    """Fill every region from ``offset`` onwards; stops early only at end of file.
+
+    Returns the bytes read."""
+    start = offset
     while views:
         batch = views[: writes.IOV_MAX]
         got = os.preadv(fd, batch, offset)
@@ -40,7 +66,7 @@ def _preadv_all(fd: int, views: list[memoryview]) -> int:
             break
         offset += got
         views = writes.advance_views(views, got)
-    return offset
+    return offset - start
 
 
 class FileBackend(StorageBackend):
@@ -68,17 +94,37 @@ class FileBackend(StorageBackend):
         if self._closed:
             raise StorageError("file backend is closed; build a new one", value=str(self.store))
 
-    def _map(self, fn: Callable[..., Any], *iterables: Sequence[Any]) -> list[Any]:
-        """Run ``fn`` over a batch, on the thread pool when the batch has several items."""
+    def _map(self, fn: Callable[[int], _T], count: int) -> list[_T]:
+        """``[fn(i) for i in range(count)]``, spread over ``io_threads`` threads.
+
+        The batch is cut into one contiguous slice per thread: one hand-off per thread,
+        not per page (a hand-off costs tens of microseconds, more than a small page's
+        copy). The calling thread works its own slice; every slice is finished before
+        this returns or raises.
+        """
         self._check_open()
-        if len(iterables[0]) <= 1 or self.config.io_threads == 1:
-            return list(map(fn, *iterables))
+        threads = min(self.config.io_threads, count)
+        if threads <= 1:
+            return [fn(i) for i in range(count)]
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
-                    self.config.io_threads, thread_name_prefix="kvtier-file"
+                    self.config.io_threads - 1 or 1, thread_name_prefix="kvtier-file"
                 )
-        return list(self._executor.map(fn, *iterables))
+            executor = self._executor
+
+        def run(lo: int, hi: int) -> list[_T]:
+            return [fn(i) for i in range(lo, hi)]
+
+        bounds = [count * t // threads for t in range(threads + 1)]
+        futures = [executor.submit(run, bounds[t], bounds[t + 1]) for t in range(1, threads)]
+        try:
+            results = run(bounds[0], bounds[1])
+        finally:
+            wait(futures)
+        for future in futures:
+            results.extend(future.result())
+        return results
 
     def _direct_for(self, page: PageBuffers) -> bool:
         if not self.config.o_direct:
@@ -100,50 +146,115 @@ class FileBackend(StorageBackend):
         return self.index.contains_many(keys)
 
     def get(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
+        return self.get_with(keys, pages, None)
+
+    def get_with(
+        self,
+        keys: Sequence[str],
+        pages: Sequence[PageBuffers],
+        on_filled: Callable[[int], object] | None,
+        on_payload: Callable[[int, memoryview], object] | None = None,
+    ) -> list[bool]:
+        """``get``, calling ``on_filled(i)`` in the I/O thread that just filled page ``i``.
+
+        The core verifies a page there, while its bytes are still in that core's cache,
+        so verification is spread over the I/O threads. A page larger than two
+        :data:`PIECE` is read piece by piece, each handed to ``on_payload`` as it lands,
+        so the core hashes it before the next piece pushes it out of cache.
+        """
         paths.check_keys(keys)
         if len(keys) != len(pages):
             raise StorageError(f"get: {len(keys)} keys but {len(pages)} pages", value=keys)
-        return self._map(self._get_one, keys, pages)
 
-    def _get_one(self, key: str, page: PageBuffers) -> bool:
+        def one(i: int) -> int:
+            got = self._get_one(keys[i], pages[i], i, on_payload)
+            if got and on_filled is not None:
+                on_filled(i)
+            return got
+
+        sizes = self._map(one, len(keys))
+        filled = [(key, got) for key, got in zip(keys, sizes, strict=True) if got]
+        self.index.touch_many(filled)
+        self._counters.add("hits", len(filled))
+        self._counters.add("bytes_read", sum(sizes))
+        return [got > 0 for got in sizes]
+
+    def _get_one(
+        self,
+        key: str,
+        page: PageBuffers,
+        index: int = 0,
+        on_payload: Callable[[int, memoryview], object] | None = None,
+    ) -> int:
+        """Read ``key``'s page into ``page``; the bytes read, or 0 (a counted failure)."""
         final = paths.page_path_str(self._store_str, key)
-        expected = sum(e.length for e in page)
-        direct = self._direct_for(page)
+        views = [e.view for e in page]
+        expected = 0
+        for view in views:
+            expected += view.nbytes
+        direct = self._direct_for(page) if self.config.o_direct else False
         fd = self._fs.open_page(key, final, expected, direct=direct, blocking=False)
         if fd is None:
-            return False
+            return 0
         try:
-            got = _preadv_all(fd, [e.view for e in page])
+            if on_payload is None or expected <= 2 * PIECE or direct:
+                got = _preadv_all(fd, views)
+            else:
+                got = _preadv_all(fd, views[:1])  # the header region first, unhashed
+                pieces = _pieces(views[1:], PIECE) if got == views[0].nbytes else []
+                for piece in pieces:
+                    size = sum(v.nbytes for v in piece)
+                    if _preadv_all(fd, piece, got) != size:
+                        break  # end of file: a short read, counted below
+                    got += size
+                    for view in piece:
+                        on_payload(index, view)
         except OSError as exc:
             self._warn_once("get_errors", "file backend: reading %s failed: %s", final, exc)
-            return False
+            return 0
         finally:
             os.close(fd)
         if got != expected:
             self._counters.add("get_short_reads")
-            return False
-        self.index.touch(key, expected)
-        self._counters.add("hits")
-        self._counters.add("bytes_read", got)
-        return True
+            return 0
+        return got
 
     def put(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
+        return self.put_with(keys, pages, None)
+
+    def put_with(
+        self,
+        keys: Sequence[str],
+        pages: Sequence[PageBuffers],
+        before_write: Callable[[int], object] | None,
+    ) -> list[bool]:
+        """``put``, calling ``before_write(i)`` in the I/O thread about to write page ``i``.
+
+        The core writes the page's envelope there (its payload checksum runs in that
+        thread, in parallel with the other pages', just before the same bytes are copied
+        into the page cache).
+        """
         paths.check_keys(keys)
         if len(keys) != len(pages):
             raise StorageError(f"put: {len(keys)} keys but {len(pages)} pages", value=keys)
-        if self.config.fsync != "batch":
-            return [r is True for r in self._map(self._put_one, keys, pages)]
+        now = self.config.fsync != "batch"
+
+        def one(i: int) -> bool | tuple[str, str, int]:
+            return self._put_one(keys[i], pages[i], now, i, before_write)
+
+        if now:
+            return [r is True for r in self._map(one, len(keys))]
         # batch: write and fsync every temp file, then publish all, then sync each dir once
-        written = self._map(self._put_one, keys, pages, [False] * len(keys))
+        written = self._map(one, len(keys))
         results: list[bool] = []
-        directories: set[Path] = set()
+        directories: set[str] = set()
         for key, outcome in zip(keys, written, strict=True):
-            if outcome is False:
+            if outcome is False or outcome is True:
                 results.append(False)
                 continue
             tmp, final, nbytes = outcome
             results.append(self._publish(key, tmp, final, nbytes, sync_dir=False))
-            directories.add(final.parent)
+            directories.add(os.path.dirname(final))
         for directory in directories:
             try:
                 writes.fsync_dir(directory)
@@ -152,20 +263,30 @@ class FileBackend(StorageBackend):
         return results
 
     def _put_one(
-        self, key: str, page: PageBuffers, publish_now: bool = True
-    ) -> bool | tuple[Path, Path, int]:
-        final = paths.page_path(self.store, key)
-        nbytes = sum(e.length for e in page)
+        self,
+        key: str,
+        page: PageBuffers,
+        publish_now: bool = True,
+        index: int = 0,
+        before_write: Callable[[int], object] | None = None,
+    ) -> bool | tuple[str, str, int]:
+        final = paths.page_path_str(self._store_str, key)
+        views = [e.view for e in page]
+        nbytes = 0
+        for view in views:
+            nbytes += view.nbytes
         refused = self.index.reserve(key, nbytes)
         if refused is not None:
             self._counters.add(f"put_failed_{refused}")
             return False
-        direct = self._direct_for(page)
-        tmp: Path | None = None
+        direct = self._direct_for(page) if self.config.o_direct else False
+        tmp: str | None = None
         try:
+            if before_write is not None:
+                before_write(index)
             fd, tmp = self._fs.open_temp(final, o_direct=direct)
             try:
-                writes.pwritev_all(fd, [e.view for e in page])
+                writes.pwritev_all(fd, views)
                 if self.config.fsync != "none":
                     os.fdatasync(fd)
             finally:
@@ -181,11 +302,16 @@ class FileBackend(StorageBackend):
             else:
                 self._warn_once("put_failed_io", "file backend: writing %s: %s", final, exc)
             return False
+        except BaseException:
+            if tmp is not None:
+                writes.unlink_quietly([tmp])
+            self.index.release(nbytes)
+            raise
         if not publish_now:
             return tmp, final, nbytes
         return self._publish(key, tmp, final, nbytes, sync_dir=self.config.fsync == "page")
 
-    def _publish(self, key: str, tmp: Path, final: Path, nbytes: int, *, sync_dir: bool) -> bool:
+    def _publish(self, key: str, tmp: str, final: str, nbytes: int, *, sync_dir: bool) -> bool:
         try:
             self._fs.publish(tmp, final)
         except OSError as exc:  # nothing was published: the temp file is still ours
@@ -196,7 +322,7 @@ class FileBackend(StorageBackend):
         self.index.commit(key, nbytes)
         if sync_dir:
             try:
-                writes.fsync_dir(final.parent)
+                writes.fsync_dir(os.path.dirname(final))
             except OSError as exc:
                 self._warn_once("fsync_errors", "file backend: fsync of %s: %s", final, exc)
         self._counters.add("puts")

@@ -129,6 +129,19 @@ class FileIndex:
                 self._sizes[key] = size
                 self._bytes += size
 
+    def touch_many(self, pages: Sequence[tuple[str, int]]) -> None:
+        """:meth:`touch` for a batch of (key, size), under one lock."""
+        if not pages:
+            return
+        with self._lock:
+            sizes = self._sizes
+            for key, size in pages:
+                if key in sizes:
+                    sizes.move_to_end(key)
+                else:
+                    sizes[key] = size
+                    self._bytes += size
+
     def forget(self, key: str) -> int | None:
         """Drop ``key`` from the index (its file is gone); return its size if it was there."""
         with self._lock:

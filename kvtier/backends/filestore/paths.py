@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import overload
 
 from kvtier.core.keys import MAX_KEY_LENGTH, validate_key
 
@@ -89,12 +90,24 @@ def shard_of(key: str) -> tuple[str, str]:
     return shard[:2], shard[2:]
 
 
-def temp_path(final: Path) -> Path:
-    """A fresh temp file name next to ``final``, unique per process, thread and call."""
+@overload
+def temp_path(final: Path) -> Path: ...
+@overload
+def temp_path(final: str) -> str: ...
+
+
+def temp_path(final: Path | str) -> Path | str:
+    """A fresh temp file name next to ``final``, unique per process, thread and call.
+
+    Given a string, it returns one (the put path's hot loop avoids ``Path`` objects,
+    which cost microseconds each); given a ``Path``, a ``Path``.
+    """
     tid = threading.get_native_id()
     with _temp_lock:
         seq = _temp_seq[tid] = _temp_seq.get(tid, 0) + 1
-    return final.parent / f".{os.getpid()}.{tid}.{seq}{TEMP_SUFFIX}"
+    parent = os.path.dirname(os.fspath(final))
+    name = f"{parent}/.{os.getpid()}.{tid}.{seq}{TEMP_SUFFIX}"
+    return Path(name) if isinstance(final, Path) else name
 
 
 def temp_flags(*, o_direct: bool = False) -> int:
@@ -103,15 +116,25 @@ def temp_flags(*, o_direct: bool = False) -> int:
     return flags | os.O_DIRECT if o_direct else flags
 
 
-def make_shard_dirs(final: Path) -> None:
+def make_shard_dirs(final: Path | str) -> None:
     """Create the two shard directories above ``final`` (0700) where they are missing."""
-    for directory in (final.parent.parent, final.parent):
+    leaf = os.path.dirname(os.fspath(final))
+    for directory in (os.path.dirname(leaf), leaf):
         with contextlib.suppress(FileExistsError):
             os.mkdir(directory, DIR_MODE)
 
 
-def open_temp(final: Path, *, o_direct: bool = False) -> tuple[int, Path]:
-    """Create a fresh 0600 temp file next to ``final`` (making shard dirs 0700 on demand)."""
+@overload
+def open_temp(final: Path, *, o_direct: bool = False) -> tuple[int, Path]: ...
+@overload
+def open_temp(final: str, *, o_direct: bool = False) -> tuple[int, str]: ...
+
+
+def open_temp(final: Path | str, *, o_direct: bool = False) -> tuple[int, Path | str]:
+    """Create a fresh 0600 temp file next to ``final`` (making shard dirs 0700 on demand).
+
+    The temp name has ``final``'s type (a string on the hot path, see :func:`temp_path`).
+    """
     flags = temp_flags(o_direct=o_direct)
     tmp = temp_path(final)
     try:

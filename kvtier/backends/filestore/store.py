@@ -17,6 +17,7 @@ import os
 import stat
 from collections.abc import Sequence
 from pathlib import Path
+from typing import overload
 
 from kvtier.backends.filestore import paths, startup, writes
 from kvtier.backends.filestore.debris import Debris, discard
@@ -139,9 +140,10 @@ class FileStore:
 
     # --- writes ------------------------------------------------------------------------
 
-    def make_leaf(self, final: Path) -> None:
+    def make_leaf(self, final: Path | str) -> None:
         """Create the shard directories above ``final`` (0700), removing debris in the way."""
-        for directory in (final.parent.parent, final.parent):
+        leaf = Path(final).parent
+        for directory in (leaf.parent, leaf):
             try:
                 info = os.lstat(directory)
             except FileNotFoundError:
@@ -153,7 +155,12 @@ class FileStore:
             with contextlib.suppress(FileExistsError):  # another writer made it meanwhile
                 os.mkdir(directory, paths.DIR_MODE)
 
-    def open_temp(self, final: Path, *, o_direct: bool = False) -> tuple[int, Path]:
+    @overload
+    def open_temp(self, final: Path, *, o_direct: bool = False) -> tuple[int, Path]: ...
+    @overload
+    def open_temp(self, final: str, *, o_direct: bool = False) -> tuple[int, str]: ...
+
+    def open_temp(self, final: Path | str, *, o_direct: bool = False) -> tuple[int, Path | str]:
         """:func:`paths.open_temp`, curing what blocks it: debris shard dirs, stale names."""
         for _attempt in range(3):
             try:
@@ -176,7 +183,7 @@ class FileStore:
             return True
         return False
 
-    def publish(self, tmp: Path, final: Path, *, sync_dir: bool = False) -> None:
+    def publish(self, tmp: Path | str, final: Path | str, *, sync_dir: bool = False) -> None:
         """:func:`writes.publish` with this store's debris counters."""
         writes.publish(tmp, final, sync_dir=sync_dir, debris=self.debris)
 

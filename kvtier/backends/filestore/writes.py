@@ -64,7 +64,7 @@ def pwritev_all(fd: int, views: list[memoryview]) -> int:
     return offset
 
 
-def fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path | str) -> None:
     """Make a rename in ``directory`` durable."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -97,7 +97,7 @@ def _load_renameat2() -> Any:
 _renameat2: Any = _load_renameat2() if sys.platform.startswith("linux") else None
 
 
-def _exchange(tmp: Path, final: Path) -> bool | None:
+def _exchange(tmp: Path | str, final: Path | str) -> bool | None:
     """Swap ``tmp`` and ``final`` atomically (renameat2 RENAME_EXCHANGE).
 
     True when swapped; None when nothing is under ``final`` (ENOENT: a plain rename will
@@ -161,7 +161,7 @@ def replace(
         os.replace(tmp, final)
 
 
-def _drop_replaced(tmp: Path, debris: Debris) -> None:
+def _drop_replaced(tmp: Path | str, debris: Debris) -> None:
     """Remove what an exchange moved under the temp name: the old page, or debris."""
     try:
         info = os.lstat(tmp)
@@ -175,7 +175,11 @@ def _drop_replaced(tmp: Path, debris: Debris) -> None:
 
 
 def publish(
-    tmp: Path, final: Path, *, sync_dir: bool = False, debris: Debris | None = None
+    tmp: Path | str,
+    final: Path | str,
+    *,
+    sync_dir: bool = False,
+    debris: Debris | None = None,
 ) -> None:
     """Atomically replace ``final`` with the fully written ``tmp`` (same directory).
 
@@ -195,7 +199,7 @@ def publish(
     else:
         replace(tmp, final, debris, vacant=exchanged is None)
     if sync_dir:
-        fsync_dir(final.parent)
+        fsync_dir(os.path.dirname(os.fspath(final)))
 
 
 def is_no_space(exc: OSError) -> bool:
@@ -203,7 +207,7 @@ def is_no_space(exc: OSError) -> bool:
     return exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
-def unlink_quietly(paths: Iterable[Path]) -> None:
+def unlink_quietly(paths: Iterable[Path | str]) -> None:
     """Remove temp files after a failed write; missing ones are fine."""
     for path in paths:
         with contextlib.suppress(OSError):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,15 +143,33 @@ class UringBackend(StorageBackend):
     # --- the contract ----------------------------------------------------------------
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        paths.check_keys(keys)
-        return [self.index.contains(key) for key in keys]
+        # One lock for the batch; only keys missing from the index are checked (and
+        # stat'ed): an indexed key was checked when it got there.
+        return self.index.contains_many(keys)
 
     def get(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
+        return self.get_with(keys, pages, None)
+
+    def get_with(
+        self,
+        keys: Sequence[str],
+        pages: Sequence[PageBuffers],
+        on_filled: Callable[[int], object] | None,
+        on_payload: Callable[[int, memoryview], object] | None = None,
+    ) -> list[bool]:
+        """``get``, calling ``on_filled(i)`` as soon as page ``i``'s read completes.
+
+        ``on_payload`` is not called: a page is one request in the ring.
+
+        Completions are reaped by the calling thread, so the core's verification of a
+        page runs there, while the ring's other reads are still in flight.
+        """
         self._check("get", keys, pages)
         store = str(self.store)
         files = [paths.page_path_str(store, key) for key in keys]  # str: cheaper than Path
         results = [False] * len(keys)
         open_fds: set[int] = set()
+        touched: list[tuple[str, int]] = []
 
         def requests() -> Iterator[IORequest]:
             for index, (key, page) in enumerate(zip(keys, pages, strict=True)):
@@ -170,9 +188,9 @@ class UringBackend(StorageBackend):
             index: int = request.tag
             if request.ok:
                 results[index] = True
-                self.index.touch(keys[index])
-                self._counters.add("hits")
-                self._counters.add("bytes_read", request.done)
+                touched.append((keys[index], request.done))
+                if on_filled is not None:
+                    on_filled(index)
             elif request.error:
                 self._warn_once(
                     "get_errors",
@@ -188,16 +206,28 @@ class UringBackend(StorageBackend):
         finally:
             for fd in open_fds:
                 os.close(fd)
+            self.index.touch_many(touched)
+            self._counters.add("hits", len(touched))
+            self._counters.add("bytes_read", sum(size for _key, size in touched))
         return results
 
     def put(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
+        return self.put_with(keys, pages, None)
+
+    def put_with(
+        self,
+        keys: Sequence[str],
+        pages: Sequence[PageBuffers],
+        before_write: Callable[[int], object] | None,
+    ) -> list[bool]:
         """Write temp files, fsync as configured, publish by rename; all through the ring.
 
         Each page is a small chain: WRITE -> (FDATASYNC) -> RENAME -> (directory FSYNC for
         ``fsync='page'``); ``on_done`` queues the next link as one completes, so the
         renames that replace a page (which ext4 makes expensive) run in parallel in the
         kernel too; a new page is renamed inline. With ``fsync='batch'`` the renames wait
-        until every page is synced.
+        until every page is synced. ``before_write(i)`` (the core's envelope) runs in
+        this thread just before page ``i``'s first request is queued.
         """
         self._check("put", keys, pages)
         finals = [paths.page_path(self.store, key) for key in keys]
@@ -216,6 +246,12 @@ class UringBackend(StorageBackend):
                     continue
                 direct = self._direct(page)
                 views = [e.view for e in page]
+                if before_write is not None:
+                    try:
+                        before_write(index)
+                    except BaseException:
+                        self.index.release(nbytes)
+                        raise
                 if not inline:  # the create goes through the ring too: ext4 creates are slow
                     try:
                         tmp = paths.temp_path(finals[index])
@@ -279,18 +315,18 @@ class UringBackend(StorageBackend):
                     del live[put.index]
                     to_publish.append(put)
                     return None
-                if not self.index.contains(put.key):
-                    # A new page: rename(2) costs microseconds, less than a trip through
-                    # the ring. Replacing a page goes through the ring: ext4 then starts
-                    # writeback of the new file inside rename, which takes far longer.
-                    try:
-                        self._fs.replace(put.tmp, put.final)
-                    except OSError as exc:
-                        del live[put.index]
-                        self._fail_put(put, exc.errno or errno.EIO)
-                        return None
-                    return on_done(IORequest(Op.RENAME, -1, tag=put))
-                return self._rename(put)
+                # Published inline: a new page by rename(2), a replaced one by exchanging
+                # the names (renameat2 RENAME_EXCHANGE) and unlinking the old page. Both
+                # cost microseconds; a plain rename over an existing page (what the ring's
+                # RENAME does) makes ext4 start writeback of the new file, measured at
+                # 0.02-0.05 x a raw in-place overwrite on 16-128 KiB pages.
+                try:
+                    self._fs.publish(put.tmp, put.final)
+                except OSError as exc:
+                    del live[put.index]
+                    self._fail_put(put, exc.errno or errno.EIO)
+                    return None
+                return on_done(IORequest(Op.RENAME, -1, tag=put))
             if request.op == Op.RENAME:
                 if request.error and not self._rename_again(put, request.error):
                     del live[put.index]
