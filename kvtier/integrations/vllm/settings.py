@@ -11,40 +11,21 @@ import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
-from kvtier.core.config import parse_extra_config, validate_model
-from kvtier.core.errors import MissingFieldError, NotAnObjectError, did_you_mean
+from kvtier.core.config import validate_model
+from kvtier.core.errors import MissingFieldError
+from kvtier.integrations.section import OPTIONS_AT, SECTION, EngineSection, find_section
 
 __all__ = ["DOCS", "LABEL", "OPTIONS_AT", "SECTION", "VLLMSection", "read_section", "tenant_of"]
 
-#: The key of kvtier's own section in vLLM's ``kv_connector_extra_config``.
-SECTION = "kvtier"
 LABEL = "kv_connector_extra_config 'kvtier' section"
-#: Where the backend's options sit, as errors name them.
-OPTIONS_AT = f"{SECTION}.extra_config"
 DOCS = "docs/vllm.md"
 
 
-class VLLMSection(BaseModel):
+class VLLMSection(EngineSection):
     """The ``kvtier`` section of vLLM's ``--kv-transfer-config`` extra config."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    backend: str = Field(
-        description="kvtier storage backend: 'file', 'uring', 'memory', 'mooncake' or a "
-        "plugin's (`kvtier backends` lists them)."
-    )
-    extra_config: dict[str, Any] = Field(
-        default_factory=dict,
-        description="The backend's own options: a JSON object, a JSON object string, or "
-        "'@file.json' / '@file.toml'.",
-    )
-    verify: Literal["full", "header"] = Field(
-        "full",
-        description="Page verification on load: 'full' checksums the payload, 'header' "
-        "checks the envelope header only.",
-    )
     tenant: str | None = Field(
         None,
         description="Tenant salt for the key namespace; a request's cache_salt is added to it.",
@@ -87,40 +68,19 @@ class VLLMSection(BaseModel):
         "that a page stored in this process is a hit before the backend's own index sees it.",
     )
 
-    @field_validator("extra_config", mode="before")
-    @classmethod
-    def _parse_extra(cls, value: Any) -> dict[str, Any]:
-        return parse_extra_config(value, source=OPTIONS_AT)
-
-    @field_validator("backend")
-    @classmethod
-    def _backend(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("must be a non-empty backend name (`kvtier backends` lists them)")
-        return value.strip()
-
 
 def read_section(extra: Mapping[str, Any] | None, backends: Mapping[str, Any]) -> VLLMSection:
     """The validated ``kvtier`` section of ``kv_connector_extra_config``; a clear error if not.
 
     ``backends`` (the registry's) are named when the backend is missing.
     """
-    if extra is not None and not isinstance(extra, Mapping):
-        raise NotAnObjectError(
-            f"vLLM's kv_connector_extra_config must be an object, got {type(extra).__name__}",
-            value=extra,
-        )
-    if not extra or SECTION not in extra:
-        present = [str(key) for key in (extra or {})]
-        close = [key for key in present if did_you_mean(SECTION, [key])]
-        found = f" (found {close[0]!r}: did you mean {SECTION!r}?)" if close else ""
-        raise MissingFieldError(
-            f"kv_connector_extra_config.{SECTION}",
-            hint=f'{found}; kvtier reads its settings from a "{SECTION}" object, e.g. '
-            f'"{SECTION}": {{"backend": "file", "extra_config": {{"root": "/mnt/kv"}}}} '
-            f"(see {DOCS})",
-        )
-    section = parse_extra_config(extra[SECTION], source=LABEL)
+    section = find_section(
+        extra,
+        where="kv_connector_extra_config",
+        label=LABEL,
+        example='{"backend": "file", "extra_config": {"root": "/mnt/kv"}}',
+        docs=DOCS,
+    )
     if "backend" not in section:
         names = ", ".join(repr(name) for name in sorted(backends))
         raise MissingFieldError(

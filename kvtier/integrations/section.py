@@ -1,0 +1,89 @@
+"""The ``kvtier`` section an engine adapter reads from its engine's extra config.
+
+SGLang (``--hicache-storage-backend-extra-config``) and vLLM
+(``kv_connector_extra_config``) each carry kvtier's settings in a ``kvtier`` object. Both
+adapters find it, parse it and validate its shared fields here, with kvtier's one
+extra-config parser, so a mistake reads the same whichever engine an operator runs.
+Each adapter subclasses :class:`EngineSection` with the fields only its engine has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvtier.core.config import parse_extra_config
+from kvtier.core.errors import MissingFieldError, NotAnObjectError, did_you_mean
+
+__all__ = ["OPTIONS_AT", "SECTION", "EngineSection", "find_section"]
+
+#: The key of kvtier's own section in an engine's extra config.
+SECTION = "kvtier"
+#: Where the backend's options sit, as errors name them.
+OPTIONS_AT = f"{SECTION}.extra_config"
+
+
+class EngineSection(BaseModel):
+    """The fields every engine's ``kvtier`` section has: backend, its options, keys, checks."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: str = Field(
+        description="kvtier storage backend: 'file', 'uring', 'memory', 'mooncake' or a "
+        "plugin's (`kvtier backends` lists them)."
+    )
+    extra_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The backend's own options: a JSON object, a JSON object string, or "
+        "'@file.json' / '@file.toml'.",
+    )
+    verify: Literal["full", "header"] = Field(
+        "full",
+        description="Page verification on load: 'full' checksums the payload, 'header' "
+        "checks the envelope header only.",
+    )
+    tenant: str | None = Field(
+        None, description="Tenant salt for the key namespace, so tenants never share pages."
+    )
+    model: str | None = Field(
+        None, min_length=1, description="Model id for the key namespace; default: the engine's."
+    )
+
+    @field_validator("extra_config", mode="before")
+    @classmethod
+    def _parse_extra(cls, value: Any) -> dict[str, Any]:
+        return parse_extra_config(value, source=OPTIONS_AT)
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must be a non-empty backend name (`kvtier backends` lists them)")
+        return value.strip()
+
+
+def find_section(
+    extra: Mapping[str, Any] | None, *, where: str, label: str, example: str, docs: str
+) -> dict[str, Any]:
+    """The parsed ``kvtier`` section of an engine's extra config; a clear error if absent.
+
+    ``where`` names the engine's setting in errors (``"kv_connector_extra_config"``),
+    ``label`` the section in parser errors, ``example`` a minimal section to suggest.
+    The section may be an object, JSON text or ``@file``, as any extra-config.
+    """
+    if extra is not None and not isinstance(extra, Mapping):
+        raise NotAnObjectError(
+            f"{where} must be a JSON object, got {type(extra).__name__}", value=extra
+        )
+    if not extra or SECTION not in extra:
+        present = [str(key) for key in (extra or {})]
+        close = [key for key in present if did_you_mean(SECTION, [key])]
+        found = f" (found {close[0]!r}: did you mean {SECTION!r}?)" if close else ""
+        raise MissingFieldError(
+            f"{where}.{SECTION}",
+            hint=f'{found}; kvtier reads its settings from a "{SECTION}" object, e.g. '
+            f'"{SECTION}": {example} (see {docs})',
+        )
+    return parse_extra_config(extra[SECTION], source=label)
