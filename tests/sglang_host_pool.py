@@ -20,6 +20,15 @@ backends use, with the same buffer shapes per layout: ``kv_buffer``, ``layout``,
 ``head_num``/``head_dim``/``v_head_dim`` (MHA), ``kv_lora_rank``/``qk_rope_head_dim``/
 ``kv_cache_dim`` (MLA), ``dcp_size``, ``alloc``, ``free``, ``get_data_page``,
 ``get_dummy_flat_data_page`` and ``set_from_flat_data_page``.
+
+For hybrid models (the v2 interface), :class:`MambaHostPool` stands in for SGLang's
+``MambaPoolHost`` (``sglang.srt.mem_cache.pool_host.mamba``, which imports the same
+chain and, beyond it, ``transformers``): one state slot per host index (``page_size`` 1),
+a float32 temporal state and bfloat16 conv states per slot in its ``page_first`` buffers,
+and its ``get_data_page`` / ``get_dummy_flat_data_page`` / ``set_from_flat_data_page``,
+which gather a slot into a fresh flat byte tensor and scatter it back. SGLang's SWA host
+pool is an ``MHATokenToKVPoolHost`` over the sliding-window layers (``build_kv_host_pool``
+in ``hybrid_pool_assembler.py``), so :class:`MHAHostPool` stands in for it too.
 """
 
 from __future__ import annotations
@@ -212,6 +221,103 @@ class MLAHostPool(_HostPool):
     def get_dummy_flat_data_page(self) -> torch.Tensor:
         shape = (self.layer_num, self.page_size, 1, self.kv_cache_dim)
         return torch.zeros(shape, dtype=self.dtype).flatten()
+
+
+class MambaHostPool:
+    """Stand-in for SGLang's MambaPoolHost: state slots moved as flat byte pages."""
+
+    def __init__(
+        self,
+        *,
+        layers: int = 3,
+        temporal_shape: tuple[int, ...] = (2, 8, 4),
+        conv_shapes: tuple[tuple[int, ...], ...] = ((16, 3), (8, 3)),
+        slots: int = 16,
+        layout: str = "page_first",
+        side_states: bool = False,
+    ) -> None:
+        assert layout in ("page_first", "page_first_direct")
+        self.page_size = 1
+        self.size = slots
+        self.layout = layout
+        self.device = "cpu"
+        self.num_mamba_layers = layers
+        self.temporal_dtype = torch.float32
+        self.conv_dtype = torch.bfloat16
+        self.dtype = self.conv_dtype
+        self.temporal_buffer = torch.zeros((slots, layers, 1, *temporal_shape))
+        self.conv_buffer = [
+            torch.zeros((slots, layers, 1, *shape), dtype=self.conv_dtype) for shape in conv_shapes
+        ]
+        self.kv_buffer = [self.temporal_buffer, *self.conv_buffer]  # a list, as SGLang's
+        #: registered slot side states (SGLang's ``slot_state_buffers``): no zero-copy meta
+        self.slot_state_buffers = (
+            [torch.zeros((slots, 6), dtype=torch.uint8)] if side_states else []
+        )
+        buffers = self.get_hybrid_pool_buffer()
+        self.size_per_token = sum(b[0].numel() * b.element_size() for b in buffers)
+        self.free_slots = torch.arange(slots, dtype=torch.int64)
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        if need_size > len(self.free_slots):
+            return None
+        picked, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
+        return picked
+
+    def _page_tensors(self, index: int) -> list[torch.Tensor]:
+        return [
+            self.temporal_buffer[index],
+            *(conv[index] for conv in self.conv_buffer),
+            *(state[index] for state in self.slot_state_buffers),
+        ]
+
+    def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
+        """Every host tensor a backend would register (SGLang's list, in its order)."""
+        return [self.temporal_buffer, *self.conv_buffer, *self.slot_state_buffers]
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        """``(pointers, sizes)`` of each slot's states, temporal first (SGLang's zero-copy
+        meta); refused with side states, as SGLang refuses."""
+        if self.slot_state_buffers:
+            raise NotImplementedError("Mamba storage zero-copy does not carry slot side states")
+        ptrs, sizes = [], []
+        for index in indices.tolist():
+            for tensor in self._page_tensors(index):
+                ptrs.append(tensor.data_ptr())
+                sizes.append(tensor.numel() * tensor.element_size())
+        return ptrs, sizes
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        """A fresh flat byte tensor of the slot's states (SGLang's ``torch.cat``)."""
+        return torch.cat(
+            [t.contiguous().view(torch.uint8).reshape(-1) for t in self._page_tensors(index)]
+        )
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(self.page_size * self.size_per_token, dtype=torch.uint8)
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        flat = data_page.contiguous().view(torch.uint8).reshape(-1)
+        assert flat.numel() == self.page_size * self.size_per_token
+        start = 0
+        for tensor in self._page_tensors(index):
+            n = tensor.numel() * tensor.element_size()
+            tensor.copy_(flat[start : start + n].clone().view(tensor.dtype).reshape(tensor.shape))
+            start += n
+
+    def fill_random(self, index: int, seed: int) -> torch.Tensor:
+        """Random (finite) state values in slot ``index``; returns its bytes."""
+        gen = torch.Generator().manual_seed(seed)
+        for tensor in self._page_tensors(index):
+            tensor.copy_(torch.randn(tensor.shape, generator=gen).to(tensor.dtype))
+        return self.page_content(index)
+
+    def page_content(self, index: int) -> torch.Tensor:
+        return self.get_data_page(index).clone()
+
+    def zero_page(self, index: int) -> None:
+        for tensor in self._page_tensors(index):
+            tensor.zero_()
 
 
 # --- the cache controller's storage calls ----------------------------------------------------

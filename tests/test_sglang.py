@@ -567,7 +567,7 @@ def test_o_direct_plan_is_checked_at_registration(attach: Any, tmp_path: Path) -
         attach("file", pool, extra=extra)
 
 
-def test_sidecar_host_pools_are_refused(attach: Any) -> None:
+def test_an_extra_pool_that_is_neither_kv_shaped_nor_paged_is_refused(attach: Any) -> None:
     storage = attach("memory", MHAHostPool()).storage
     with pytest.raises(UnsupportedCombinationError, match="mamba"):
         storage.register_mem_host_pool_v2(object(), "mamba")

@@ -27,6 +27,12 @@ bit-flipped or foreign page is a counted miss, never data. The legacy tensor API
 (``get``/``set``/``batch_get``/``batch_set``/``exists``) stores the same bytes in the same
 format, so both paths read each other's pages.
 
+Hybrid models (SGLang's v2 calls): the extra host pools SGLang registers with
+``register_mem_host_pool_v2`` (Mamba state, SWA KV, ...) each get a plan and page store of
+their own, built the same way (:mod:`kvtier.integrations.sglang.pools`); ``batch_exists_v2``
+counts a prefix only where every pool's hit policy allows it, and ``batch_get_v2`` ends a
+pool's run at its first missing or invalid page.
+
 Keys: SGLang's page hashes are used as given, prefixed by kvtier's namespace (model,
 host-pool layout, geometry fingerprint, tenant) and, for MHA under tensor parallelism,
 suffixed by the rank. MLA pages are identical on every rank, so they are shared and written
@@ -41,48 +47,60 @@ The real SGLang host pools this reads are ``MHATokenToKVPoolHost`` and
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import itertools
 import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from kvtier.core.capabilities import ResolvedPlan, check_backend, open_page_store, resolve
 from kvtier.core.config import (
     EngineConfig,
     load_engine_config,
-    parse_extra_config,
     validate_model,
 )
-from kvtier.core.envelope import ENVELOPE_BYTES
 from kvtier.core.errors import (
     InvalidFieldError,
     MissingFieldError,
-    NotAnObjectError,
-    PageError,
     StorageError,
     TransferError,
     UnsupportedCombinationError,
-    did_you_mean,
 )
-from kvtier.core.extents import Extent
-from kvtier.core.geometry import AttentionKind, KVGeometry, dtype_from_name, dtype_name
-from kvtier.core.host_pool import aligned_empty
+from kvtier.core.geometry import AttentionKind, dtype_from_name, dtype_name
 from kvtier.core.keys import external_key
-from kvtier.core.layout import Layout, layouts_for
 from kvtier.core.pagestore import PageStore
 from kvtier.core.storage import Counters
+from kvtier.integrations.section import OPTIONS_AT, SECTION, EngineSection, find_section
+from kvtier.integrations.sglang.pages import (
+    SGLangPages,
+    SlotPages,
+    StatePages,
+    in_place_refusal,
+    pool_geometry_fields,
+    pool_layout,
+    unsupported_pool,
+)
+from kvtier.integrations.sglang.pools import (
+    ExtraPool,
+    is_kv_shaped,
+    is_per_rank,
+    leading_run,
+    restorable_prefixes,
+    state_geometry_fields,
+)
 from kvtier.plugins.manager import default_registry
 
 try:
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheStorage,
+        HiCacheStorageConfig,
+        PoolTransferResult,
+    )
 except ImportError as exc:  # pragma: no cover - exercised only without SGLang
     raise ImportError(
         "kvtier.integrations.sglang needs SGLang's HiCache storage module "
@@ -102,36 +120,16 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: The key of kvtier's own section in SGLang's storage extra-config.
-SECTION = "kvtier"
+#: How parser errors name kvtier's section of SGLang's storage extra-config.
 _LABEL = "extra-config 'kvtier' section"
 #: Where the backend's options sit in SGLang's extra-config, as errors name them.
-_OPTIONS_AT = f"{SECTION}.extra_config"
+_OPTIONS_AT = OPTIONS_AT
 _DOCS = "docs/sglang.md"
 
 
-class SGLangSection(BaseModel):
+class SGLangSection(EngineSection):
     """The ``kvtier`` section of SGLang's ``--hicache-storage-backend-extra-config``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    backend: str = Field(
-        description="kvtier storage backend: 'file', 'uring', 'memory', 'mooncake' or a "
-        "plugin's (`kvtier backends` lists them)."
-    )
-    extra_config: dict[str, Any] = Field(
-        default_factory=dict,
-        description="The backend's own options: a JSON object, a JSON object string, or "
-        "'@file.json' / '@file.toml'.",
-    )
-    verify: Literal["full", "header"] = Field(
-        "full",
-        description="Page verification on load: 'full' checksums the payload, 'header' "
-        "checks the envelope header only.",
-    )
-    tenant: str | None = Field(
-        None, description="Tenant salt for the key namespace, so tenants never share pages."
-    )
     model: str | None = Field(
         None,
         min_length=1,
@@ -151,18 +149,6 @@ class SGLangSection(BaseModel):
         "host has cores to spare, and prefetch latency is on the request's path).",
     )
 
-    @field_validator("extra_config", mode="before")
-    @classmethod
-    def _parse_extra(cls, value: Any) -> dict[str, Any]:
-        return parse_extra_config(value, source="kvtier.extra_config")
-
-    @field_validator("backend")
-    @classmethod
-    def _backend(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("must be a non-empty backend name (`kvtier backends` lists them)")
-        return value.strip()
-
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, value: str | None) -> str | None:
@@ -174,285 +160,18 @@ class SGLangSection(BaseModel):
             raise ValueError(str(exc).removeprefix("dtype: ")) from None
 
 
-# --- the host pool, seen as kvtier pages ---------------------------------------------------
-
-
-def _extent_at(address: int, length: int) -> Extent:
-    """A writable extent over ``length`` bytes of process memory at ``address``."""
-    view = memoryview((ctypes.c_ubyte * length).from_address(address)).cast("B")
-    return Extent(view, address, length)
-
-
-def _runs(view: torch.Tensor) -> list[tuple[int, int]]:
-    """``(address, bytes)`` of the contiguous runs of a strided view, in C order."""
-    shape, stride = list(view.shape), list(view.stride())
-    k, block = len(shape), 1
-    while k > 0 and (shape[k - 1] == 1 or stride[k - 1] == block):
-        block *= shape[k - 1]
-        k -= 1
-    item = view.element_size()
-    base = view.data_ptr()
-    return [
-        (base + item * sum(i * s for i, s in zip(index, stride[:k], strict=True)), block * item)
-        for index in itertools.product(*(range(n) for n in shape[:k]))
-    ]
-
-
-def _unsupported_pool(pool: Any, what: str) -> UnsupportedCombinationError:
-    return UnsupportedCombinationError(
-        f"SGLang host pool {type(pool).__name__}: {what}; kvtier stores the KV pages of "
-        "materialized MHA/MLA host pools (MHATokenToKVPoolHost, MLATokenToKVPoolHost)",
-        value=type(pool).__name__,
-        supported=[
-            f"--hicache-mem-layout {layout.value} with a plain MHA/GQA or MLA model"
-            for layout in Layout
-        ],
-    )
-
-
-def pool_layout(pool: Any, attention: AttentionKind) -> Layout:
-    """The kvtier layout of an SGLang host pool, or an error listing the ones that work."""
-    name = getattr(pool, "layout", None)
-    allowed = layouts_for(attention)
-    try:
-        layout = Layout(name)
-    except ValueError:
-        layout = None
-    if layout is None or layout not in allowed:
-        raise UnsupportedCombinationError(
-            f"SGLang host-pool layout {name!r} has no kvtier equivalent for "
-            f"{attention.value.upper()}",
-            value=name,
-            supported=[f"--hicache-mem-layout {item.value}" for item in allowed],
-        )
-    return layout
-
-
-def _pool_dtype(pool: Any, override: str | None) -> torch.dtype:
-    stored = pool.dtype
-    try:
-        native: torch.dtype | None = dtype_from_name(stored)
-    except InvalidFieldError:
-        native = None
-    if override is None:
-        if native is None:
-            raise InvalidFieldError(
-                "kvtier.dtype",
-                f"SGLang's host pool stores KV as {stored}, which names no KV dtype; set "
-                '"dtype" in the kvtier section to the KV cache dtype (for fp8 KV: '
-                '"float8_e4m3fn" or "float8_e5m2")',
-                value=str(stored),
-            )
-        return native
-    wanted = dtype_from_name(override)
-    if native is not None and native != wanted:
-        raise InvalidFieldError(
-            "kvtier.dtype",
-            f"is {override!r} but SGLang's host pool holds {dtype_name(native)}; "
-            "leave dtype out (it is only for pools that store raw bytes)",
-            value=override,
-        )
-    itemsize = torch.empty((), dtype=stored).element_size()
-    if torch.empty((), dtype=wanted).element_size() != itemsize:
-        raise InvalidFieldError(
-            "kvtier.dtype",
-            f"{override!r} is not {itemsize} byte(s) per element like the pool's {stored}",
-            value=override,
-        )
-    return wanted
-
-
-def pool_geometry_fields(
-    pool: Any, attention: AttentionKind, dtype_override: str | None = None
-) -> dict[str, Any]:
-    """The engine-config geometry fields of an SGLang MHA or MLA host pool (this rank's share).
-
-    MLA: kvtier's geometry keeps only the latent's width (``kv_cache_dim``, which SGLang
-    may override, e.g. for fp8 NSA); it is split as SGLang splits it when the pool says
-    so, and any split names the same pages.
-    """
-    try:
-        dtype = dtype_name(_pool_dtype(pool, dtype_override))
-        fields: dict[str, Any] = {
-            "dtype": dtype,
-            "num_layers": int(pool.layer_num),
-            "page_size": int(pool.page_size),
-        }
-        if attention is AttentionKind.MLA:
-            rope = int(getattr(pool, "qk_rope_head_dim", 0) or 0)
-            dim = int(getattr(pool, "kv_cache_dim", None) or (int(pool.kv_lora_rank) + rope))
-            if not 0 < rope < dim:
-                rope = dim // 2
-            return {**fields, "kv_lora_rank": dim - rope, "qk_rope_head_dim": rope}
-        heads, head_dim = int(pool.head_num), int(pool.head_dim)
-    except AttributeError as exc:
-        raise _unsupported_pool(pool, f"it has no attribute {exc.name!r}") from None
-    v_head_dim = int(getattr(pool, "v_head_dim", head_dim))
-    if v_head_dim != head_dim:
-        raise _unsupported_pool(pool, f"K and V head sizes differ ({head_dim} and {v_head_dim})")
-    return {**fields, "num_kv_heads": heads, "head_dim": head_dim}
-
-
-class SGLangPages:
-    """kvtier's page view of an SGLang host pool: envelope slots here, payload in place.
-
-    Page ``p`` is host tokens ``[p * page_size, (p + 1) * page_size)``. Its payload extents
-    are the contiguous runs of SGLang's ``get_data_page(p * page_size, flat=False)`` view
-    inside ``kv_buffer`` (the same bytes, in the same order, as SGLang's flat data page),
-    checked to lie inside that buffer and cached, since the pool never moves. Ids from
-    ``num_pages`` up are scratch pages: caller tensors of the legacy API.
-    """
-
-    def __init__(self, pool: Any, layout: Layout, geometry: KVGeometry) -> None:
-        self.host_pool = pool
-        self.geometry = geometry
-        self._layout = layout
-        self.page_size = int(pool.page_size)
-        self.num_pages = int(pool.size) // self.page_size
-        buffer = pool.kv_buffer
-        if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
-            raise _unsupported_pool(pool, "its kv_buffer is not a CPU tensor")
-        storage = buffer.untyped_storage()
-        self._low = storage.data_ptr()
-        self._high = self._low + storage.nbytes()
-        #: One ENVELOPE_BYTES slot per host page; untouched slots cost no memory.
-        self._headers = aligned_empty(self.num_pages * ENVELOPE_BYTES)[1]
-        self._header_cache: dict[int, Extent] = {}
-        self._extent_cache: dict[int, tuple[Extent, ...]] = {}
-        self._scratch: dict[int, tuple[Extent, ...]] = {}
-        self._scratch_keep: dict[int, torch.Tensor] = {}
-        self._scratch_ids = itertools.count(self.num_pages)
-        self._lock = threading.Lock()
-
-    @property
-    def layout(self) -> Layout:
-        return self._layout
-
-    def memory_regions(self) -> list[Extent]:
-        """SGLang's whole ``kv_buffer`` and the envelope slab: registered once by backends
-        that need registered memory (Mooncake), so every page moves zero-copy."""
-        return [
-            _extent_at(self._low, self._high - self._low),
-            _extent_at(self._headers.data_ptr(), self._headers.numel()),
-        ]
-
-    def _check_page(self, page: int) -> None:
-        if not 0 <= page < self.num_pages:
-            raise PageError(
-                f"host page {page} is out of range: the SGLang host pool has pages "
-                f"0..{self.num_pages - 1}",
-                value=page,
-            )
-
-    def extents(self, page: int) -> list[Extent]:
-        """The page's payload regions inside SGLang's kv_buffer, in flat-data-page order."""
-        scratch = self._scratch.get(page)
-        if scratch is not None:
-            return list(scratch[1:])
-        cached = self._extent_cache.get(page)
-        if cached is None:
-            self._check_page(page)
-            view = self.host_pool.get_data_page(page * self.page_size, flat=False)
-            runs = _runs(view)
-            total = sum(length for _, length in runs)
-            outside = [a for a, n in runs if a < self._low or a + n > self._high]
-            if outside or total != self.geometry.bytes_per_page:
-                raise TransferError(
-                    f"SGLang host page {page} is {total} bytes in {len(runs)} runs"
-                    f"{' partly outside kv_buffer' if outside else ''}; the pool's geometry "
-                    f"({self.geometry.describe()}) says {self.geometry.bytes_per_page}: "
-                    "this host pool is not one kvtier understands",
-                    value=page,
-                )
-            cached = tuple(_extent_at(address, length) for address, length in runs)
-            self._extent_cache[page] = cached
-        return list(cached)
-
-    def header_extent(self, page: int) -> Extent:
-        """The page's 4096-aligned envelope slot."""
-        scratch = self._scratch.get(page)
-        if scratch is not None:
-            return scratch[0]
-        cached = self._header_cache.get(page)
-        if cached is None:
-            self._check_page(page)
-            start = self._headers.data_ptr() + page * ENVELOPE_BYTES
-            cached = self._header_cache[page] = _extent_at(start, ENVELOPE_BYTES)
-        return cached
-
-    def page_buffers(self, page: int) -> list[Extent]:
-        """``[header_extent(page), *extents(page)]``: what the backend stores."""
-        return [self.header_extent(page), *self.extents(page)]
-
-    def pages_of(self, host_indices: Any, count: int) -> list[int]:
-        """Host page ids of ``count`` pages from SGLang's token indices (page_size per key)."""
-        ps = self.page_size
-        idx = torch.as_tensor(host_indices).reshape(-1)
-        if idx.numel() != count * ps:
-            raise PageError(
-                f"got {idx.numel()} host indices for {count} keys; SGLang passes "
-                f"page_size ({ps}) token indices per key",
-                value=idx.numel(),
-            )
-        if count == 0:
-            return []
-        rows = idx.to(device="cpu", dtype=torch.int64).reshape(count, ps)
-        first = rows[:, 0]
-        bad = (first % ps != 0) | (first < 0) | (first + ps > self.num_pages * ps)
-        if ps > 1:
-            bad |= (rows - first[:, None] != torch.arange(ps)).any(dim=1)
-        if bool(bad.any()):
-            row = int(bad.nonzero()[0, 0])
-            raise PageError(
-                f"host indices of key {row} ({rows[row, :4].tolist()}...) are not one whole "
-                f"page: page_size ({ps}) consecutive tokens starting at a multiple of "
-                f"{ps} below {self.num_pages * ps}",
-                value=rows[row].tolist(),
-            )
-        return (first // ps).tolist()
-
-    def add_scratch(self, tensors: Sequence[torch.Tensor]) -> list[int]:
-        """Register caller tensors (one flat page each) as scratch pages; returns their ids."""
-        slab = aligned_empty(len(tensors) * ENVELOPE_BYTES)[1]
-        ids = []
-        with self._lock:
-            for i, tensor in enumerate(tensors):
-                page = next(self._scratch_ids)
-                header = _extent_at(slab.data_ptr() + i * ENVELOPE_BYTES, ENVELOPE_BYTES)
-                length = tensor.numel() * tensor.element_size()
-                self._scratch[page] = (header, _extent_at(tensor.data_ptr(), length))
-                self._scratch_keep[page] = slab
-                ids.append(page)
-        return ids
-
-    def drop_scratch(self, ids: Sequence[int]) -> None:
-        """Forget scratch pages once their call returned."""
-        with self._lock:
-            for page in ids:
-                self._scratch.pop(page, None)
-                self._scratch_keep.pop(page, None)
-
-
 # --- the storage class SGLang loads --------------------------------------------------------
 
 
 def _section(extra: Mapping[str, Any] | None) -> dict[str, Any]:
     """The ``kvtier`` section, parsed; a clear error when it is missing or misspelt."""
-    if extra is not None and not isinstance(extra, Mapping):
-        raise NotAnObjectError(
-            f"SGLang's storage extra-config must be a JSON object, got {type(extra).__name__}",
-            value=extra,
-        )
-    if not extra or SECTION not in extra:
-        present = [str(key) for key in (extra or {})]
-        close = [key for key in present if did_you_mean(SECTION, [key])]
-        found = f" (found {close[0]!r}: did you mean {SECTION!r}?)" if close else ""
-        raise MissingFieldError(
-            f"extra-config.{SECTION}",
-            hint=f'{found}; kvtier reads its settings from a "{SECTION}" object, e.g. '
-            f'"{SECTION}": {{"backend": "file"}} (see {_DOCS})',
-        )
-    return parse_extra_config(extra[SECTION], source=_LABEL)
+    return find_section(
+        extra,
+        where="extra-config",
+        label=_LABEL,
+        example='{"backend": "file"}',
+        docs=_DOCS,
+    )
 
 
 @dataclass
@@ -531,6 +250,9 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._prefetch = _Window()
         self._backup = _Window()
         self._state: _Attached | None = None
+        #: The extra host pools of a hybrid model, by SGLang's pool name (v2 interface).
+        self._extra: dict[str, ExtraPool] = {}
+        self._warned: set[str] = set()
 
     # --- set-up ---------------------------------------------------------------------------
 
@@ -585,9 +307,9 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         super().register_mem_pool_host(mem_pool_host)
         pool = mem_pool_host
         if getattr(pool, "kv_buffer", None) is None:
-            raise _unsupported_pool(pool, "it has no kv_buffer (a logical-only anchor pool)")
+            raise unsupported_pool(pool, "it has no kv_buffer (a logical-only anchor pool)")
         if getattr(pool, "dcp_size", 1) != 1:
-            raise _unsupported_pool(pool, "its pages are split by decode context parallelism")
+            raise unsupported_pool(pool, "its pages are split by decode context parallelism")
         layout = pool_layout(pool, self.attention)
         fields = pool_geometry_fields(pool, self.attention, self.settings.dtype)
         plan = resolve(
@@ -615,19 +337,116 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Accept the KV pool again under its v2 name; refuse sidecar pools clearly."""
+        """Accept the KV pool again under its v2 name; build an extra pool's own store.
+
+        A hybrid model's extra pool (Mamba state, SWA KV) gets a plan of its own through
+        ``resolve()`` and ``open_page_store()``: its namespace names the pool, its geometry
+        describes its pages, and its pages carry the same verified envelope.
+        """
+        name = str(host_pool_name)
         state = self._state
         same_pool = state is not None and host_pool is state.pages.host_pool
-        if str(host_pool_name) == "kv" or same_pool:
+        if name == "kv" or same_pool:
             super().register_mem_host_pool_v2(host_pool, host_pool_name)
             return
-        raise UnsupportedCombinationError(
-            f"SGLang registered the extra host pool {str(host_pool_name)!r} "
-            f"({type(host_pool).__name__}); kvtier's SGLang adapter stores the KV pool only, "
-            "not Mamba, SWA or indexer sidecar pools",
-            value=str(host_pool_name),
-            supported=["a plain MHA/GQA or MLA model (KV pool only)"],
+        if state is None or state.closed:
+            raise StorageError(
+                f"SGLang registered the extra host pool {name!r} before the KV pool: "
+                "register_mem_pool_host(kv_pool) comes first (SGLang's controller does so)",
+                value=name,
+            )
+        extra = self._extra_pool(name, host_pool)
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        with self._lock:
+            old, self._extra[name] = self._extra.get(name), extra
+        if old is not None:
+            old.close()
+        log.info(
+            "kvtier: SGLang extra host pool %r (%s) on backend %r, %s, %s, namespace %s",
+            name,
+            type(host_pool).__name__,
+            self.spec.name,
+            "in place" if extra.in_place else "by value (copied through SGLang's page calls)",
+            extra.plan.geometry.describe(),
+            extra.plan.context.namespace,
         )
+
+    def _extra_pool(self, name: str, pool: Any) -> ExtraPool:
+        """Check an extra host pool and build its page store (the KV pool's path)."""
+        per_rank = is_per_rank(name, self.attention)
+        model = f"{self._model_id}|pool={name}"
+        tp_size = int(self.storage_config.tp_size)
+        if per_rank and self.attention is AttentionKind.MLA and tp_size > 1:
+            model += f"|tp{int(self.storage_config.tp_rank)}of{tp_size}"
+        pages: SGLangPages | SlotPages | StatePages
+        if is_kv_shaped(pool):
+            layout = pool_layout(pool, self.attention)
+            fields = pool_geometry_fields(pool, self.attention, self.settings.dtype)
+            plan = resolve(
+                self._engine_config(layout=layout.value, model=model, **fields),
+                self._registry.backends,
+                self._registry.io_backends,
+                options_at=_OPTIONS_AT,
+            )
+            pages = SGLangPages(pool, plan.layout, plan.geometry)
+            pages.extents(0)
+        else:
+            missing = [
+                attr
+                for attr in (
+                    "page_size",
+                    "get_data_page",
+                    "get_dummy_flat_data_page",
+                    "set_from_flat_data_page",
+                )
+                if not hasattr(pool, attr)
+            ]
+            if missing:
+                raise UnsupportedCombinationError(
+                    f"SGLang registered the extra host pool {name!r} "
+                    f"({type(pool).__name__}), which has no {', '.join(missing)}; kvtier "
+                    "stores extra pools that are KV-shaped (kv_buffer with heads, as SWA "
+                    "pools) or that page their state (as MambaPoolHost)",
+                    value=name,
+                    supported=["a Mamba or SWA host pool of SGLang's HostKVCache shape"],
+                )
+            dummy = pool.get_dummy_flat_data_page()
+            page_bytes = int(dummy.numel() * dummy.element_size())
+            fields = state_geometry_fields(name, pool, page_bytes, self.attention)
+            refusal = in_place_refusal(pool, page_bytes)
+            if refusal is not None:
+                # by value the bytes are SGLang's flat data page; a namespace of their own
+                # keeps them apart from pages served in place, whatever either's order
+                model += "|by-value"
+                self._counters.add("state_pools_by_value")
+                log.warning(
+                    "kvtier: SGLang state pool %r (%s) cannot be served in place (%s); its "
+                    "pages are copied through SGLang's get_data_page / "
+                    "set_from_flat_data_page (counted as state_pages_copied)",
+                    name,
+                    type(pool).__name__,
+                    refusal,
+                )
+            plan = resolve(
+                self._engine_config(layout="page_first", model=model, **fields),
+                self._registry.backends,
+                self._registry.io_backends,
+                options_at=_OPTIONS_AT,
+            )
+            pages = SlotPages(pool, page_bytes) if refusal is None else StatePages(pool, page_bytes)
+        store = open_page_store(plan, pages, checksum_workers=self.settings.checksum_workers)
+        return ExtraPool(name, pages, store, plan, writes=self.is_writer or per_rank)
+
+    def _pool(self, name: Any) -> ExtraPool:
+        found = self._extra.get(str(name))
+        if found is None or found.closed:
+            raise StorageError(
+                f"SGLang asked for host pool {str(name)!r}, which was never registered "
+                f"(registered: 'kv'{''.join(', ' + repr(n) for n in self._extra)}); "
+                "SGLang registers each pool with register_mem_host_pool_v2 first",
+                value=str(name),
+            )
+        return found
 
     def _require(self) -> _Attached:
         state = self._state
@@ -688,6 +507,129 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         with self._lock:
             window.pages.append(pages)
             window.bandwidth.append(nbytes / max(seconds, 1e-9) / 1e9)
+
+    # --- v2 (hybrid models: KV plus extra pools) ------------------------------------------
+
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
+    ) -> Any:
+        """The usable prefix: KV pages, cut where a needed pool's pages are missing.
+
+        Each transfer's pool is checked over the KV hit by its hit policy (``all_pages``:
+        every page; ``trailing_pages``: the last ``len(transfer.keys)``); a prefix length
+        counts only when every pool allows it.
+        """
+        state = self._require()
+        kv_pages = state.store.prefix_hits(self._keys(state, keys))
+        hits: dict[Any, int] = {"kv": kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            if str(transfer.name) == "kv":
+                continue
+            pool = self._pool(transfer.name)
+            wanted = keys[:kv_pages] if restorable else []
+            present = pool.store.exists(pool.keys(wanted)) if wanted else []
+            policy = getattr(transfer.hit_policy, "value", transfer.hit_policy)
+            allowed, boundary = restorable_prefixes(present, str(policy), len(transfer.keys or []))
+            if boundary:
+                hits[transfer.name] = boundary
+            restorable &= allowed
+        lengths = sorted(restorable)
+        return PoolTransferResult(lengths[-1] if lengths else 0, hits, lengths)
+
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Fill each transfer's host pages; a missing or invalid page ends its pool's run."""
+        results: dict[Any, list[bool]] = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            if str(transfer.name) == "kv":
+                got = self.batch_get_v1(keys, transfer.host_indices, extra_info)
+                results[transfer.name] = leading_run(got)
+                continue
+            pool = self._pool(transfer.name)
+            indices = self._v2_indices(pool, transfer, len(keys))
+            if indices is None:
+                results[transfer.name] = [False] * len(keys)
+                continue
+            moved = self._pool_io(pool, "get", keys, indices, transfer.host_indices)
+            results[transfer.name] = leading_run(moved)
+        return results
+
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Store each transfer's host pages under its pool's keys; True where stored."""
+        results: dict[Any, list[bool]] = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            if str(transfer.name) == "kv":
+                results[transfer.name] = self.batch_set_v1(keys, transfer.host_indices, extra_info)
+                continue
+            pool = self._pool(transfer.name)
+            indices = self._v2_indices(pool, transfer, len(keys))
+            if indices is None:
+                results[transfer.name] = [False] * len(keys)
+            elif not pool.writes:
+                self._counters.add("skipped_not_writer", len(keys))
+                results[transfer.name] = [True] * len(keys)
+            else:
+                moved = self._pool_io(pool, "put", keys, indices, transfer.host_indices)
+                results[transfer.name] = moved
+        return results
+
+    def _v2_indices(self, pool: ExtraPool, transfer: Any, count: int) -> list[int] | None:
+        """The first host index of each page, or None (counted, one WARNING) on a mismatch."""
+        page_size = pool.pages.page_size
+        indices = transfer.host_indices
+        got = 0 if indices is None else int(torch.as_tensor(indices).numel())
+        if got != count * page_size:
+            self._counters.add("v2_index_mismatch")
+            if "v2_index_mismatch" not in self._warned:
+                self._warned.add("v2_index_mismatch")
+                log.warning(
+                    "kvtier: SGLang passed %d host indices for %d %r pages of page_size %d; "
+                    "those pages are reported not moved (SGLang's v2 contract; counted as "
+                    "v2_index_mismatch)",
+                    got,
+                    count,
+                    pool.name,
+                    page_size,
+                )
+            return None
+        flat = torch.as_tensor(indices).reshape(-1).to(device="cpu", dtype=torch.int64)
+        return [int(i) for i in flat[::page_size].tolist()] if count else []
+
+    def _pool_io(
+        self, pool: ExtraPool, op: str, keys: list[str], firsts: list[int], indices: Any
+    ) -> list[bool]:
+        """Move an extra pool's pages: in place for KV-shaped pools, by value for state."""
+        if not keys:
+            return []
+        names = pool.keys(keys)
+        pages = pool.pages
+        if not isinstance(pages, StatePages):
+            ids = pages.pages_of(indices, len(keys))
+            return pool.store.get(names, ids) if op == "get" else pool.store.put(names, ids)
+        host = pages.host_pool
+        if op == "put":
+            tensors = [
+                host.get_data_page(first, flat=True).contiguous().view(torch.uint8)
+                for first in firsts
+            ]
+        else:
+            tensors = [host.get_dummy_flat_data_page().view(torch.uint8) for _ in firsts]
+        ids = pages.add(tensors)
+        try:
+            if op == "put":
+                results = pool.store.put(names, ids)
+            else:
+                results = leading_run(pool.store.get(names, ids))
+        finally:
+            pages.drop(ids)
+        if op == "get":
+            for first, tensor, ok in zip(firsts, tensors, results, strict=True):
+                if ok:
+                    host.set_from_flat_data_page(first, tensor)
+        self._counters.add("state_pages_copied", len(keys) if op == "put" else sum(results))
+        return results
 
     # --- legacy (generic) path --------------------------------------------------------------
 
@@ -786,14 +728,18 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         state = self._state
         if state is None or state.closed:
             return
+        stores = [("kv", state.store)] if self.is_writer else []
+        stores += [(p.name, p.store) for p in self._extra.values() if p.writes and not p.closed]
         if not self.is_writer:
             log.info("kvtier: clear() left to the storage writer rank (MLA pages are shared)")
-            return
-        try:
-            state.store.backend.clear()
-        except Exception as exc:
-            self._counters.add("clear_failures")
-            log.warning("kvtier: backend %r failed to clear: %r", self.spec.name, exc)
+        for name, store in stores:
+            try:
+                store.backend.clear()
+            except Exception as exc:
+                self._counters.add("clear_failures")
+                log.warning(
+                    "kvtier: backend %r failed to clear pool %r: %r", self.spec.name, name, exc
+                )
 
     def get_stats(self) -> Any:
         """Pages and GB/s per transfer since the last call, as SGLang's StorageMetrics."""
@@ -807,7 +753,10 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return metrics
 
     def kvtier_stats(self) -> dict[str, int | float]:
-        """kvtier's counters: the page store's, the backend's (``backend_*``) and ours."""
+        """kvtier's counters: the page store's, the backend's (``backend_*``) and ours.
+
+        An extra pool's counters carry its name: ``mamba_invalid``, ``mamba_backend_puts``.
+        """
         stats: dict[str, int | float] = {
             "generic_path_pages": 0,
             "skipped_not_writer": 0,
@@ -818,12 +767,19 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if state is not None:
             stats.update(state.store.stats())
             stats.update({f"backend_{k}": v for k, v in state.store.backend.stats().items()})
+        for pool in list(self._extra.values()):
+            stats.update({f"{pool.name}_{k}": v for k, v in pool.store.stats().items()})
+            backend = pool.store.backend.stats()
+            stats.update({f"{pool.name}_backend_{k}": v for k, v in backend.items()})
         return stats
 
     def close(self) -> None:
         """Stop the checksum threads and close the backend. Idempotent."""
         with self._lock:
             state = self._state
+            extra = list(self._extra.values())
+        for pool in extra:
+            pool.close()
         if state is not None:
             state.close()
 

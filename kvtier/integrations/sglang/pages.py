@@ -1,0 +1,466 @@
+"""SGLang's host pools seen as kvtier pages: in place where SGLang names the memory.
+
+:class:`SGLangPages` serves a materialized MHA/MLA host pool (SGLang's ``kv_buffer``: the KV
+pool, an SWA pool) to a :class:`~kvtier.core.pagestore.PageStore` with no copy;
+:class:`SlotPages` serves a state pool (Mamba) in place through the runs its
+``get_page_buffer_meta`` names; :class:`StatePages` moves a state pool that names none by
+value, one flat page (SGLang's ``get_data_page``) at a time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvtier.core.envelope import ENVELOPE_BYTES
+from kvtier.core.errors import (
+    InvalidFieldError,
+    PageError,
+    TransferError,
+    UnsupportedCombinationError,
+)
+from kvtier.core.extents import Extent
+from kvtier.core.geometry import AttentionKind, KVGeometry, dtype_from_name, dtype_name
+from kvtier.core.host_pool import aligned_empty
+from kvtier.core.layout import Layout, layouts_for
+
+__all__ = [
+    "SGLangPages",
+    "SlotPages",
+    "StatePages",
+    "in_place_refusal",
+    "page_ids",
+    "pool_geometry_fields",
+    "pool_layout",
+    "unsupported_pool",
+]
+
+# --- the host pool, seen as kvtier pages ---------------------------------------------------
+
+
+def _extent_at(address: int, length: int) -> Extent:
+    """A writable extent over ``length`` bytes of process memory at ``address``."""
+    view = memoryview((ctypes.c_ubyte * length).from_address(address)).cast("B")
+    return Extent(view, address, length)
+
+
+def _runs(view: torch.Tensor) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of the contiguous runs of a strided view, in C order."""
+    shape, stride = list(view.shape), list(view.stride())
+    k, block = len(shape), 1
+    while k > 0 and (shape[k - 1] == 1 or stride[k - 1] == block):
+        block *= shape[k - 1]
+        k -= 1
+    item = view.element_size()
+    base = view.data_ptr()
+    return [
+        (base + item * sum(i * s for i, s in zip(index, stride[:k], strict=True)), block * item)
+        for index in itertools.product(*(range(n) for n in shape[:k]))
+    ]
+
+
+def unsupported_pool(pool: Any, what: str) -> UnsupportedCombinationError:
+    return UnsupportedCombinationError(
+        f"SGLang host pool {type(pool).__name__}: {what}; kvtier stores the KV pages of "
+        "materialized MHA/MLA host pools (MHATokenToKVPoolHost, MLATokenToKVPoolHost)",
+        value=type(pool).__name__,
+        supported=[
+            f"--hicache-mem-layout {layout.value} with a plain MHA/GQA or MLA model"
+            for layout in Layout
+        ],
+    )
+
+
+def pool_layout(pool: Any, attention: AttentionKind) -> Layout:
+    """The kvtier layout of an SGLang host pool, or an error listing the ones that work."""
+    name = getattr(pool, "layout", None)
+    allowed = layouts_for(attention)
+    try:
+        layout = Layout(name)
+    except ValueError:
+        layout = None
+    if layout is None or layout not in allowed:
+        raise UnsupportedCombinationError(
+            f"SGLang host-pool layout {name!r} has no kvtier equivalent for "
+            f"{attention.value.upper()}",
+            value=name,
+            supported=[f"--hicache-mem-layout {item.value}" for item in allowed],
+        )
+    return layout
+
+
+def _pool_dtype(pool: Any, override: str | None) -> torch.dtype:
+    stored = pool.dtype
+    try:
+        native: torch.dtype | None = dtype_from_name(stored)
+    except InvalidFieldError:
+        native = None
+    if override is None:
+        if native is None:
+            raise InvalidFieldError(
+                "kvtier.dtype",
+                f"SGLang's host pool stores KV as {stored}, which names no KV dtype; set "
+                '"dtype" in the kvtier section to the KV cache dtype (for fp8 KV: '
+                '"float8_e4m3fn" or "float8_e5m2")',
+                value=str(stored),
+            )
+        return native
+    wanted = dtype_from_name(override)
+    if native is not None and native != wanted:
+        raise InvalidFieldError(
+            "kvtier.dtype",
+            f"is {override!r} but SGLang's host pool holds {dtype_name(native)}; "
+            "leave dtype out (it is only for pools that store raw bytes)",
+            value=override,
+        )
+    itemsize = torch.empty((), dtype=stored).element_size()
+    if torch.empty((), dtype=wanted).element_size() != itemsize:
+        raise InvalidFieldError(
+            "kvtier.dtype",
+            f"{override!r} is not {itemsize} byte(s) per element like the pool's {stored}",
+            value=override,
+        )
+    return wanted
+
+
+def pool_geometry_fields(
+    pool: Any, attention: AttentionKind, dtype_override: str | None = None
+) -> dict[str, Any]:
+    """The engine-config geometry fields of an SGLang MHA or MLA host pool (this rank's share).
+
+    MLA: kvtier's geometry keeps only the latent's width (``kv_cache_dim``, which SGLang
+    may override, e.g. for fp8 NSA); it is split as SGLang splits it when the pool says
+    so, and any split names the same pages.
+    """
+    try:
+        dtype = dtype_name(_pool_dtype(pool, dtype_override))
+        fields: dict[str, Any] = {
+            "dtype": dtype,
+            "num_layers": int(pool.layer_num),
+            "page_size": int(pool.page_size),
+        }
+        if attention is AttentionKind.MLA:
+            rope = int(getattr(pool, "qk_rope_head_dim", 0) or 0)
+            dim = int(getattr(pool, "kv_cache_dim", None) or (int(pool.kv_lora_rank) + rope))
+            if not 0 < rope < dim:
+                rope = dim // 2
+            return {**fields, "kv_lora_rank": dim - rope, "qk_rope_head_dim": rope}
+        heads, head_dim = int(pool.head_num), int(pool.head_dim)
+    except AttributeError as exc:
+        raise unsupported_pool(pool, f"it has no attribute {exc.name!r}") from None
+    v_head_dim = int(getattr(pool, "v_head_dim", head_dim))
+    if v_head_dim != head_dim:
+        raise unsupported_pool(pool, f"K and V head sizes differ ({head_dim} and {v_head_dim})")
+    return {**fields, "num_kv_heads": heads, "head_dim": head_dim}
+
+
+def page_ids(host_indices: Any, count: int, ps: int, num_pages: int) -> list[int]:
+    """Host page ids of ``count`` pages from SGLang's token indices (``ps`` per key)."""
+    idx = torch.as_tensor(host_indices).reshape(-1)
+    if idx.numel() != count * ps:
+        raise PageError(
+            f"got {idx.numel()} host indices for {count} keys; SGLang passes "
+            f"page_size ({ps}) token indices per key",
+            value=idx.numel(),
+        )
+    if count == 0:
+        return []
+    rows = idx.to(device="cpu", dtype=torch.int64).reshape(count, ps)
+    first = rows[:, 0]
+    bad = (first % ps != 0) | (first < 0) | (first + ps > num_pages * ps)
+    if ps > 1:
+        bad |= (rows - first[:, None] != torch.arange(ps)).any(dim=1)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise PageError(
+            f"host indices of key {row} ({rows[row, :4].tolist()}...) are not one whole "
+            f"page: page_size ({ps}) consecutive tokens starting at a multiple of "
+            f"{ps} below {num_pages * ps}",
+            value=rows[row].tolist(),
+        )
+    return [int(i) for i in (first // ps).tolist()]
+
+
+class SGLangPages:
+    """kvtier's page view of an SGLang host pool: envelope slots here, payload in place.
+
+    Page ``p`` is host tokens ``[p * page_size, (p + 1) * page_size)``. Its payload extents
+    are the contiguous runs of SGLang's ``get_data_page(p * page_size, flat=False)`` view
+    inside ``kv_buffer`` (the same bytes, in the same order, as SGLang's flat data page),
+    checked to lie inside that buffer and cached, since the pool never moves. Ids from
+    ``num_pages`` up are scratch pages: caller tensors of the legacy API.
+    """
+
+    def __init__(self, pool: Any, layout: Layout, geometry: KVGeometry) -> None:
+        self.host_pool = pool
+        self.geometry = geometry
+        self._layout = layout
+        self.page_size = int(pool.page_size)
+        self.num_pages = int(pool.size) // self.page_size
+        buffer = pool.kv_buffer
+        if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
+            raise unsupported_pool(pool, "its kv_buffer is not a CPU tensor")
+        storage = buffer.untyped_storage()
+        self._low = storage.data_ptr()
+        self._high = self._low + storage.nbytes()
+        #: One ENVELOPE_BYTES slot per host page; untouched slots cost no memory.
+        self._headers = aligned_empty(self.num_pages * ENVELOPE_BYTES)[1]
+        self._header_cache: dict[int, Extent] = {}
+        self._extent_cache: dict[int, tuple[Extent, ...]] = {}
+        self._scratch: dict[int, tuple[Extent, ...]] = {}
+        self._scratch_keep: dict[int, torch.Tensor] = {}
+        self._scratch_ids = itertools.count(self.num_pages)
+        self._lock = threading.Lock()
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    def memory_regions(self) -> list[Extent]:
+        """SGLang's whole ``kv_buffer`` and the envelope slab: registered once by backends
+        that need registered memory (Mooncake), so every page moves zero-copy."""
+        return [
+            _extent_at(self._low, self._high - self._low),
+            _extent_at(self._headers.data_ptr(), self._headers.numel()),
+        ]
+
+    def _check_page(self, page: int) -> None:
+        if not 0 <= page < self.num_pages:
+            raise PageError(
+                f"host page {page} is out of range: the SGLang host pool has pages "
+                f"0..{self.num_pages - 1}",
+                value=page,
+            )
+
+    def extents(self, page: int) -> list[Extent]:
+        """The page's payload regions inside SGLang's kv_buffer, in flat-data-page order."""
+        scratch = self._scratch.get(page)
+        if scratch is not None:
+            return list(scratch[1:])
+        cached = self._extent_cache.get(page)
+        if cached is None:
+            self._check_page(page)
+            view = self.host_pool.get_data_page(page * self.page_size, flat=False)
+            runs = _runs(view)
+            total = sum(length for _, length in runs)
+            outside = [a for a, n in runs if a < self._low or a + n > self._high]
+            if outside or total != self.geometry.bytes_per_page:
+                raise TransferError(
+                    f"SGLang host page {page} is {total} bytes in {len(runs)} runs"
+                    f"{' partly outside kv_buffer' if outside else ''}; the pool's geometry "
+                    f"({self.geometry.describe()}) says {self.geometry.bytes_per_page}: "
+                    "this host pool is not one kvtier understands",
+                    value=page,
+                )
+            cached = tuple(_extent_at(address, length) for address, length in runs)
+            self._extent_cache[page] = cached
+        return list(cached)
+
+    def header_extent(self, page: int) -> Extent:
+        """The page's 4096-aligned envelope slot."""
+        scratch = self._scratch.get(page)
+        if scratch is not None:
+            return scratch[0]
+        cached = self._header_cache.get(page)
+        if cached is None:
+            self._check_page(page)
+            start = self._headers.data_ptr() + page * ENVELOPE_BYTES
+            cached = self._header_cache[page] = _extent_at(start, ENVELOPE_BYTES)
+        return cached
+
+    def page_buffers(self, page: int) -> list[Extent]:
+        """``[header_extent(page), *extents(page)]``: what the backend stores."""
+        return [self.header_extent(page), *self.extents(page)]
+
+    def pages_of(self, host_indices: Any, count: int) -> list[int]:
+        """Host page ids of ``count`` pages from SGLang's token indices (page_size per key)."""
+        return page_ids(host_indices, count, self.page_size, self.num_pages)
+
+    def add_scratch(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+        """Register caller tensors (one flat page each) as scratch pages; returns their ids."""
+        slab = aligned_empty(len(tensors) * ENVELOPE_BYTES)[1]
+        ids = []
+        with self._lock:
+            for i, tensor in enumerate(tensors):
+                page = next(self._scratch_ids)
+                header = _extent_at(slab.data_ptr() + i * ENVELOPE_BYTES, ENVELOPE_BYTES)
+                length = tensor.numel() * tensor.element_size()
+                self._scratch[page] = (header, _extent_at(tensor.data_ptr(), length))
+                self._scratch_keep[page] = slab
+                ids.append(page)
+        return ids
+
+    def drop_scratch(self, ids: Sequence[int]) -> None:
+        """Forget scratch pages once their call returned."""
+        with self._lock:
+            for page in ids:
+                self._scratch.pop(page, None)
+                self._scratch_keep.pop(page, None)
+
+
+class SlotPages:
+    """A state pool's pages in place: the regions its ``get_page_buffer_meta`` names.
+
+    SGLang's ``MambaPoolHost`` (``page_first`` layouts, no side states) names each slot's
+    temporal and conv states as ``(address, bytes)`` runs inside the buffers that
+    ``get_hybrid_pool_buffer()`` lists, in the order of its flat data page. kvtier checks
+    each run lies inside those buffers and serves them as the page's extents, so backends
+    read and write state in place, and Mooncake registers the buffers once.
+    """
+
+    def __init__(self, pool: Any, page_bytes: int) -> None:
+        self.host_pool = pool
+        self.page_bytes = page_bytes
+        self.page_size = int(pool.page_size)
+        self.num_pages = int(pool.size) // self.page_size
+        self._buffers = [
+            (t.data_ptr(), t.numel() * t.element_size())
+            for t in pool.get_hybrid_pool_buffer()
+            if isinstance(t, torch.Tensor) and t.numel() and t.device.type == "cpu"
+        ]
+        self._headers = aligned_empty(self.num_pages * ENVELOPE_BYTES)[1]
+        self._header_cache: dict[int, Extent] = {}
+        self._extent_cache: dict[int, tuple[Extent, ...]] = {}
+
+    @property
+    def layout(self) -> Layout:
+        """A state page is a list of runs in flat-data-page order: filed as ``page_first``."""
+        return Layout.PAGE_FIRST
+
+    def memory_regions(self) -> list[Extent]:
+        """The pool's state buffers and the envelope slab, for backends that register."""
+        return [_extent_at(a, n) for a, n in self._buffers] + [
+            _extent_at(self._headers.data_ptr(), self._headers.numel())
+        ]
+
+    def _check_page(self, page: int) -> None:
+        if not 0 <= page < self.num_pages:
+            raise PageError(
+                f"state page {page} is out of range: the SGLang state pool has pages "
+                f"0..{self.num_pages - 1}",
+                value=page,
+            )
+
+    def extents(self, page: int) -> list[Extent]:
+        cached = self._extent_cache.get(page)
+        if cached is None:
+            self._check_page(page)
+            first = page * self.page_size
+            ptrs, sizes = self.host_pool.get_page_buffer_meta(
+                torch.arange(first, first + self.page_size, dtype=torch.int64)
+            )
+            runs = [(int(a), int(n)) for a, n in zip(ptrs, sizes, strict=True)]
+            inside = all(
+                any(lo <= a and a + n <= lo + size for lo, size in self._buffers) for a, n in runs
+            )
+            total = sum(n for _, n in runs)
+            if not inside or total != self.page_bytes:
+                raise TransferError(
+                    f"SGLang state page {page} is {total} bytes in {len(runs)} runs"
+                    f"{'' if inside else ' partly outside the pool buffers'}; its flat data "
+                    f"page is {self.page_bytes} bytes: this state pool is not one kvtier "
+                    "can serve in place",
+                    value=page,
+                )
+            cached = tuple(_extent_at(a, n) for a, n in runs)
+            self._extent_cache[page] = cached
+        return list(cached)
+
+    def header_extent(self, page: int) -> Extent:
+        cached = self._header_cache.get(page)
+        if cached is None:
+            self._check_page(page)
+            start = self._headers.data_ptr() + page * ENVELOPE_BYTES
+            cached = self._header_cache[page] = _extent_at(start, ENVELOPE_BYTES)
+        return cached
+
+    def page_buffers(self, page: int) -> list[Extent]:
+        return [self.header_extent(page), *self.extents(page)]
+
+    def pages_of(self, host_indices: Any, count: int) -> list[int]:
+        """Page ids of ``count`` pages from SGLang's slot indices (page_size per key)."""
+        return page_ids(host_indices, count, self.page_size, self.num_pages)
+
+
+def in_place_refusal(pool: Any, page_bytes: int) -> str | None:
+    """Why a state pool cannot be served in place (:class:`SlotPages`), or None if it can."""
+    for method in ("get_page_buffer_meta", "get_hybrid_pool_buffer"):
+        if not callable(getattr(pool, method, None)):
+            return f"it has no {method}()"
+    try:
+        SlotPages(pool, page_bytes).extents(0)
+    except (NotImplementedError, ValueError, AssertionError, TransferError) as exc:
+        return f"its get_page_buffer_meta() refuses: {exc}"
+    return None
+
+
+class StatePages:
+    """Flat state pages (a Mamba pool's) in kvtier's page form, one scratch page per call.
+
+    SGLang's state pools gather a page into a fresh tensor (``get_data_page``) and scatter
+    it back (``set_from_flat_data_page``), so there is no fixed memory to serve in place:
+    each transfer registers the flat tensors it moves as pages, with an envelope slot
+    each, and drops them when it returns.
+    """
+
+    def __init__(self, pool: Any, page_bytes: int) -> None:
+        self.host_pool = pool
+        self.page_bytes = page_bytes
+        self.page_size = int(pool.page_size)
+        self._pages: dict[int, tuple[Extent, Extent]] = {}
+        self._keep: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    @property
+    def layout(self) -> Layout:
+        """A state page is one contiguous run: kvtier files it as ``page_first``."""
+        return Layout.PAGE_FIRST
+
+    def _page(self, page: int) -> tuple[Extent, Extent]:
+        found = self._pages.get(page)
+        if found is None:
+            raise PageError(f"state page {page} is not part of a transfer in flight", value=page)
+        return found
+
+    def header_extent(self, page: int) -> Extent:
+        return self._page(page)[0]
+
+    def extents(self, page: int) -> list[Extent]:
+        return [self._page(page)[1]]
+
+    def page_buffers(self, page: int) -> list[Extent]:
+        return list(self._page(page))
+
+    def add(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+        """Register contiguous flat tensors (``page_bytes`` each) as pages; returns ids."""
+        slab = aligned_empty(len(tensors) * ENVELOPE_BYTES)[1]
+        ids = []
+        with self._lock:
+            for i, tensor in enumerate(tensors):
+                length = tensor.numel() * tensor.element_size()
+                if length != self.page_bytes or not tensor.is_contiguous():
+                    raise TransferError(
+                        f"SGLang's {type(self.host_pool).__name__} gave a state page of "
+                        f"{length} bytes{'' if tensor.is_contiguous() else ' (strided)'}; "
+                        f"it registered pages of {self.page_bytes} contiguous bytes",
+                        value=length,
+                    )
+                page = next(self._ids)
+                header = _extent_at(slab.data_ptr() + i * ENVELOPE_BYTES, ENVELOPE_BYTES)
+                self._pages[page] = (header, _extent_at(tensor.data_ptr(), length))
+                self._keep[page] = (slab, tensor)
+                ids.append(page)
+        return ids
+
+    def drop(self, ids: Sequence[int]) -> None:
+        """Forget the pages of a transfer that returned."""
+        with self._lock:
+            for page in ids:
+                self._pages.pop(page, None)
+                self._keep.pop(page, None)

@@ -1,0 +1,145 @@
+"""The extra host pools of hybrid models (Mamba state, sliding-window KV) behind SGLang's v2 calls.
+
+Each extra pool gets its own kvtier plan, built like the KV pool's (``resolve()`` then
+``open_page_store()``): its own key namespace (the model id carries ``pool=<name>``), its
+own geometry and fingerprint, and the same envelope, verified on every get. A KV-shaped
+pool (an SWA pool: ``kv_buffer`` with heads) is served in place like the KV pool; a state
+pool (Mamba) is served in place through its ``get_page_buffer_meta`` runs, or, where it
+has none, moved by value through SGLang's ``get_data_page`` / ``set_from_flat_data_page``;
+its page is described as a one-layer geometry of its bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtier.core.capabilities import ResolvedPlan
+from kvtier.core.errors import UnsupportedCombinationError
+from kvtier.core.geometry import AttentionKind
+from kvtier.core.keys import external_key
+from kvtier.core.pagestore import PageStore
+from kvtier.integrations.sglang.pages import SGLangPages, SlotPages, StatePages
+
+__all__ = [
+    "ExtraPool",
+    "is_kv_shaped",
+    "is_per_rank",
+    "leading_count",
+    "leading_run",
+    "restorable_prefixes",
+    "state_geometry_fields",
+]
+
+#: The pool SGLang shards by TP rank even when the model's MLA KV is replicated.
+_PER_RANK_POOLS = frozenset({"mamba"})
+#: The dtype that describes a state page byte by byte (kvtier moves it as raw bytes).
+_STATE_DTYPE = "float8_e4m3fn"
+
+
+def is_kv_shaped(pool: Any) -> bool:
+    """Whether a host pool keeps KV-shaped pages in one CPU ``kv_buffer`` (served in place)."""
+    buffer = getattr(pool, "kv_buffer", None)
+    return isinstance(buffer, torch.Tensor) and (
+        hasattr(pool, "head_num") or hasattr(pool, "kv_cache_dim")
+    )
+
+
+def is_per_rank(name: str, attention: AttentionKind) -> bool:
+    """Whether each TP rank holds its own pages of this pool (MHA: all; MLA: Mamba only)."""
+    return attention is AttentionKind.MHA or name in _PER_RANK_POOLS
+
+
+def state_geometry_fields(
+    name: str, pool: Any, page_bytes: int, attention: AttentionKind
+) -> dict[str, Any]:
+    """Engine-config geometry of a flat state page: one layer of ``page_bytes`` raw bytes."""
+    page_size = int(pool.page_size)
+    base = {"dtype": _STATE_DTYPE, "num_layers": 1, "page_size": page_size}
+    if attention is AttentionKind.MLA:
+        width, rest = divmod(page_bytes, page_size)
+        if rest == 0 and width >= 2:
+            return {**base, "kv_lora_rank": width - 1, "qk_rope_head_dim": 1}
+    else:
+        head_dim, rest = divmod(page_bytes, 2 * page_size)
+        if rest == 0 and head_dim >= 1:
+            return {**base, "num_kv_heads": 1, "head_dim": head_dim}
+    raise UnsupportedCombinationError(
+        f"SGLang host pool {name!r} ({type(pool).__name__}) has pages of {page_bytes} bytes "
+        f"for page_size {page_size}; kvtier stores state pages whose bytes divide evenly "
+        f"into {'2 x ' if attention is AttentionKind.MHA else ''}page_size",
+        value=page_bytes,
+        supported=["Mamba and SWA host pools whose page bytes are a multiple of the above"],
+    )
+
+
+@dataclass
+class ExtraPool:
+    """One extra host pool, registered through ``register_mem_host_pool_v2``."""
+
+    name: str
+    pages: SGLangPages | SlotPages | StatePages
+    store: PageStore
+    plan: ResolvedPlan
+    #: Whether this rank writes the pool's pages (its own pages, or the shared writer).
+    writes: bool
+    closed: bool = False
+
+    @property
+    def in_place(self) -> bool:
+        return not isinstance(self.pages, StatePages)
+
+    def keys(self, raw: Sequence[str]) -> list[str]:
+        """SGLang's page hashes in this pool's namespace (and rank suffix)."""
+        return [external_key(self.plan.namespace, key, self.plan.rank_suffix) for key in raw]
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.store.close()
+        self.store.backend.close()
+
+
+def restorable_prefixes(
+    present: Sequence[bool], policy: str, trailing: int
+) -> tuple[set[int], int]:
+    """The prefix lengths (in pages) a pool allows, and its own boundary.
+
+    ``present[i]`` says whether the pool's page ``i`` of the KV hit is stored.
+    ``all_pages``: every page up to the length. ``trailing_pages``: the last ``trailing``.
+    """
+    if policy == "all_pages":
+        boundary = leading_count(present)
+        return set(range(1, boundary + 1)), boundary
+    if policy == "trailing_pages":
+        window = max(1, trailing)
+        allowed = {
+            length
+            for length in range(1, len(present) + 1)
+            if all(present[max(0, length - window) : length])
+        }
+        return allowed, max(allowed, default=0)
+    raise UnsupportedCombinationError(
+        f"SGLang asked for hit policy {policy!r}; kvtier's v2 storage answers "
+        "'all_pages' and 'trailing_pages'",
+        value=policy,
+        supported=["all_pages", "trailing_pages"],
+    )
+
+
+def leading_count(results: Sequence[bool]) -> int:
+    """How many leading entries are True."""
+    for i, ok in enumerate(results):
+        if not ok:
+            return i
+    return len(results)
+
+
+def leading_run(results: Sequence[bool]) -> list[bool]:
+    """``results`` with everything after the first False also False: a prefix breaks there."""
+    count = leading_count(results)
+    return [True] * count + [False] * (len(results) - count)
