@@ -423,7 +423,7 @@ def test_only_the_connector_module_imports_vllm(vllm_python: Path) -> None:
         "import sys\n"
         "import kvtier.integrations.vllm as v\n"
         "from kvtier.integrations.vllm import blocks, messages, plan, scheduler, settings, worker\n"
-        "from kvtier.integrations.vllm import device_worker, paged\n"
+        "from kvtier.integrations.vllm import device_worker, paged, rank\n"
         "assert not [m for m in sys.modules if m.split('.')[0] == 'vllm'], 'vllm imported'\n"
         "v.KvtierConnector\n"
         "assert 'vllm.distributed.kv_transfer.kv_connector.v1.base' in sys.modules\n"

@@ -26,7 +26,6 @@ Nothing here imports vLLM.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +36,8 @@ from kvtier.cache.handles import BackupHandle, PrefetchHandle
 from kvtier.cache.tiered import TieredCache
 from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.errors import KvtierError, StorageError, UnsupportedCombinationError
+from kvtier.core.pagestore import PageStore
 from kvtier.core.specs import Operation
-from kvtier.core.storage import Counters
 from kvtier.integrations.vllm.blocks import order_layers
 from kvtier.integrations.vllm.messages import PageOp, Report
 from kvtier.integrations.vllm.paged import (
@@ -47,7 +46,8 @@ from kvtier.integrations.vllm.paged import (
     block_slots,
     strategy_of,
 )
-from kvtier.integrations.vllm.settings import DOCS, VLLMSection
+from kvtier.integrations.vllm.rank import RankWorker, no_pages_yet
+from kvtier.integrations.vllm.settings import VLLMSection
 from kvtier.integrations.vllm.worker import WORKER_COUNTERS
 
 __all__ = ["CACHE_OPTIONS", "DeviceWorkerSide"]
@@ -97,29 +97,20 @@ class _Save:
         return not self.failed and all(h.pages_failed == 0 for h in self.handles)
 
 
-class DeviceWorkerSide:
+class DeviceWorkerSide(RankWorker):
     """Loads and stores of one vLLM worker whose KV cache is on an accelerator."""
 
     def __init__(self, plan: ResolvedPlan, settings: VLLMSection) -> None:
-        self.plan = plan
-        self.settings = settings
-        #: This rank's key suffix (``_r<rank>of<size>`` under tensor parallelism).
-        self.suffix = plan.rank_suffix
+        super().__init__(plan, settings)
         self.cache: TieredCache | None = None
         self.pool: VLLMPagedPool | None = None
         #: vLLM's layer name -> kvtier layer index (model order).
         self.layers: dict[str, int] = {}
-        self.counters = Counters()
         self.per_layer_load = plan.declares(Operation.LOAD_LAYER)
         self.per_layer_save = plan.declares(Operation.BACKUP_LAYER)
-        self._lock = threading.Lock()
         self._loads: list[_Load] = []
-        self._load_errors: set[int] = set()
         self._current: list[_Save] | None = None
         self._in_flight: dict[str, list[_Save]] = {}
-        self._saving: set[str] = set()
-        self._finishing: set[str] = set()
-        self._report = Report()
 
     def register(
         self,
@@ -155,16 +146,11 @@ class DeviceWorkerSide:
 
     def _require(self) -> TieredCache:
         if self.cache is None:
-            raise StorageError(
-                "the kvtier connector has no KV pages: vLLM calls register_kv_caches() at "
-                f"start-up, before any step ({DOCS})",
-                value=None,
-            )
+            raise no_pages_yet()
         return self.cache
 
-    def names(self, keys: Iterable[str]) -> list[str]:
-        """This rank's storage keys for base keys."""
-        return [key + self.suffix for key in keys]
+    def _page_store(self) -> PageStore:
+        return self._require().page_store
 
     # --- loads --------------------------------------------------------------------------
 
@@ -240,35 +226,6 @@ class DeviceWorkerSide:
             self.counters.add("load_hit_pages", good)
             if good < count:
                 self._failed(item.op, list(range(good, count)))
-
-    def _failed(self, op: PageOp, bad: list[int]) -> None:
-        self.counters.add("load_failed_pages", len(bad))
-        self._load_errors.update(op.blocks[i] for i in bad)
-        failed = [op.keys[i] for i in bad]
-        with self._lock:
-            for key in failed:
-                self._report.failed[key] = self._report.failed.get(key, 0) + 1
-            first = op.first + bad[0]
-            self._report.failed_from[op.req_id] = min(
-                first, self._report.failed_from.get(op.req_id, first)
-            )
-        try:  # a bad page is removed, so the recomputed one is stored in its place
-            self._require().page_store.delete(self.names(failed))
-        except KvtierError as exc:
-            log.warning("kvtier: deleting %d failed pages raised %s", len(failed), exc)
-        log.info(
-            "kvtier: %d of %d pages of request %s were missing or invalid; vLLM recomputes them",
-            len(bad),
-            len(op.keys),
-            op.req_id,
-        )
-
-    def take_load_errors(self) -> set[int]:
-        """vLLM blocks whose page was missing or failed verification (finishes loads)."""
-        if self._loads:
-            self.finish_loads()
-        errors, self._load_errors = self._load_errors, set()
-        return errors
 
     # --- saves --------------------------------------------------------------------------
 
@@ -369,11 +326,9 @@ class DeviceWorkerSide:
         return done
 
     def take_report(self) -> Report:
-        """What this rank stored and failed to load since the last call."""
+        """What this rank stored and failed to load since the last call (polls backups)."""
         self._poll()
-        with self._lock:
-            report, self._report = self._report, Report()
-        return report
+        return super().take_report()
 
     # --- housekeeping -------------------------------------------------------------------
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -20,12 +19,12 @@ from typing import Any
 import torch
 
 from kvtier.core.capabilities import ResolvedPlan, open_page_store
-from kvtier.core.errors import KvtierError, StorageError
+from kvtier.core.errors import KvtierError
 from kvtier.core.pagestore import PageStore
-from kvtier.core.storage import Counters
 from kvtier.integrations.vllm.blocks import VLLMBlocks, order_layers
-from kvtier.integrations.vllm.messages import PageOp, Report
-from kvtier.integrations.vllm.settings import DOCS, VLLMSection
+from kvtier.integrations.vllm.messages import PageOp
+from kvtier.integrations.vllm.rank import RankWorker, no_pages_yet
+from kvtier.integrations.vllm.settings import VLLMSection
 
 __all__ = ["WORKER_COUNTERS", "WorkerSide"]
 
@@ -43,26 +42,17 @@ WORKER_COUNTERS = (
 )
 
 
-class WorkerSide:
+class WorkerSide(RankWorker):
     """Loads and stores of one vLLM worker (one tensor-parallel rank)."""
 
     def __init__(self, plan: ResolvedPlan, settings: VLLMSection) -> None:
-        self.plan = plan
-        self.settings = settings
-        #: This rank's key suffix (``_r<rank>of<size>`` under tensor parallelism).
-        self.suffix = plan.rank_suffix
+        super().__init__(plan, settings)
         self.store: PageStore | None = None
         self.pages: VLLMBlocks | None = None
-        self.counters = Counters()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-load")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-save")
-        self._lock = threading.Lock()
         self._loading: list[tuple[list[PageOp], Future[list[bool]]]] = []
-        self._load_errors: set[int] = set()
         self._pending: dict[str, int] = {}
-        self._saving: set[str] = set()
-        self._finishing: set[str] = set()
-        self._report = Report()
 
     def register(
         self,
@@ -85,16 +75,11 @@ class WorkerSide:
 
     def _require_store(self) -> PageStore:
         if self.store is None:
-            raise StorageError(
-                "the kvtier connector has no KV pages: vLLM calls register_kv_caches() at "
-                f"start-up, before any step ({DOCS})",
-                value=None,
-            )
+            raise no_pages_yet()
         return self.store
 
-    def names(self, keys: Iterable[str]) -> list[str]:
-        """This rank's storage keys for base keys."""
-        return [key + self.suffix for key in keys]
+    def _page_store(self) -> PageStore:
+        return self._require_store()
 
     # --- loads --------------------------------------------------------------------------
 
@@ -151,33 +136,6 @@ class WorkerSide:
                 if bad:
                     self._failed(op, bad)
 
-    def _failed(self, op: PageOp, bad: list[int]) -> None:
-        self.counters.add("load_failed_pages", len(bad))
-        self._load_errors.update(op.blocks[i] for i in bad)
-        failed = [op.keys[i] for i in bad]
-        with self._lock:
-            for key in failed:
-                self._report.failed[key] = self._report.failed.get(key, 0) + 1
-            first = op.first + bad[0]
-            self._report.failed_from[op.req_id] = min(
-                first, self._report.failed_from.get(op.req_id, first)
-            )
-        # A bad page is removed, so the recomputed one is stored in its place.
-        self._require_store().delete(self.names(failed))
-        log.info(
-            "kvtier: %d of %d pages of request %s were missing or invalid; vLLM recomputes them",
-            len(bad),
-            len(op.keys),
-            op.req_id,
-        )
-
-    def take_load_errors(self) -> set[int]:
-        """vLLM blocks whose page was missing or failed verification (waits for loads)."""
-        if self._loading:
-            self.finish_loads()
-        errors, self._load_errors = self._load_errors, set()
-        return errors
-
     # --- stores -------------------------------------------------------------------------
 
     def submit_saves(self, saves: Sequence[PageOp]) -> None:
@@ -229,12 +187,6 @@ class WorkerSide:
                 self._saving.discard(req_id)
                 self._pending.pop(req_id, None)
         return done
-
-    def take_report(self) -> Report:
-        """What this rank stored and failed to load since the last call."""
-        with self._lock:
-            report, self._report = self._report, Report()
-        return report
 
     # --- housekeeping -------------------------------------------------------------------
 

@@ -1,0 +1,105 @@
+"""What both worker strategies of the vLLM connector keep for one tensor-parallel rank.
+
+The CPU strategy (:mod:`.worker`, pages in place in vLLM's blocks) and the accelerator
+strategy (:mod:`.device_worker`, a TieredCache over vLLM's device tensors) differ in how
+pages move, not in what they tell vLLM and the scheduler: this rank's storage keys, the
+blocks whose page was missing or invalid (vLLM recomputes them, the bad page is deleted so
+the recomputed one takes its place) and the report of stored and failed pages. That
+bookkeeping lives here once. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+from kvtier.core.capabilities import ResolvedPlan
+from kvtier.core.errors import KvtierError, StorageError
+from kvtier.core.pagestore import PageStore
+from kvtier.core.storage import Counters
+from kvtier.integrations.vllm.messages import PageOp, Report
+from kvtier.integrations.vllm.settings import DOCS, VLLMSection
+
+__all__ = ["RankWorker", "no_pages_yet"]
+
+log = logging.getLogger("kvtier.vllm")
+
+
+def no_pages_yet() -> StorageError:
+    """The error for a step that comes before vLLM handed over its KV caches."""
+    return StorageError(
+        "the kvtier connector has no KV pages: vLLM calls register_kv_caches() at "
+        f"start-up, before any step ({DOCS})",
+        value=None,
+    )
+
+
+class RankWorker(ABC):
+    """Keys, counters, load errors and the scheduler's report of one worker rank."""
+
+    def __init__(self, plan: ResolvedPlan, settings: VLLMSection) -> None:
+        self.plan = plan
+        self.settings = settings
+        #: This rank's key suffix (``_r<rank>of<size>`` under tensor parallelism).
+        self.suffix = plan.rank_suffix
+        self.counters = Counters()
+        self._lock = threading.Lock()
+        self._load_errors: set[int] = set()
+        self._saving: set[str] = set()
+        self._finishing: set[str] = set()
+        self._report = Report()
+
+    def names(self, keys: Iterable[str]) -> list[str]:
+        """This rank's storage keys for base keys."""
+        return [key + self.suffix for key in keys]
+
+    @abstractmethod
+    def _page_store(self) -> PageStore:
+        """The page store this rank's pages are verified and deleted through."""
+
+    @property
+    @abstractmethod
+    def loading(self) -> bool:
+        """Whether loads were started that :meth:`finish_loads` has not settled."""
+
+    @abstractmethod
+    def finish_loads(self) -> None:
+        """Wait for the started loads and record which pages failed."""
+
+    def _failed(self, op: PageOp, bad: list[int]) -> None:
+        """Record pages ``bad`` of ``op`` as failed: for vLLM, the scheduler and the store."""
+        self.counters.add("load_failed_pages", len(bad))
+        self._load_errors.update(op.blocks[i] for i in bad)
+        failed = [op.keys[i] for i in bad]
+        with self._lock:
+            for key in failed:
+                self._report.failed[key] = self._report.failed.get(key, 0) + 1
+            first = op.first + bad[0]
+            self._report.failed_from[op.req_id] = min(
+                first, self._report.failed_from.get(op.req_id, first)
+            )
+        try:  # a bad page is removed, so the recomputed one is stored in its place
+            self._page_store().delete(self.names(failed))
+        except KvtierError as exc:
+            log.warning("kvtier: deleting %d failed pages raised %s", len(failed), exc)
+        log.info(
+            "kvtier: %d of %d pages of request %s were missing or invalid; vLLM recomputes them",
+            len(bad),
+            len(op.keys),
+            op.req_id,
+        )
+
+    def take_load_errors(self) -> set[int]:
+        """vLLM blocks whose page was missing or failed verification (finishes loads)."""
+        if self.loading:
+            self.finish_loads()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_report(self) -> Report:
+        """What this rank stored and failed to load since the last call."""
+        with self._lock:
+            report, self._report = self._report, Report()
+        return report
