@@ -186,7 +186,59 @@ def page_ids(host_indices: Any, count: int, ps: int, num_pages: int) -> list[int
     return [int(i) for i in (first // ps).tolist()]
 
 
-class SGLangPages:
+class _InPlacePages:
+    """What both in-place views of an SGLang pool share: the envelope slab and page ids.
+
+    Page ``p`` covers the pool's slots ``[p * page_size, (p + 1) * page_size)``; its
+    envelope header lives in a 4096-aligned slot of a slab kvtier owns (untouched slots
+    cost no memory), its payload in the pool's own memory, as the subclass names it.
+    """
+
+    #: What the pool is called in errors: "host" (the KV pool) or "state".
+    kind = "host"
+
+    def __init__(self, pool: Any) -> None:
+        self.host_pool = pool
+        self.page_size = int(pool.page_size)
+        self.num_pages = int(pool.size) // self.page_size
+        #: One ENVELOPE_BYTES slot per page.
+        self._headers = aligned_empty(self.num_pages * ENVELOPE_BYTES)[1]
+        self._header_cache: dict[int, Extent] = {}
+        self._extent_cache: dict[int, tuple[Extent, ...]] = {}
+
+    def _header_slab(self) -> Extent:
+        return _extent_at(self._headers.data_ptr(), self._headers.numel())
+
+    def _check_page(self, page: int) -> None:
+        if not 0 <= page < self.num_pages:
+            raise PageError(
+                f"{self.kind} page {page} is out of range: the SGLang {self.kind} pool has "
+                f"pages 0..{self.num_pages - 1}",
+                value=page,
+            )
+
+    def extents(self, page: int) -> list[Extent]:
+        raise NotImplementedError
+
+    def header_extent(self, page: int) -> Extent:
+        """The page's 4096-aligned envelope slot."""
+        cached = self._header_cache.get(page)
+        if cached is None:
+            self._check_page(page)
+            start = self._headers.data_ptr() + page * ENVELOPE_BYTES
+            cached = self._header_cache[page] = _extent_at(start, ENVELOPE_BYTES)
+        return cached
+
+    def page_buffers(self, page: int) -> list[Extent]:
+        """``[header_extent(page), *extents(page)]``: what the backend stores."""
+        return [self.header_extent(page), *self.extents(page)]
+
+    def pages_of(self, host_indices: Any, count: int) -> list[int]:
+        """Page ids of ``count`` pages from SGLang's slot indices (page_size per key)."""
+        return page_ids(host_indices, count, self.page_size, self.num_pages)
+
+
+class SGLangPages(_InPlacePages):
     """kvtier's page view of an SGLang host pool: envelope slots here, payload in place.
 
     Page ``p`` is host tokens ``[p * page_size, (p + 1) * page_size)``. Its payload extents
@@ -197,21 +249,15 @@ class SGLangPages:
     """
 
     def __init__(self, pool: Any, layout: Layout, geometry: KVGeometry) -> None:
-        self.host_pool = pool
         self.geometry = geometry
         self._layout = layout
-        self.page_size = int(pool.page_size)
-        self.num_pages = int(pool.size) // self.page_size
         buffer = pool.kv_buffer
         if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
             raise unsupported_pool(pool, "its kv_buffer is not a CPU tensor")
+        super().__init__(pool)
         storage = buffer.untyped_storage()
         self._low = storage.data_ptr()
         self._high = self._low + storage.nbytes()
-        #: One ENVELOPE_BYTES slot per host page; untouched slots cost no memory.
-        self._headers = aligned_empty(self.num_pages * ENVELOPE_BYTES)[1]
-        self._header_cache: dict[int, Extent] = {}
-        self._extent_cache: dict[int, tuple[Extent, ...]] = {}
         self._scratch: dict[int, tuple[Extent, ...]] = {}
         self._scratch_keep: dict[int, torch.Tensor] = {}
         self._scratch_ids = itertools.count(self.num_pages)
@@ -226,16 +272,8 @@ class SGLangPages:
         that need registered memory (Mooncake), so every page moves zero-copy."""
         return [
             _extent_at(self._low, self._high - self._low),
-            _extent_at(self._headers.data_ptr(), self._headers.numel()),
+            self._header_slab(),
         ]
-
-    def _check_page(self, page: int) -> None:
-        if not 0 <= page < self.num_pages:
-            raise PageError(
-                f"host page {page} is out of range: the SGLang host pool has pages "
-                f"0..{self.num_pages - 1}",
-                value=page,
-            )
 
     def extents(self, page: int) -> list[Extent]:
         """The page's payload regions inside SGLang's kv_buffer, in flat-data-page order."""
@@ -262,24 +300,11 @@ class SGLangPages:
         return list(cached)
 
     def header_extent(self, page: int) -> Extent:
-        """The page's 4096-aligned envelope slot."""
+        """The page's 4096-aligned envelope slot (a scratch page's own)."""
         scratch = self._scratch.get(page)
         if scratch is not None:
             return scratch[0]
-        cached = self._header_cache.get(page)
-        if cached is None:
-            self._check_page(page)
-            start = self._headers.data_ptr() + page * ENVELOPE_BYTES
-            cached = self._header_cache[page] = _extent_at(start, ENVELOPE_BYTES)
-        return cached
-
-    def page_buffers(self, page: int) -> list[Extent]:
-        """``[header_extent(page), *extents(page)]``: what the backend stores."""
-        return [self.header_extent(page), *self.extents(page)]
-
-    def pages_of(self, host_indices: Any, count: int) -> list[int]:
-        """Host page ids of ``count`` pages from SGLang's token indices (page_size per key)."""
-        return page_ids(host_indices, count, self.page_size, self.num_pages)
+        return super().header_extent(page)
 
     def add_scratch(self, tensors: Sequence[torch.Tensor]) -> list[int]:
         """Register caller tensors (one flat page each) as scratch pages; returns their ids."""
@@ -303,7 +328,7 @@ class SGLangPages:
                 self._scratch_keep.pop(page, None)
 
 
-class SlotPages:
+class SlotPages(_InPlacePages):
     """A state pool's pages in place: the regions its ``get_page_buffer_meta`` names.
 
     SGLang's ``MambaPoolHost`` (``page_first`` layouts, no side states) names each slot's
@@ -313,19 +338,16 @@ class SlotPages:
     read and write state in place, and Mooncake registers the buffers once.
     """
 
+    kind = "state"
+
     def __init__(self, pool: Any, page_bytes: int) -> None:
-        self.host_pool = pool
+        super().__init__(pool)
         self.page_bytes = page_bytes
-        self.page_size = int(pool.page_size)
-        self.num_pages = int(pool.size) // self.page_size
         self._buffers = [
             (t.data_ptr(), t.numel() * t.element_size())
             for t in pool.get_hybrid_pool_buffer()
             if isinstance(t, torch.Tensor) and t.numel() and t.device.type == "cpu"
         ]
-        self._headers = aligned_empty(self.num_pages * ENVELOPE_BYTES)[1]
-        self._header_cache: dict[int, Extent] = {}
-        self._extent_cache: dict[int, tuple[Extent, ...]] = {}
 
     @property
     def layout(self) -> Layout:
@@ -334,17 +356,7 @@ class SlotPages:
 
     def memory_regions(self) -> list[Extent]:
         """The pool's state buffers and the envelope slab, for backends that register."""
-        return [_extent_at(a, n) for a, n in self._buffers] + [
-            _extent_at(self._headers.data_ptr(), self._headers.numel())
-        ]
-
-    def _check_page(self, page: int) -> None:
-        if not 0 <= page < self.num_pages:
-            raise PageError(
-                f"state page {page} is out of range: the SGLang state pool has pages "
-                f"0..{self.num_pages - 1}",
-                value=page,
-            )
+        return [_extent_at(a, n) for a, n in self._buffers] + [self._header_slab()]
 
     def extents(self, page: int) -> list[Extent]:
         cached = self._extent_cache.get(page)
@@ -371,20 +383,6 @@ class SlotPages:
             self._extent_cache[page] = cached
         return list(cached)
 
-    def header_extent(self, page: int) -> Extent:
-        cached = self._header_cache.get(page)
-        if cached is None:
-            self._check_page(page)
-            start = self._headers.data_ptr() + page * ENVELOPE_BYTES
-            cached = self._header_cache[page] = _extent_at(start, ENVELOPE_BYTES)
-        return cached
-
-    def page_buffers(self, page: int) -> list[Extent]:
-        return [self.header_extent(page), *self.extents(page)]
-
-    def pages_of(self, host_indices: Any, count: int) -> list[int]:
-        """Page ids of ``count`` pages from SGLang's slot indices (page_size per key)."""
-        return page_ids(host_indices, count, self.page_size, self.num_pages)
 
 
 def in_place_refusal(pool: Any, page_bytes: int) -> str | None:
