@@ -21,7 +21,6 @@ from kvtier.backends.file.config import FileConfig
 from kvtier.backends.filestore import paths, writes
 from kvtier.backends.filestore.store import FileStore
 from kvtier.core.errors import StorageError
-from kvtier.core.layout import ALIGNMENT
 from kvtier.core.storage import BackendContext, PageBuffers, StorageBackend
 
 __all__ = ["FileBackend"]
@@ -126,19 +125,6 @@ class FileBackend(StorageBackend):
             results.extend(future.result())
         return results
 
-    def _direct_for(self, page: PageBuffers) -> bool:
-        if not self.config.o_direct:
-            return False
-        if writes.direct_aligned(page):
-            return True
-        self._warn_once(
-            "o_direct_fallbacks",
-            "file backend: a page's extents are not %d-byte aligned; using buffered I/O "
-            "for such pages (counted as o_direct_fallbacks)",
-            ALIGNMENT,
-        )
-        return False
-
     # --- contract ------------------------------------------------------------------------
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -192,7 +178,7 @@ class FileBackend(StorageBackend):
         expected = 0
         for view in views:
             expected += view.nbytes
-        direct = self._direct_for(page) if self.config.o_direct else False
+        direct = self._fs.direct_for(page)
         fd = self._fs.open_page(key, final, expected, direct=direct, blocking=False)
         if fd is None:
             return 0
@@ -279,7 +265,7 @@ class FileBackend(StorageBackend):
         if refused is not None:
             self._counters.add(f"put_failed_{refused}")
             return False
-        direct = self._direct_for(page) if self.config.o_direct else False
+        direct = self._fs.direct_for(page)
         tmp: str | None = None
         try:
             if before_write is not None:

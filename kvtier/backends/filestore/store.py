@@ -23,7 +23,8 @@ from kvtier.backends.filestore import paths, startup, writes
 from kvtier.backends.filestore.debris import Debris, discard
 from kvtier.backends.filestore.index import FileIndex
 from kvtier.backends.filestore.options import FileStoreOptions
-from kvtier.core.storage import Counters
+from kvtier.core.layout import ALIGNMENT
+from kvtier.core.storage import Counters, PageBuffers
 
 __all__ = ["FileStore"]
 
@@ -55,6 +56,7 @@ class FileStore:
         self._warned: set[str] = set()
         self.path = startup.prepare_store(options.root, namespace, self.debris)
         self.path_str = os.fspath(self.path)
+        self.o_direct = options.o_direct
         if options.o_direct:
             writes.probe_o_direct(self.path, options.root)
         self.index = FileIndex(
@@ -74,6 +76,21 @@ class FileStore:
         if what not in self._warned:
             self._warned.add(what)
             self.log.warning(message, *args)
+
+    def direct_for(self, page: PageBuffers) -> bool:
+        """Whether this page may use O_DIRECT; a misaligned one falls back, loudly."""
+        if not self.o_direct:
+            return False
+        if writes.direct_aligned(page):
+            return True
+        self.warn_once(
+            "o_direct_fallbacks",
+            "%s backend: a page's extents are not %d-byte aligned; using buffered I/O "
+            "for such pages (counted as o_direct_fallbacks)",
+            self.backend,
+            ALIGNMENT,
+        )
+        return False
 
     def stats(self) -> dict[str, int | float]:
         """The backend's counters, the debris counters and the index's figures."""

@@ -29,7 +29,6 @@ from kvtier.backends.uring.config import UringConfig
 from kvtier.backends.uring.probe import INSTALL_HINT, probe_io_uring
 from kvtier.backends.uring.ring import IORequest, Op, RingPool
 from kvtier.core.errors import BackendUnavailableError, StorageError
-from kvtier.core.layout import ALIGNMENT
 from kvtier.core.storage import BackendContext, PageBuffers, StorageBackend
 
 __all__ = ["UringBackend"]
@@ -83,20 +82,6 @@ class UringBackend(StorageBackend):
             raise StorageError(f"{what}: {len(keys)} keys but {len(pages)} pages", value=keys)
         if self._closed:
             raise StorageError("uring backend is closed; build a new one", value=str(self.store))
-
-    def _direct(self, page: PageBuffers) -> bool:
-        """Whether this page may use O_DIRECT; a misaligned one falls back, loudly."""
-        if not self.config.o_direct:
-            return False
-        if writes.direct_aligned(page):
-            return True
-        self._warn_once(
-            "o_direct_fallbacks",
-            "uring backend: a page's extents are not %d-byte aligned; using buffered I/O "
-            "for such pages (counted as o_direct_fallbacks)",
-            ALIGNMENT,
-        )
-        return False
 
     def _punt(self, open_flags: int) -> bool:
         """Whether a read or write on a file opened with ``open_flags`` goes to io-wq.
@@ -173,7 +158,7 @@ class UringBackend(StorageBackend):
 
         def requests() -> Iterator[IORequest]:
             for index, (key, page) in enumerate(zip(keys, pages, strict=True)):
-                direct = self._direct(page)
+                direct = self._fs.direct_for(page)
                 nbytes = sum(e.length for e in page)
                 fd = self._fs.open_page(key, files[index], nbytes, direct=direct)
                 if fd is None:  # a miss, debris or a wrong size: counted
@@ -244,7 +229,7 @@ class UringBackend(StorageBackend):
                 if reason is not None:
                     self._counters.add(f"put_failed_{reason}")
                     continue
-                direct = self._direct(page)
+                direct = self._fs.direct_for(page)
                 views = [e.view for e in page]
                 if before_write is not None:
                     try:
