@@ -45,7 +45,6 @@ from kvtier.core.geometry import KVGeometry
 from kvtier.core.keys import Namespace, PageKeyer
 
 GEOMETRY = KVGeometry.mha(num_layers=32, num_kv_heads=8, head_dim=128, page_size=64)
-IO_THREADS = 4
 
 
 def main() -> int:
@@ -54,7 +53,15 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=None, help="timed rounds (default 5)")
     parser.add_argument("--dir", default=None, help="directory for the files (default: tmp)")
     parser.add_argument("--sizes", default=None, help="page sizes, e.g. 128KiB,16KiB")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="io_threads (default: the backend's)"
+    )
+    parser.add_argument(
+        "--python-loop", action="store_true", help="compiled_io false: the Python page loop"
+    )
     args = parser.parse_args()
+    threads = args.threads or FileConfig().io_threads
+    compiled_io = not args.python_loop
     reps = args.reps or (3 if args.quick else 5)
     sizes = SIZES_QUICK if args.quick else SIZES_FULL
     if args.sizes:
@@ -64,9 +71,12 @@ def main() -> int:
     try:
 
         def make(root: Path) -> FileBackend:
-            return FileBackend(FileConfig(root=root, min_free_bytes=0, io_threads=IO_THREADS))
+            config = FileConfig(
+                root=root, min_free_bytes=0, io_threads=threads, compiled_io=compiled_io
+            )
+            return FileBackend(config)
 
-        page_path_suite("file", make, IO_THREADS, work, sizes=sizes, reps=reps, cold_target=None)
+        page_path_suite("file", make, threads, work, sizes=sizes, reps=reps, cold_target=None)
         backend = make(work / "exists")
         keyer = PageKeyer(Namespace("bench-file", GEOMETRY.fingerprint), GEOMETRY.page_size)
         exists_case(backend, keyer, reps)

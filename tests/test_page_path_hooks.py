@@ -83,9 +83,11 @@ def test_verified_round_trip_through_the_hooks(
     for name in calls:
         real = getattr(backend, name)
 
-        def counted(*args: object, _real: Callable[..., list[bool]] = real, _n: str = name):
+        def counted(
+            *args: object, _real: Callable[..., list[bool]] = real, _n: str = name, **kw: object
+        ) -> list[bool]:
             calls[_n] += 1
-            return _real(*args)
+            return _real(*args, **kw)
 
         monkeypatch.setattr(backend, name, counted)
     assert store.put(keys, pages) == [True] * PAGES
@@ -116,7 +118,9 @@ def test_a_corrupt_page_found_by_the_hook_is_a_counted_invalid_miss(
 def test_file_backend_checksums_in_its_io_threads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend = MAKERS["file"](tmp_path / "store")
+    # the Python loop's hooks (the compiled loop has its own tests: test_compiled_loop.py)
+    config = FileConfig(root=tmp_path / "store", min_free_bytes=0, io_threads=4, compiled_io=False)
+    backend = FileBackend(config)
     pool, pages, keys = _pool()
     store = PageStore(backend, pool, fingerprint=GEOMETRY.fingerprint)
     threads: dict[str, set[str]] = {"write": set(), "verify": set()}
@@ -221,7 +225,8 @@ def test_file_backend_streams_large_pages_to_the_checksum(
     """A page over two pieces is hashed piece by piece as it lands; corruption still shows."""
     from kvtier.backends.file import backend as file_backend
 
-    backend = FileBackend(FileConfig(root=tmp_path / "s", min_free_bytes=0, io_threads=2))
+    config = FileConfig(root=tmp_path / "s", min_free_bytes=0, io_threads=2, compiled_io=False)
+    backend = FileBackend(config)
     pool = HostPool(BIG, "page_first", num_pages=4, pin_memory=False)
     for page in range(2):
         for extent in pool.extents(page):

@@ -12,6 +12,7 @@ import enum
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -20,10 +21,13 @@ from kvtier.core.extents import Extent
 from kvtier.core.layout import ALIGNMENT, Layout
 
 __all__ = [
+    "BODY_BYTES",
     "ENVELOPE_BYTES",
     "FORMAT_VERSION",
     "HEADER",
     "MAGIC",
+    "STATIC_BYTES",
+    "BatchEnvelope",
     "ChecksumAlgorithm",
     "EnvelopeFormat",
     "Rejection",
@@ -220,9 +224,30 @@ def verify_envelope(
 
 
 #: The body's fields before the key digest: the same in every page of one store.
-_STATIC_BYTES = struct.calcsize("<8sHHI32sBBHI")
+STATIC_BYTES = struct.calcsize("<8sHHI32sBBHI")
+_STATIC_BYTES = STATIC_BYTES
 _DIGEST_END = _STATIC_BYTES + 16
 _LENGTH = struct.Struct("<Q")
+#: The header body: the static fields, key digest, payload length and payload checksum;
+#: its xxh3-64 follows.
+BODY_BYTES = _BODY.size
+
+
+@dataclass
+class BatchEnvelope:
+    """One batch's envelopes, for a backend that writes and checks them in its own loop.
+
+    Every header is ``static`` + the page's key digest + payload length (u64) + payload
+    xxh3-128 (canonical), then the xxh3-64 of those :data:`BODY_BYTES`, little-endian
+    (``docs/integrity.md``). On a get the backend appends to ``valid`` the index of every
+    page it found valid (the payload checksum included when ``full``); the core checks
+    any other page it filled.
+    """
+
+    static: bytes
+    key_digests: list[bytes]
+    full: bool = True
+    valid: list[int] = field(default_factory=list)
 
 
 class EnvelopeFormat:
@@ -252,6 +277,10 @@ class EnvelopeFormat:
             0,
             bytes(16),
         )[:_STATIC_BYTES]
+
+    def batch(self, keys: Sequence[str], *, full: bool = True) -> BatchEnvelope:
+        """The envelopes of ``keys``, for a backend that writes or checks them itself."""
+        return BatchEnvelope(self._static, [key_digest(key) for key in keys], full)
 
     def write(self, slot: memoryview, key: str, payload: Sequence[memoryview]) -> None:
         """Write ``key``'s envelope for ``payload`` into ``slot`` and zero the slot's rest."""

@@ -14,18 +14,24 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, cast, runtime_checkable
 
 import xxhash
 
-from kvtier.core.envelope import HEADER, EnvelopeFormat, Rejection, validate_fingerprint
+from kvtier.core.envelope import (
+    HEADER,
+    BatchEnvelope,
+    EnvelopeFormat,
+    Rejection,
+    validate_fingerprint,
+)
 from kvtier.core.errors import InvalidFieldError, PageError, StorageError
 from kvtier.core.extents import Extent
 from kvtier.core.keys import validate_key
 from kvtier.core.layout import Layout
 from kvtier.core.storage import Counters, StorageBackend
 
-__all__ = ["PageMemory", "PageStore", "PerPageHooks", "VerifyMode"]
+__all__ = ["EnvelopeHooks", "PageMemory", "PageStore", "PerPageHooks", "VerifyMode"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +62,8 @@ class PerPageHooks(Protocol):
     ``put_with`` is ``put`` that calls ``before_write(i)`` (which writes page ``i``'s
     envelope into its header slot) in the thread that then writes page ``i``, before any
     of its bytes are written. Neither callback raises.
+
+    A backend may go further with :class:`EnvelopeHooks`.
     """
 
     def get_with(
@@ -71,6 +79,39 @@ class PerPageHooks(Protocol):
         keys: Sequence[str],
         pages: Sequence[Sequence[Extent]],
         before_write: Callable[[int], object],
+    ) -> list[bool]: ...
+
+
+class EnvelopeHooks(Protocol):
+    """:class:`PerPageHooks` that also take ``envelope=``, for a backend that writes and
+    checks envelopes in its own loop (the file backend's compiled one, GIL released).
+
+    A backend says so with ``checks_envelopes = True``. Given a
+    :class:`~kvtier.core.envelope.BatchEnvelope`, ``put_with`` writes each page's envelope
+    itself (calling ``before_write(i)`` only for a page it leaves to Python), and
+    ``get_with`` checks each page it filled: a valid page's index goes into
+    ``envelope.valid``, any other filled page goes to ``on_filled(i)``.
+    """
+
+    checks_envelopes: bool
+
+    def get_with(
+        self,
+        keys: Sequence[str],
+        pages: Sequence[Sequence[Extent]],
+        on_filled: Callable[[int], object],
+        on_payload: Callable[[int, memoryview], object] | None = None,
+        *,
+        envelope: BatchEnvelope | None = None,
+    ) -> list[bool]: ...
+
+    def put_with(
+        self,
+        keys: Sequence[str],
+        pages: Sequence[Sequence[Extent]],
+        before_write: Callable[[int], object],
+        *,
+        envelope: BatchEnvelope | None = None,
     ) -> list[bool]: ...
 
 
@@ -135,6 +176,12 @@ class PageStore:
         self._formats: dict[str, EnvelopeFormat] = {}
         #: The backend's per-page hooks, when it has them (verification in its threads).
         self._hooks: PerPageHooks | None = backend if isinstance(backend, PerPageHooks) else None
+        #: The backend, when it writes and checks envelopes itself (``envelope=``).
+        self._enveloped: EnvelopeHooks | None = (
+            cast(EnvelopeHooks, backend)
+            if self._hooks is not None and getattr(backend, "checks_envelopes", False) is True
+            else None
+        )
 
     # --- public API ---------------------------------------------------------------------
 
@@ -175,7 +222,11 @@ class PageStore:
             write(page[0], keys[i], page[1:])
 
         hooks = self._hooks
-        if hooks is not None:
+        enveloped = self._enveloped
+        if enveloped is not None:
+            batch = self._format().batch(keys)
+            call = lambda: enveloped.put_with(keys, buffers, envelope, envelope=batch)  # noqa: E731
+        elif hooks is not None:
             call = lambda: hooks.put_with(keys, buffers, envelope)  # noqa: E731
         else:
             self._each(envelope, range(len(keys)))
@@ -226,13 +277,23 @@ class PageStore:
             return reason
 
         hooks = self._hooks
-        if hooks is not None:
+        enveloped = self._enveloped
+        batch: BatchEnvelope | None = None
+        if enveloped is not None:
+            batch = self._format().batch(keys, full=full)
+            results = self._call(
+                "get", len(keys), lambda: enveloped.get_with(keys, buffers, check, envelope=batch)
+            )
+        elif hooks is not None:
             on_payload = feed if full else None
             results = self._call(
                 "get", len(keys), lambda: hooks.get_with(keys, buffers, check, on_payload)
             )
         else:
             results = self._call("get", len(keys), lambda: self.backend.get(keys, buffers))
+        if batch is not None:
+            for i in batch.valid:  # checked by the backend's own loop
+                reasons[i] = None
         filled = [i for i, ok in enumerate(results) if ok]
         self._counters.add("misses", len(keys) - len(filled))
         todo = [i for i in filled if i not in reasons]

@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
 from kvtier.backends.file.config import FileConfig
-from kvtier.backends.filestore import paths, writes
+from kvtier.backends.filestore import compiled, paths, writes
 from kvtier.backends.filestore.store import FileStore
+from kvtier.core.envelope import BatchEnvelope
 from kvtier.core.errors import StorageError
 from kvtier.core.storage import BackendContext, PageBuffers, StorageBackend
 
@@ -86,6 +87,17 @@ class FileBackend(StorageBackend):
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
+        if self.config.compiled_io and not compiled.available():
+            log.info(
+                "file backend: the compiled page loop is not built (%s); using the Python "
+                "loop (same files, more time per page)",
+                compiled.MISSING,
+            )
+
+    @property
+    def checks_envelopes(self) -> bool:
+        """Whether this backend writes and checks envelopes in its compiled loop."""
+        return self.config.compiled_io and compiled.available()
 
     # --- helpers -------------------------------------------------------------------------
 
@@ -94,26 +106,27 @@ class FileBackend(StorageBackend):
             raise StorageError("file backend is closed; build a new one", value=str(self.store))
 
     def _map(self, fn: Callable[[int], _T], count: int) -> list[_T]:
-        """``[fn(i) for i in range(count)]``, spread over ``io_threads`` threads.
+        """``[fn(i) for i in range(count)]``, spread over ``io_threads`` threads."""
+        return self._spread(lambda lo, hi: [fn(i) for i in range(lo, hi)], count)
 
-        The batch is cut into one contiguous slice per thread: one hand-off per thread,
-        not per page (a hand-off costs tens of microseconds, more than a small page's
-        copy). The calling thread works its own slice; every slice is finished before
-        this returns or raises.
+    def _spread(self, run: Callable[[int, int], list[_T]], count: int) -> list[_T]:
+        """``run(lo, hi)`` for consecutive slices of ``range(count)``, one per I/O thread.
+
+        One contiguous slice per thread: one hand-off per thread, not per page (a
+        hand-off costs tens of microseconds, more than a small page's copy). The calling
+        thread works its own slice; every slice is finished before this returns or
+        raises. The results are concatenated in order.
         """
         self._check_open()
         threads = min(self.config.io_threads, count)
         if threads <= 1:
-            return [fn(i) for i in range(count)]
+            return run(0, count)
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
                     self.config.io_threads - 1 or 1, thread_name_prefix="kvtier-file"
                 )
             executor = self._executor
-
-        def run(lo: int, hi: int) -> list[_T]:
-            return [fn(i) for i in range(lo, hi)]
 
         bounds = [count * t // threads for t in range(threads + 1)]
         futures = [executor.submit(run, bounds[t], bounds[t + 1]) for t in range(1, threads)]
@@ -140,17 +153,28 @@ class FileBackend(StorageBackend):
         pages: Sequence[PageBuffers],
         on_filled: Callable[[int], object] | None,
         on_payload: Callable[[int, memoryview], object] | None = None,
+        *,
+        envelope: BatchEnvelope | None = None,
     ) -> list[bool]:
         """``get``, calling ``on_filled(i)`` in the I/O thread that just filled page ``i``.
 
         The core verifies a page there, while its bytes are still in that core's cache,
         so verification is spread over the I/O threads. A page larger than two
         :data:`PIECE` is read piece by piece, each handed to ``on_payload`` as it lands,
-        so the core hashes it before the next piece pushes it out of cache.
+        so the core hashes it before the next piece pushes it out of cache. With
+        ``envelope`` (see :class:`~kvtier.core.pagestore.EnvelopeHooks`) and the compiled
+        loop, the envelopes are checked there instead.
         """
         paths.check_keys(keys)
         if len(keys) != len(pages):
             raise StorageError(f"get: {len(keys)} keys but {len(pages)} pages", value=keys)
+        if envelope is not None and self.checks_envelopes:
+            fs = self._fs
+            sizes = self._spread(
+                lambda lo, hi: compiled.read_slice(fs, keys, pages, lo, hi, envelope, on_filled),
+                len(keys),
+            )
+            return self._got(keys, sizes)
 
         def one(i: int) -> int:
             got = self._get_one(keys[i], pages[i], i, on_payload)
@@ -158,7 +182,10 @@ class FileBackend(StorageBackend):
                 on_filled(i)
             return got
 
-        sizes = self._map(one, len(keys))
+        return self._got(keys, self._map(one, len(keys)))
+
+    def _got(self, keys: Sequence[str], sizes: list[int]) -> list[bool]:
+        """Index and count what a get read (``sizes``: bytes per page, 0 for none)."""
         filled = [(key, got) for key, got in zip(keys, sizes, strict=True) if got]
         self.index.touch_many(filled)
         self._counters.add("hits", len(filled))
@@ -213,17 +240,22 @@ class FileBackend(StorageBackend):
         keys: Sequence[str],
         pages: Sequence[PageBuffers],
         before_write: Callable[[int], object] | None,
+        *,
+        envelope: BatchEnvelope | None = None,
     ) -> list[bool]:
         """``put``, calling ``before_write(i)`` in the I/O thread about to write page ``i``.
 
         The core writes the page's envelope there (its payload checksum runs in that
         thread, in parallel with the other pages', just before the same bytes are copied
-        into the page cache).
+        into the page cache). With ``envelope`` and the compiled loop, the envelopes are
+        written there instead (``fsync`` 'none' and 'page'; 'batch' runs in Python).
         """
         paths.check_keys(keys)
         if len(keys) != len(pages):
             raise StorageError(f"put: {len(keys)} keys but {len(pages)} pages", value=keys)
         now = self.config.fsync != "batch"
+        if envelope is not None and now and self.checks_envelopes:
+            return self._put_compiled(keys, pages, before_write, envelope)
 
         def one(i: int) -> bool | tuple[str, str, int]:
             return self._put_one(keys[i], pages[i], now, i, before_write)
@@ -233,20 +265,60 @@ class FileBackend(StorageBackend):
         # batch: write and fsync every temp file, then publish all, then sync each dir once
         written = self._map(one, len(keys))
         results: list[bool] = []
-        directories: set[str] = set()
+        finals: list[str] = []
         for key, outcome in zip(keys, written, strict=True):
             if outcome is False or outcome is True:
                 results.append(False)
                 continue
             tmp, final, nbytes = outcome
             results.append(self._publish(key, tmp, final, nbytes, sync_dir=False))
-            directories.add(os.path.dirname(final))
-        for directory in directories:
+            finals.append(final)
+        self._sync_dirs(finals)
+        return results
+
+    def _put_compiled(
+        self,
+        keys: Sequence[str],
+        pages: Sequence[PageBuffers],
+        before_write: Callable[[int], object] | None,
+        envelope: BatchEnvelope,
+    ) -> list[bool]:
+        """``put_with`` through the compiled loop, one slice per I/O thread."""
+        page_sync = self.config.fsync == "page"
+
+        def publish(i: int, tmp: str, final: str, nbytes: int) -> bool:
+            return self._publish(keys[i], tmp, final, nbytes, sync_dir=page_sync)
+
+        def fallback(i: int) -> bool:
+            return self._put_one(keys[i], pages[i], True, i, before_write) is True
+
+        def run(lo: int, hi: int) -> list[bool]:
+            done = compiled.write_slice(
+                self._fs,
+                keys,
+                pages,
+                lo,
+                hi,
+                envelope,
+                datasync=self.config.fsync != "none",
+                publish=publish,
+                fallback=fallback,
+            )
+            if page_sync:
+                store = self._store_str
+                published = [i for i, ok in zip(range(lo, hi), done, strict=True) if ok]
+                self._sync_dirs(paths.page_path_unchecked(store, keys[i]) for i in published)
+            return done
+
+        return self._spread(run, len(keys))
+
+    def _sync_dirs(self, finals: Iterable[str]) -> None:
+        """fsync each directory holding one of ``finals`` once (durable renames)."""
+        for directory in {os.path.dirname(final) for final in finals}:
             try:
                 writes.fsync_dir(directory)
             except OSError as exc:
                 self._warn_once("fsync_errors", "file backend: fsync of %s: %s", directory, exc)
-        return results
 
     def _put_one(
         self,

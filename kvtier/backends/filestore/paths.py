@@ -31,6 +31,7 @@ __all__ = [
     "open_temp",
     "page_path",
     "page_path_str",
+    "page_path_unchecked",
     "shard_of",
     "store_dir",
     "temp_flags",
@@ -80,6 +81,11 @@ def page_path(store: Path, key: str) -> Path:
 def page_path_str(store: str, key: str) -> str:
     """:func:`page_path` as a string, for the hot paths (a Path costs microseconds)."""
     check_key(key)
+    return page_path_unchecked(store, key)
+
+
+def page_path_unchecked(store: str, key: str) -> str:
+    """:func:`page_path_str` of a key the caller has already checked (a batch's hot loop)."""
     shard = hashlib.blake2b(key.encode("ascii"), digest_size=2).hexdigest()
     return f"{store}/{shard[:2]}/{shard[2:]}/{key}{PAGE_SUFFIX}"
 

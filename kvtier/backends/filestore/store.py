@@ -26,12 +26,12 @@ from kvtier.backends.filestore.options import FileStoreOptions
 from kvtier.core.layout import ALIGNMENT
 from kvtier.core.storage import Counters, PageBuffers
 
-__all__ = ["FileStore"]
+__all__ = ["NOT_A_PAGE", "READ_FLAGS", "FileStore"]
 
 #: How a page is opened for reading: never through a symlink, never blocking on a FIFO.
 READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 #: open(2) errors that mean the name holds something other than a page file.
-_NOT_A_PAGE = frozenset({errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EINVAL})
+NOT_A_PAGE = frozenset({errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EINVAL})
 #: open(2) errors of a temp file that a repaired shard directory cures.
 _BAD_SHARD = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
 
@@ -118,7 +118,7 @@ class FileStore:
             self.counters.add("misses")
             return None
         except OSError as exc:
-            if exc.errno in _NOT_A_PAGE and self._not_a_page(key, path):
+            if exc.errno in NOT_A_PAGE and self.not_a_page(key, path):
                 return None
             self.warn_once("get_errors", "%s backend: cannot open %s: %s", self.backend, path, exc)
             return None
@@ -127,7 +127,7 @@ class FileStore:
             if not stat.S_ISREG(info.st_mode):
                 os.close(fd)
                 fd = -1
-                self._not_a_page(key, path)
+                self.not_a_page(key, path)
                 return None
             if info.st_size != nbytes:  # truncated, foreign or the wrong page buffer
                 os.close(fd)
@@ -143,7 +143,7 @@ class FileStore:
             return None
         return fd
 
-    def _not_a_page(self, key: str, path: str) -> bool:
+    def not_a_page(self, key: str, path: str) -> bool:
         """Remove the non-page entry under ``key``'s name; count a miss. False: it is a file."""
         try:
             if stat.S_ISREG(os.lstat(path).st_mode):

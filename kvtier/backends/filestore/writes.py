@@ -27,6 +27,7 @@ __all__ = [
     "advance_views",
     "clear_name",
     "direct_aligned",
+    "exchange_supported",
     "fsync_dir",
     "is_no_space",
     "probe_o_direct",
@@ -95,6 +96,11 @@ def _load_renameat2() -> Any:
 
 
 _renameat2: Any = _load_renameat2() if sys.platform.startswith("linux") else None
+
+
+def exchange_supported() -> bool:
+    """Whether publishing may try ``renameat2(RENAME_EXCHANGE)`` (not known to fail here)."""
+    return _renameat2 is not None
 
 
 def _exchange(tmp: Path | str, final: Path | str) -> bool | None:

@@ -1,0 +1,627 @@
+/* kvtier.backends.filestore._pageio: the file backend's per-page loop in compiled code.
+ *
+ * One call moves a slice of a batch: for every page it opens the file, moves the bytes
+ * with preadv/pwritev straight between the file and the page's regions, checksums the
+ * payload (xxh3-128) while it is in cache, and checks or
+ * writes the envelope header. The GIL is released for the whole slice, so the I/O
+ * threads of a batch run in parallel; Python keeps everything that is not per-page
+ * arithmetic (the index, counters, debris, every rare error), driven by the codes below.
+ *
+ * Envelope layout (kvtier/core/envelope.py, docs/integrity.md), little-endian:
+ *   [0, 56)   the fields every page of a store shares ("static")
+ *   [56, 72)  key digest          [72, 80) payload length (u64)
+ *   [80, 96)  payload xxh3-128, canonical (big-endian high64 then low64)
+ *   [96, 104) xxh3-64 of [0, 96)  then zeros to the end of the slot.
+ */
+#define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+#include <dlfcn.h>
+
+/* The part of xxHash's public, stable API (0.8 and later) this module calls. It is bound
+ * at import (bind()) to a loaded copy of the library: the one inside the xxhash Python
+ * package, whose SIMD-dispatching entry points are about 3x faster here than a distro's
+ * SSE2 build, or else the system's libxxhash. No link-time dependency. */
+typedef struct XXH3_state_s XXH3_state_t;
+typedef struct {
+    uint64_t low64;
+    uint64_t high64;
+} XXH128_hash_t;
+static struct {
+    XXH3_state_t *(*create_state)(void);
+    int (*free_state)(XXH3_state_t *state);
+    int (*reset)(XXH3_state_t *state);
+    int (*update)(XXH3_state_t *state, const void *input, size_t length);
+    XXH128_hash_t (*digest)(const XXH3_state_t *state);
+    uint64_t (*hash64)(const void *input, size_t length);
+} xxh;
+#define XXH3_createState() xxh.create_state()
+#define XXH3_freeState(s) xxh.free_state(s)
+#define XXH3_128bits_reset(s) xxh.reset(s)
+#define XXH3_128bits_update(s, p, n) xxh.update((s), (p), (n))
+#define XXH3_128bits_digest(s) xxh.digest(s)
+#define XXH3_64bits(p, n) xxh.hash64((p), (n))
+
+#define STATIC_BYTES 56
+#define DIGEST_AT 56
+#define LENGTH_AT 72
+#define CHECKSUM_AT 80
+#define BODY_BYTES 96
+#define HEADER_BYTES 104
+/* Large pages are hashed piece by piece as they land, while each piece is in cache. */
+#define PIECE (256 * 1024)
+#define MAX_REGIONS 1024 /* IOV_MAX */
+
+/* Per-page outcomes (module constants of the same names). */
+enum {
+    OK = 0,           /* read (and verified, when asked) / written and published */
+    ABSENT = 1,       /* get: no file under the name */
+    NOT_REGULAR = 2,  /* get: something other than a regular file holds the name */
+    SIZE_MISMATCH = 3, /* get: the file has another size than the page */
+    SHORT_READ = 4,   /* get: end of file before the page was full */
+    UNVERIFIED = 5,   /* get: filled, but the envelope check failed: the caller explains */
+    UNPUBLISHED = 6,  /* put: written and closed under its temp name, not yet published */
+    REPLACED_DEBRIS = 7, /* put: published; a non-file the exchange moved out is at tmp */
+};
+/* Any other (negative) result is -errno of the step that failed; put removed its temp. */
+
+typedef struct {
+    Py_buffer *buffers; /* the page's regions: header slot first, then the payload */
+    Py_ssize_t count;
+    char *path;         /* owned copies (the GIL is released while they are used) */
+    char *final;
+    int direct;
+    const unsigned char *key_digest; /* 16 bytes, or NULL */
+    long result;
+} Page;
+
+static void
+put_le64(unsigned char *out, uint64_t value)
+{
+    for (int i = 0; i < 8; i++) out[i] = (unsigned char)(value >> (8 * i));
+}
+
+static uint64_t
+get_le64(const unsigned char *in)
+{
+    uint64_t value = 0;
+    for (int i = 7; i >= 0; i--) value = (value << 8) | in[i];
+    return value;
+}
+
+static void
+canonical128(XXH128_hash_t hash, unsigned char *out)
+{
+    for (int i = 0; i < 8; i++) out[i] = (unsigned char)(hash.high64 >> (56 - 8 * i));
+    for (int i = 0; i < 8; i++) out[8 + i] = (unsigned char)(hash.low64 >> (56 - 8 * i));
+}
+
+/* Move every byte of iov[0..count) at offset; resumes after short transfers. Returns the
+ * bytes moved (fewer only at end of file for reads) or -errno. */
+static long
+move_all(int fd, const struct iovec *regions, int count, off_t offset, int writing)
+{
+    struct iovec local[MAX_REGIONS];
+    struct iovec *iov = local;
+    long done = 0;
+    if (count > MAX_REGIONS) return -E2BIG;
+    memcpy(local, regions, (size_t)count * sizeof(struct iovec));
+    while (count > 0) {
+        ssize_t got = writing ? pwritev(fd, iov, count, offset) : preadv(fd, iov, count, offset);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        if (got == 0) return writing ? -EIO : done; /* a read stops at end of file */
+        done += got;
+        offset += got;
+        while (count > 0 && (size_t)got >= iov->iov_len) { /* regions fully moved */
+            got -= (ssize_t)iov->iov_len;
+            iov++;
+            count--;
+        }
+        if (count > 0 && got > 0) { /* resume inside a partly moved region */
+            iov->iov_base = (char *)iov->iov_base + got;
+            iov->iov_len -= (size_t)got;
+        }
+    }
+    return done;
+}
+
+static void
+hash_regions(XXH3_state_t *state, const Py_buffer *buffers, Py_ssize_t from, Py_ssize_t to)
+{
+    for (Py_ssize_t i = from; i < to; i++) XXH3_128bits_update(state, buffers[i].buf, (size_t)buffers[i].len);
+}
+
+static uint64_t
+payload_length(const Page *page)
+{
+    uint64_t total = 0;
+    for (Py_ssize_t i = 1; i < page->count; i++) total += (uint64_t)page->buffers[i].len;
+    return total;
+}
+
+/* Read the page's file into its regions; the payload is hashed into state as it lands
+ * (when state is not NULL). Returns OK, SHORT_READ or -errno. */
+static long
+read_regions(int fd, Page *page, XXH3_state_t *state)
+{
+    struct iovec iov[MAX_REGIONS];
+    uint64_t total = (uint64_t)page->buffers[0].len + payload_length(page);
+    if (page->count > MAX_REGIONS) return -E2BIG;
+    if (state == NULL || page->direct || total <= 2 * (uint64_t)PIECE) {
+        for (Py_ssize_t i = 0; i < page->count; i++) {
+            iov[i].iov_base = page->buffers[i].buf;
+            iov[i].iov_len = (size_t)page->buffers[i].len;
+        }
+        long got = move_all(fd, iov, (int)page->count, 0, 0);
+        if (got < 0) return got;
+        if ((uint64_t)got != total) return SHORT_READ;
+        if (state != NULL) hash_regions(state, page->buffers, 1, page->count);
+        return OK;
+    }
+    /* The header slot, then the payload in pieces of at most PIECE, each hashed at once. */
+    off_t offset = 0;
+    long got = move_all(fd, &(struct iovec){page->buffers[0].buf, (size_t)page->buffers[0].len}, 1, 0, 0);
+    if (got < 0) return got;
+    if (got != page->buffers[0].len) return SHORT_READ;
+    offset = got;
+    Py_ssize_t region = 1;
+    size_t inside = 0; /* bytes of buffers[region] already read */
+    while (region < page->count) {
+        int n = 0;
+        size_t room = PIECE;
+        Py_ssize_t r = region;
+        size_t in = inside;
+        while (r < page->count && room > 0 && n < MAX_REGIONS) {
+            size_t left = (size_t)page->buffers[r].len - in;
+            size_t take = left < room ? left : room;
+            iov[n].iov_base = (char *)page->buffers[r].buf + in;
+            iov[n].iov_len = take;
+            n++;
+            room -= take;
+            if (take == left) {
+                r++;
+                in = 0;
+            } else {
+                in += take;
+            }
+        }
+        size_t want = PIECE - room;
+        got = move_all(fd, iov, n, offset, 0);
+        if (got < 0) return got;
+        if ((size_t)got != want) return SHORT_READ;
+        for (int i = 0; i < n; i++) XXH3_128bits_update(state, iov[i].iov_base, iov[i].iov_len);
+        offset += got;
+        region = r;
+        inside = in;
+    }
+    return OK;
+}
+
+/* Whether the header in the page's slot is this store's envelope for the key and payload
+ * (and, when digest is not NULL, whether the payload's checksum matches it). */
+static int
+header_valid(const Page *page, const unsigned char *static_fields, const unsigned char *digest)
+{
+    const unsigned char *slot = page->buffers[0].buf;
+    if (page->buffers[0].len < HEADER_BYTES) return 0;
+    if (memcmp(slot, static_fields, STATIC_BYTES) != 0) return 0;
+    if (memcmp(slot + DIGEST_AT, page->key_digest, 16) != 0) return 0;
+    if (get_le64(slot + LENGTH_AT) != payload_length(page)) return 0;
+    if (XXH3_64bits(slot, BODY_BYTES) != get_le64(slot + BODY_BYTES)) return 0;
+    if (digest != NULL && memcmp(slot + CHECKSUM_AT, digest, 16) != 0) return 0;
+    return 1;
+}
+
+static long
+get_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int full)
+{
+    int flags = O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK;
+    if (page->direct) flags |= O_DIRECT;
+    int fd = open(page->path, flags);
+    if (fd < 0) return (errno == ENOENT || errno == ENOTDIR) ? ABSENT : -errno;
+    struct stat info;
+    long result;
+    if (fstat(fd, &info) != 0) {
+        result = -errno;
+    } else if (!S_ISREG(info.st_mode)) {
+        result = NOT_REGULAR;
+    } else if ((uint64_t)info.st_size != (uint64_t)page->buffers[0].len + payload_length(page)) {
+        result = SIZE_MISMATCH;
+    } else {
+        int hashing = static_fields != NULL && full;
+        if (hashing) XXH3_128bits_reset(state);
+        result = read_regions(fd, page, hashing ? state : NULL);
+        if (result == OK && static_fields != NULL) {
+            unsigned char digest[16];
+            if (hashing) canonical128(XXH3_128bits_digest(state), digest);
+            if (!header_valid(page, static_fields, hashing ? digest : NULL)) result = UNVERIFIED;
+        }
+    }
+    close(fd);
+    return result;
+}
+
+static void
+write_header(Page *page, XXH3_state_t *state, const unsigned char *static_fields)
+{
+    unsigned char *slot = page->buffers[0].buf;
+    XXH3_128bits_reset(state);
+    hash_regions(state, page->buffers, 1, page->count);
+    memcpy(slot, static_fields, STATIC_BYTES);
+    memcpy(slot + DIGEST_AT, page->key_digest, 16);
+    put_le64(slot + LENGTH_AT, payload_length(page));
+    canonical128(XXH3_128bits_digest(state), slot + CHECKSUM_AT);
+    put_le64(slot + BODY_BYTES, XXH3_64bits(slot, BODY_BYTES));
+    memset(slot + HEADER_BYTES, 0, (size_t)page->buffers[0].len - HEADER_BYTES);
+}
+
+/* Create the two shard directories above path (0700) where they are missing; 0 when one
+ * cannot be made (debris in the way: the caller's Python path repairs it). */
+static int
+make_shard_dirs(const char *path)
+{
+    char dir[PATH_MAX];
+    size_t length = strlen(path);
+    if (length >= sizeof dir) return 0;
+    memcpy(dir, path, length + 1);
+    char *leaf = strrchr(dir, '/');
+    if (leaf == NULL) return 0;
+    *leaf = '\0';
+    char *top = strrchr(dir, '/');
+    if (top == NULL) return 0;
+    *top = '\0';
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST) return 0;
+    *top = '/';
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST) return 0;
+    return 1;
+}
+
+static long
+put_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int datasync,
+        int exchange)
+{
+    struct iovec iov[MAX_REGIONS];
+    if (page->count > MAX_REGIONS) return -E2BIG;
+    if (static_fields != NULL) write_header(page, state, static_fields);
+    int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC;
+    if (page->direct) flags |= O_DIRECT;
+    int fd = open(page->path, flags, 0600);
+    if (fd < 0 && errno == ENOENT && make_shard_dirs(page->path)) fd = open(page->path, flags, 0600);
+    if (fd < 0) return -errno;
+    for (Py_ssize_t i = 0; i < page->count; i++) {
+        iov[i].iov_base = page->buffers[i].buf;
+        iov[i].iov_len = (size_t)page->buffers[i].len;
+    }
+    long wrote = move_all(fd, iov, (int)page->count, 0, 1);
+    long failed = wrote < 0 ? wrote : 0;
+    if (failed == 0 && datasync && fdatasync(fd) != 0) failed = -errno;
+    if (close(fd) != 0 && failed == 0) failed = -errno;
+    if (failed != 0) {
+        unlink(page->path);
+        return failed;
+    }
+    if (exchange) {
+        if (syscall(SYS_renameat2, AT_FDCWD, page->path, AT_FDCWD, page->final, 2 /* RENAME_EXCHANGE */) == 0) {
+            struct stat old;
+            if (lstat(page->path, &old) != 0) return OK;
+            if (!S_ISREG(old.st_mode)) return REPLACED_DEBRIS;
+            unlink(page->path); /* the replaced page: readers that opened it keep it */
+            return OK;
+        }
+        if (errno != ENOENT) return UNPUBLISHED; /* no exchange here, or debris: Python's path */
+    }
+    struct stat there;
+    if (lstat(page->final, &there) == 0 && !S_ISREG(there.st_mode)) return UNPUBLISHED;
+    if (rename(page->path, page->final) != 0) return UNPUBLISHED;
+    return OK;
+}
+
+/* The address of symbol name (preferring name + "_dispatch") in the library handle. */
+static void *
+find(void *library, const char *name)
+{
+    char dispatch[64];
+    snprintf(dispatch, sizeof dispatch, "%s_dispatch", name);
+    void *address = dlsym(library, dispatch);
+    return address != NULL ? address : dlsym(library, name);
+}
+
+PyDoc_STRVAR(bind_doc,
+"bind(path) -> bool\n\n"
+"Take xxHash's functions from the shared object at path (already loaded or loadable).\n"
+"False when it does not export them; read_pages/write_pages need a successful bind.");
+
+static PyObject *
+bind(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    PyObject *encoded = NULL;
+    if (!PyUnicode_FSConverter(arg, &encoded)) return NULL;
+    void *library = dlopen(PyBytes_AS_STRING(encoded), RTLD_NOW | RTLD_LOCAL);
+    Py_DECREF(encoded);
+    if (library == NULL) Py_RETURN_FALSE;
+    void *create = dlsym(library, "XXH3_createState");
+    void *free_state = dlsym(library, "XXH3_freeState");
+    void *reset = dlsym(library, "XXH3_128bits_reset");
+    void *update = find(library, "XXH3_128bits_update");
+    void *digest = dlsym(library, "XXH3_128bits_digest");
+    void *hash64 = find(library, "XXH3_64bits");
+    if (!create || !free_state || !reset || !update || !digest || !hash64) {
+        dlclose(library);
+        Py_RETURN_FALSE;
+    }
+    /* the library stays loaded for the life of the process (its functions are kept) */
+    *(void **)&xxh.create_state = create;
+    *(void **)&xxh.free_state = free_state;
+    *(void **)&xxh.reset = reset;
+    *(void **)&xxh.update = update;
+    *(void **)&xxh.digest = digest;
+    *(void **)&xxh.hash64 = hash64;
+    Py_RETURN_TRUE;
+}
+
+static int
+bound(void)
+{
+    if (xxh.update != NULL) return 1;
+    PyErr_SetString(PyExc_RuntimeError, "_pageio: call bind() with an xxHash library first");
+    return 0;
+}
+
+/* --- argument handling ------------------------------------------------------------- */
+
+static void
+free_pages(Page *pages, Py_ssize_t count)
+{
+    if (pages == NULL) return;
+    for (Py_ssize_t p = 0; p < count; p++) {
+        for (Py_ssize_t i = 0; i < pages[p].count; i++) PyBuffer_Release(&pages[p].buffers[i]);
+        PyMem_Free(pages[p].buffers);
+        PyMem_Free(pages[p].path);
+        PyMem_Free(pages[p].final);
+    }
+    PyMem_Free(pages);
+}
+
+static char *
+copy_path(PyObject *path)
+{
+    PyObject *encoded = NULL;
+    if (!PyUnicode_FSConverter(path, &encoded)) return NULL;
+    const char *raw = PyBytes_AS_STRING(encoded);
+    size_t length = strlen(raw);
+    char *copy = PyMem_Malloc(length + 1);
+    if (copy == NULL) {
+        Py_DECREF(encoded);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    memcpy(copy, raw, length + 1);
+    Py_DECREF(encoded);
+    return copy;
+}
+
+/* Build the page table from the Python arguments (all sequences of one length). */
+static Page *
+load_pages(PyObject *paths, PyObject *finals, PyObject *regions, PyObject *direct,
+           PyObject *digests, Py_ssize_t *count_out)
+{
+    Py_ssize_t count = PyList_Size(regions);
+    if (count < 0) return NULL;
+    if (PyList_Size(paths) != count || (finals != Py_None && PyList_Size(finals) != count) ||
+        PyList_Size(direct) != count || (digests != Py_None && PyList_Size(digests) != count)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "_pageio: the per-page lists differ in length");
+        return NULL;
+    }
+    Page *pages = PyMem_Calloc((size_t)(count ? count : 1), sizeof(Page));
+    if (pages == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t p = 0; p < count; p++) {
+        Page *page = &pages[p];
+        PyObject *views = PyList_GET_ITEM(regions, p);
+        if (!PyList_Check(views) || PyList_GET_SIZE(views) < 2) {
+            PyErr_SetString(PyExc_TypeError, "_pageio: each page is a list of its header slot and payload regions");
+            goto fail;
+        }
+        Py_ssize_t n = PyList_GET_SIZE(views);
+        page->buffers = PyMem_Calloc((size_t)n, sizeof(Py_buffer));
+        if (page->buffers == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (PyObject_GetBuffer(PyList_GET_ITEM(views, i), &page->buffers[i],
+                                   PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
+                goto fail;
+            page->count = i + 1;
+        }
+        if (page->buffers[0].len < HEADER_BYTES) {
+            PyErr_SetString(PyExc_ValueError, "_pageio: a header slot is smaller than the envelope header");
+            goto fail;
+        }
+        page->path = copy_path(PyList_GET_ITEM(paths, p));
+        if (page->path == NULL) goto fail;
+        if (finals != Py_None) {
+            page->final = copy_path(PyList_GET_ITEM(finals, p));
+            if (page->final == NULL) goto fail;
+        }
+        page->direct = PyObject_IsTrue(PyList_GET_ITEM(direct, p));
+        if (page->direct < 0) goto fail;
+        if (digests != Py_None) {
+            PyObject *digest = PyList_GET_ITEM(digests, p);
+            if (!PyBytes_Check(digest) || PyBytes_GET_SIZE(digest) != 16) {
+                PyErr_SetString(PyExc_TypeError, "_pageio: a key digest is 16 bytes");
+                goto fail;
+            }
+            page->key_digest = (const unsigned char *)PyBytes_AS_STRING(digest);
+        }
+    }
+    *count_out = count;
+    return pages;
+fail:
+    free_pages(pages, count);
+    return NULL;
+}
+
+static int
+static_arg(PyObject *value, const unsigned char **out)
+{
+    if (value == Py_None) {
+        *out = NULL;
+        return 1;
+    }
+    if (!PyBytes_Check(value) || PyBytes_GET_SIZE(value) != STATIC_BYTES) {
+        PyErr_SetString(PyExc_TypeError, "_pageio: the static envelope fields are 56 bytes");
+        return 0;
+    }
+    *out = (const unsigned char *)PyBytes_AS_STRING(value);
+    return 1;
+}
+
+static PyObject *
+results_list(const Page *pages, Py_ssize_t count)
+{
+    PyObject *out = PyList_New(count);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t p = 0; p < count; p++) {
+        PyObject *code = PyLong_FromLong(pages[p].result);
+        if (code == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, p, code);
+    }
+    return out;
+}
+
+PyDoc_STRVAR(read_pages_doc,
+"read_pages(paths, pages, direct, static, digests, full) -> list[int]\n\n"
+"Read each page's file into its regions (header slot first); one code per page.\n"
+"With static (56 bytes) and digests (16 bytes per page) the envelope is checked: OK\n"
+"means valid (payload checksum included when full), UNVERIFIED that the caller must\n"
+"explain the rejection. The GIL is released for the whole call.");
+
+static PyObject *
+read_pages(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *paths, *regions, *direct, *static_obj, *digests;
+    int full;
+    if (!PyArg_ParseTuple(args, "O!O!O!OOp:read_pages", &PyList_Type, &paths, &PyList_Type,
+                          &regions, &PyList_Type, &direct, &static_obj, &digests, &full))
+        return NULL;
+    const unsigned char *static_fields;
+    if (!bound() || !static_arg(static_obj, &static_fields)) return NULL;
+    if (static_fields != NULL && digests == Py_None) {
+        PyErr_SetString(PyExc_TypeError, "_pageio: checking envelopes needs the key digests");
+        return NULL;
+    }
+    Py_ssize_t count = 0;
+    Page *pages = load_pages(paths, Py_None, regions, direct, digests, &count);
+    if (pages == NULL) return NULL;
+    XXH3_state_t *state = XXH3_createState();
+    if (state == NULL) {
+        free_pages(pages, count);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t p = 0; p < count; p++) pages[p].result = get_one(&pages[p], state, static_fields, full);
+    Py_END_ALLOW_THREADS
+    XXH3_freeState(state);
+    PyObject *out = results_list(pages, count);
+    free_pages(pages, count);
+    return out;
+}
+
+PyDoc_STRVAR(write_pages_doc,
+"write_pages(tmps, finals, pages, direct, static, digests, datasync, exchange) -> list[int]\n\n"
+"Write each page into a fresh temp file and publish it over its final name (by\n"
+"exchange where possible, else rename); one code per page. With static and digests\n"
+"the envelope is first written into each page's header slot. The GIL is released for\n"
+"the whole call.");
+
+static PyObject *
+write_pages(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *tmps, *finals, *regions, *direct, *static_obj, *digests;
+    int datasync, exchange;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OOpp:write_pages", &PyList_Type, &tmps, &PyList_Type,
+                          &finals, &PyList_Type, &regions, &PyList_Type, &direct, &static_obj,
+                          &digests, &datasync, &exchange))
+        return NULL;
+    const unsigned char *static_fields;
+    if (!bound() || !static_arg(static_obj, &static_fields)) return NULL;
+    if (static_fields != NULL && digests == Py_None) {
+        PyErr_SetString(PyExc_TypeError, "_pageio: writing envelopes needs the key digests");
+        return NULL;
+    }
+    Py_ssize_t count = 0;
+    Page *pages = load_pages(tmps, finals, regions, direct, digests, &count);
+    if (pages == NULL) return NULL;
+    XXH3_state_t *state = XXH3_createState();
+    if (state == NULL) {
+        free_pages(pages, count);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t p = 0; p < count; p++)
+        pages[p].result = put_one(&pages[p], state, static_fields, datasync, exchange);
+    Py_END_ALLOW_THREADS
+    XXH3_freeState(state);
+    PyObject *out = results_list(pages, count);
+    free_pages(pages, count);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"bind", bind, METH_O, bind_doc},
+    {"read_pages", read_pages, METH_VARARGS, read_pages_doc},
+    {"write_pages", write_pages, METH_VARARGS, write_pages_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_pageio",
+    "The file backend's per-page loop (open, move, checksum, envelope) in compiled code.",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__pageio(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    struct { const char *name; long value; } constants[] = {
+        {"OK", OK}, {"ABSENT", ABSENT}, {"NOT_REGULAR", NOT_REGULAR},
+        {"SIZE_MISMATCH", SIZE_MISMATCH}, {"SHORT_READ", SHORT_READ},
+        {"UNVERIFIED", UNVERIFIED}, {"UNPUBLISHED", UNPUBLISHED},
+        {"REPLACED_DEBRIS", REPLACED_DEBRIS}, {"STATIC_BYTES", STATIC_BYTES},
+        {"BODY_BYTES", BODY_BYTES}, {"HEADER_BYTES", HEADER_BYTES}, {"PIECE", PIECE},
+    };
+    for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++) {
+        if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) != 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
+    return m;
+}

@@ -1,0 +1,327 @@
+"""The file backend's compiled per-page loop (``_pageio``) against its Python loop.
+
+The compiled loop must write the same files and give the same answers as the Python
+loop it replaces on the hot path: bit-exact round trips, byte-identical envelopes,
+pages readable by the other loop and by the io_uring backend, and the same verdict and
+counters for every kind of damaged or foreign store entry. ``KVTIER_REQUIRE_COMPILED=1``
+(CI) makes a missing build a failure instead of a skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.backends.file import FileConfig
+from kvtier.backends.file.backend import FileBackend
+from kvtier.backends.filestore import compiled
+from kvtier.backends.filestore import paths as fs_paths
+from kvtier.core.envelope import HEADER, EnvelopeFormat
+from kvtier.core.geometry import KVGeometry
+from kvtier.core.host_pool import HostPool
+from kvtier.core.keys import Namespace, PageKeyer
+from kvtier.core.pagestore import PageStore
+
+GEOMETRY = KVGeometry.mha(num_layers=2, num_kv_heads=2, head_dim=64, page_size=4)
+#: Pages big enough to take the piece-by-piece read (more than 2 x 256 KiB).
+BIG = KVGeometry.mha(num_layers=8, num_kv_heads=8, head_dim=128, page_size=16)
+PAGES = 8
+
+
+@pytest.fixture(autouse=True)
+def _compiled_loop_built() -> None:
+    if compiled.available():
+        return
+    if os.environ.get("KVTIER_REQUIRE_COMPILED") == "1":
+        pytest.fail(f"the compiled page loop is required but missing: {compiled.MISSING}")
+    pytest.skip(f"the compiled page loop is not built: {compiled.MISSING}")
+
+
+class Setup:
+    """A host pool of random pages, their keys, and a file backend over one root."""
+
+    def __init__(
+        self, root: Path, *, compiled_io: bool, geometry: KVGeometry = GEOMETRY, **options: object
+    ) -> None:
+        self.geometry = geometry
+        self.pool = HostPool(geometry, "page_first", num_pages=2 * PAGES, pin_memory=False)
+        for page in range(PAGES):
+            for extent in self.pool.extents(page):
+                extent.view[:] = os.urandom(extent.length)
+        namespace = Namespace("compiled", geometry.fingerprint)
+        self.keys = PageKeyer(namespace, geometry.page_size).keys(
+            list(range(geometry.page_size * PAGES))
+        )
+        config = FileConfig(root=root, min_free_bytes=0, compiled_io=compiled_io, **options)  # type: ignore[arg-type]
+        self.backend = FileBackend(config)
+        self.store = PageStore(self.backend, self.pool, fingerprint=geometry.fingerprint)
+
+    def path(self, i: int) -> str:
+        return fs_paths.page_path_str(os.fspath(self.backend.store), self.keys[i])
+
+    def payload(self, page: int) -> bytes:
+        return b"".join(bytes(e.view) for e in self.pool.extents(page))
+
+    def put_all(self) -> list[bool]:
+        return self.store.put(self.keys, list(range(PAGES)))
+
+    def get_all(self) -> list[bool]:
+        return self.store.get(self.keys, list(range(PAGES, 2 * PAGES)))
+
+    def close(self) -> None:
+        self.store.close()
+        self.backend.close()
+
+
+@pytest.fixture
+def make(tmp_path: Path) -> Iterator[Callable[..., Setup]]:
+    made: list[Setup] = []
+
+    def build(name: str = "root", **kwargs: object) -> Setup:
+        setup = Setup(tmp_path / name, **kwargs)  # type: ignore[arg-type]
+        made.append(setup)
+        return setup
+
+    yield build
+    for setup in made:
+        setup.close()
+
+
+def test_the_backend_says_which_loop_it_runs(make: Callable[..., Setup]) -> None:
+    assert make("a", compiled_io=True).backend.checks_envelopes is True
+    assert make("b", compiled_io=False).backend.checks_envelopes is False
+
+
+@pytest.mark.parametrize("geometry", [GEOMETRY, BIG], ids=["small", "pieces"])
+@pytest.mark.parametrize("threads", [1, 4])
+def test_round_trip_is_bit_exact(
+    make: Callable[..., Setup], geometry: KVGeometry, threads: int
+) -> None:
+    setup = make(compiled_io=True, geometry=geometry, io_threads=threads)
+    assert setup.put_all() == [True] * PAGES
+    assert setup.get_all() == [True] * PAGES
+    for page in range(PAGES):
+        assert setup.payload(PAGES + page) == setup.payload(page)
+    stats = setup.store.stats()
+    assert (stats["hits"], stats["invalid"], stats["puts"]) == (PAGES, 0, PAGES)
+    backend = setup.backend.stats()
+    assert backend["puts"] == PAGES
+    assert backend["bytes_written"] == backend["bytes_read"] > 0
+
+
+def test_envelopes_are_byte_identical_to_the_python_writer(make: Callable[..., Setup]) -> None:
+    setup = make(compiled_io=True)
+    assert setup.put_all() == [True] * PAGES
+    fmt = EnvelopeFormat(GEOMETRY.fingerprint, "page_first")
+    for i in range(PAGES):
+        stored = Path(setup.path(i)).read_bytes()
+        slot = memoryview(bytearray(len(stored) - len(setup.payload(i))))
+        fmt.write(slot, setup.keys[i], [e.view for e in setup.pool.extents(i)])
+        assert stored[: slot.nbytes] == bytes(slot)
+        assert stored[slot.nbytes :] == setup.payload(i)
+
+
+@pytest.mark.parametrize("writer, reader", [(True, False), (False, True)])
+def test_each_loop_reads_what_the_other_wrote(
+    make: Callable[..., Setup], tmp_path: Path, writer: bool, reader: bool
+) -> None:
+    first = make("shared", compiled_io=writer)
+    assert first.put_all() == [True] * PAGES
+    first.close()
+    second = make("shared", compiled_io=reader)
+    second.pool = first.pool  # the same payloads, read into the second half
+    second.store = PageStore(second.backend, first.pool, fingerprint=GEOMETRY.fingerprint)
+    assert second.get_all() == [True] * PAGES
+    for page in range(PAGES):
+        assert first.payload(PAGES + page) == first.payload(page)
+
+
+def test_the_uring_backend_reads_what_the_compiled_loop_wrote(
+    make: Callable[..., Setup],
+) -> None:
+    from kvtier.backends.uring import UringConfig, probe_io_uring
+
+    reason = probe_io_uring()
+    if reason is not None:
+        if os.environ.get("KVTIER_REQUIRE_URING"):
+            pytest.fail(f"io_uring required but unavailable: {reason}")
+        pytest.skip(reason)
+    from kvtier.backends.uring.backend import UringBackend
+
+    setup = make(compiled_io=True)
+    assert setup.put_all() == [True] * PAGES
+    uring = UringBackend(UringConfig(root=setup.backend.config.root, min_free_bytes=0))
+    try:
+        store = PageStore(uring, setup.pool, fingerprint=GEOMETRY.fingerprint)
+        assert store.get(setup.keys, list(range(PAGES, 2 * PAGES))) == [True] * PAGES
+    finally:
+        uring.close()
+    for page in range(PAGES):
+        assert setup.payload(PAGES + page) == setup.payload(page)
+
+
+def _flip(offset: int) -> Callable[[Setup], None]:
+    def damage(setup: Setup) -> None:
+        with open(setup.path(0), "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0x10]))
+
+    return damage
+
+
+def _foreign_page(setup: Setup) -> None:
+    shutil.copyfile(setup.path(1), setup.path(0))
+
+
+def _truncate(setup: Setup) -> None:
+    os.truncate(setup.path(0), os.path.getsize(setup.path(0)) - 1)
+
+
+def _remove(setup: Setup) -> None:
+    os.unlink(setup.path(0))
+
+
+def _directory(setup: Setup) -> None:
+    os.unlink(setup.path(0))
+    os.mkdir(setup.path(0))
+
+
+def _symlink(setup: Setup) -> None:
+    target = setup.path(0) + ".elsewhere"
+    os.rename(setup.path(0), target)
+    os.symlink(target, setup.path(0))
+
+
+def _fifo(setup: Setup) -> None:
+    os.unlink(setup.path(0))
+    os.mkfifo(setup.path(0))
+
+
+#: damage -> the counter (PageStore's or the backend's) that must say what happened.
+DAMAGE: dict[str, tuple[Callable[[Setup], None], str]] = {
+    "payload-bit": (_flip(HEADER.size + 4096), "invalid_corrupt_checksum"),
+    "header-bit": (_flip(60), "invalid_corrupt_header"),
+    "magic": (_flip(0), "invalid_bad_magic"),
+    "foreign-page": (_foreign_page, "invalid_wrong_key"),
+    "truncated": (_truncate, "get_size_mismatch"),
+    "removed": (_remove, "misses"),
+    "directory": (_directory, "debris_dirs"),
+    "symlink": (_symlink, "debris_symlinks"),
+    "fifo": (_fifo, "debris_special"),
+}
+
+
+def _outcome(setup: Setup, counter: str) -> tuple[list[bool], int, int, int]:
+    results = setup.get_all()
+    stats = {**setup.backend.stats(), **setup.store.stats()}
+    return results, stats["hits"], stats["invalid"], int(stats.get(counter, 0))
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_damage_gets_the_same_verdict_from_both_loops(
+    make: Callable[..., Setup], case: str
+) -> None:
+    damage, counter = DAMAGE[case]
+    outcomes = []
+    for compiled_io in (True, False):
+        setup = make(f"root-{compiled_io}", compiled_io=compiled_io)
+        assert setup.put_all() == [True] * PAGES
+        damage(setup)
+        outcomes.append(_outcome(setup, counter))
+    ours, python = outcomes
+    assert ours == python
+    results, hits, _invalid, count = ours
+    assert results == [False] + [True] * (PAGES - 1)
+    assert hits == PAGES - 1
+    assert count >= 1, f"{counter} not counted for {case}"
+
+
+def test_header_only_verification_skips_the_payload_in_both_loops(
+    make: Callable[..., Setup],
+) -> None:
+    for compiled_io in (True, False):
+        setup = make(f"root-{compiled_io}", compiled_io=compiled_io)
+        setup.store = PageStore(
+            setup.backend, setup.pool, fingerprint=GEOMETRY.fingerprint, verify="header"
+        )
+        assert setup.put_all() == [True] * PAGES
+        _flip(HEADER.size + 4096)(setup)
+        assert setup.get_all() == [True] * PAGES  # what header-only promises, no more
+        _flip(60)(setup)
+        assert setup.get_all()[0] is False
+
+
+def test_an_overwrite_replaces_the_page_atomically(make: Callable[..., Setup]) -> None:
+    setup = make(compiled_io=True)
+    assert setup.put_all() == [True] * PAGES
+    old = Path(setup.path(0)).read_bytes()
+    for extent in setup.pool.extents(0):
+        extent.view[:] = os.urandom(extent.length)
+    assert setup.store.put(setup.keys[:1], [0]) == [True]
+    assert Path(setup.path(0)).read_bytes() != old
+    assert setup.store.get(setup.keys[:1], [PAGES]) == [True]
+    assert setup.payload(PAGES) == setup.payload(0)
+    leftovers = [p for p in Path(setup.path(0)).parent.iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+def test_a_directory_under_the_page_name_is_replaced_and_counted(
+    make: Callable[..., Setup],
+) -> None:
+    setup = make(compiled_io=True)
+    os.makedirs(setup.path(0))
+    Path(setup.path(0), "inside").write_bytes(b"x")
+    assert setup.put_all() == [True] * PAGES
+    assert Path(setup.path(0)).is_file()
+    assert setup.backend.stats()["debris_dirs"] >= 1
+    assert setup.get_all() == [True] * PAGES
+
+
+def test_a_file_where_a_shard_directory_belongs_is_repaired(
+    make: Callable[..., Setup],
+) -> None:
+    setup = make(compiled_io=True)
+    leaf = Path(setup.path(0)).parent
+    leaf.parent.mkdir(parents=True, exist_ok=True)
+    leaf.write_bytes(b"not a directory")
+    assert setup.put_all() == [True] * PAGES
+    assert leaf.is_dir()
+    assert setup.get_all() == [True] * PAGES
+
+
+def test_page_durability_round_trips(make: Callable[..., Setup]) -> None:
+    setup = make(compiled_io=True, fsync="page")
+    assert setup.put_all() == [True] * PAGES
+    assert setup.get_all() == [True] * PAGES
+    assert setup.backend.stats().get("fsync_errors", 0) == 0
+
+
+def test_capacity_refusals_are_counted_not_written(make: Callable[..., Setup]) -> None:
+    setup = make(compiled_io=True, capacity_bytes=1)
+    assert setup.put_all() == [False] * PAGES
+    assert setup.backend.stats()["put_failed_page_larger_than_capacity"] == PAGES
+    assert not any(Path(setup.path(i)).exists() for i in range(PAGES))
+
+
+def test_malformed_calls_are_refused_with_a_reason() -> None:
+    pageio = compiled._pageio
+    header = memoryview(bytearray(HEADER.size))
+    payload = memoryview(bytearray(64))
+    with pytest.raises(ValueError, match="differ in length"):
+        pageio.read_pages(["a", "b"], [[header, payload]], [False], None, None, False)
+    with pytest.raises(ValueError, match="smaller than the envelope header"):
+        pageio.read_pages(["a"], [[header[:8], payload]], [False], None, None, False)
+    with pytest.raises(TypeError, match="56 bytes"):
+        pageio.read_pages(["a"], [[header, payload]], [False], b"short", [bytes(16)], True)
+    with pytest.raises(TypeError, match="key digest"):
+        pageio.read_pages(["a"], [[header, payload]], [False], bytes(56), [b"x"], True)
+    readonly = memoryview(bytes(HEADER.size))
+    with pytest.raises(BufferError):
+        pageio.read_pages(["a"], [[readonly, payload]], [False], None, None, False)
+    assert pageio.bind("/nonexistent/libxxhash.so") is False
