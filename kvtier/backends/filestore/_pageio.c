@@ -74,6 +74,7 @@ enum {
     UNVERIFIED = 5,   /* get: filled, but the envelope check failed: the caller explains */
     UNPUBLISHED = 6,  /* put: written and closed under its temp name, not yet published */
     REPLACED_DEBRIS = 7, /* put: published; a non-file the exchange moved out is at tmp */
+    WOULD_BLOCK = 8,  /* get with nowait: not (all) in the page cache; nothing was checked */
 };
 /* Any other (negative) result is -errno of the step that failed; put removed its temp. */
 
@@ -155,9 +156,11 @@ payload_length(const Page *page)
 }
 
 /* Read the page's file into its regions; the payload is hashed into state as it lands
- * (when state is not NULL). Returns OK, SHORT_READ or -errno. */
+ * (when state is not NULL). With nowait, a page read in one call is read only from the
+ * page cache (RWF_NOWAIT): WOULD_BLOCK when it is not all there. Returns OK,
+ * SHORT_READ, WOULD_BLOCK or -errno. */
 static long
-read_regions(int fd, Page *page, XXH3_state_t *state)
+read_regions(int fd, Page *page, XXH3_state_t *state, int nowait)
 {
     struct iovec iov[MAX_REGIONS];
     uint64_t total = (uint64_t)page->buffers[0].len + payload_length(page);
@@ -166,6 +169,13 @@ read_regions(int fd, Page *page, XXH3_state_t *state)
         for (Py_ssize_t i = 0; i < page->count; i++) {
             iov[i].iov_base = page->buffers[i].buf;
             iov[i].iov_len = (size_t)page->buffers[i].len;
+        }
+        if (nowait && !page->direct) {
+            ssize_t cached = preadv2(fd, iov, (int)page->count, 0, RWF_NOWAIT);
+            if (cached < 0 && errno != EAGAIN && errno != EOPNOTSUPP && errno != EINTR) return -errno;
+            if ((uint64_t)cached != total) return WOULD_BLOCK; /* a thread waits for the disk */
+            if (state != NULL) hash_regions(state, page->buffers, 1, page->count);
+            return OK;
         }
         long got = move_all(fd, iov, (int)page->count, 0, 0);
         if (got < 0) return got;
@@ -228,7 +238,7 @@ header_valid(const Page *page, const unsigned char *static_fields, const unsigne
 }
 
 static long
-get_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int full)
+get_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int full, int nowait)
 {
     int flags = O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK;
     if (page->direct) flags |= O_DIRECT;
@@ -245,7 +255,7 @@ get_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int
     } else {
         int hashing = static_fields != NULL && full;
         if (hashing) XXH3_128bits_reset(state);
-        result = read_regions(fd, page, hashing ? state : NULL);
+        result = read_regions(fd, page, hashing ? state : NULL, nowait);
         if (result == OK && static_fields != NULL) {
             unsigned char digest[16];
             if (hashing) canonical128(XXH3_128bits_digest(state), digest);
@@ -513,20 +523,21 @@ results_list(const Page *pages, Py_ssize_t count)
 }
 
 PyDoc_STRVAR(read_pages_doc,
-"read_pages(paths, pages, direct, static, digests, full) -> list[int]\n\n"
+"read_pages(paths, pages, direct, static, digests, full, nowait=False) -> list[int]\n\n"
 "Read each page's file into its regions (header slot first); one code per page.\n"
 "With static (56 bytes) and digests (16 bytes per page) the envelope is checked: OK\n"
 "means valid (payload checksum included when full), UNVERIFIED that the caller must\n"
-"explain the rejection. The GIL is released for the whole call.");
+"explain the rejection. With nowait, pages not all in the page cache are left alone\n"
+"(WOULD_BLOCK). The GIL is released for the whole call.");
 
 static PyObject *
 read_pages(PyObject *self, PyObject *args)
 {
     (void)self;
     PyObject *paths, *regions, *direct, *static_obj, *digests;
-    int full;
-    if (!PyArg_ParseTuple(args, "O!O!O!OOp:read_pages", &PyList_Type, &paths, &PyList_Type,
-                          &regions, &PyList_Type, &direct, &static_obj, &digests, &full))
+    int full, nowait = 0;
+    if (!PyArg_ParseTuple(args, "O!O!O!OOp|p:read_pages", &PyList_Type, &paths, &PyList_Type,
+                          &regions, &PyList_Type, &direct, &static_obj, &digests, &full, &nowait))
         return NULL;
     const unsigned char *static_fields;
     if (!bound() || !static_arg(static_obj, &static_fields)) return NULL;
@@ -543,7 +554,7 @@ read_pages(PyObject *self, PyObject *args)
         return PyErr_NoMemory();
     }
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t p = 0; p < count; p++) pages[p].result = get_one(&pages[p], state, static_fields, full);
+    for (Py_ssize_t p = 0; p < count; p++) pages[p].result = get_one(&pages[p], state, static_fields, full, nowait);
     Py_END_ALLOW_THREADS
     XXH3_freeState(state);
     PyObject *out = results_list(pages, count);
@@ -614,7 +625,8 @@ PyInit__pageio(void)
         {"OK", OK}, {"ABSENT", ABSENT}, {"NOT_REGULAR", NOT_REGULAR},
         {"SIZE_MISMATCH", SIZE_MISMATCH}, {"SHORT_READ", SHORT_READ},
         {"UNVERIFIED", UNVERIFIED}, {"UNPUBLISHED", UNPUBLISHED},
-        {"REPLACED_DEBRIS", REPLACED_DEBRIS}, {"STATIC_BYTES", STATIC_BYTES},
+        {"REPLACED_DEBRIS", REPLACED_DEBRIS}, {"WOULD_BLOCK", WOULD_BLOCK},
+        {"STATIC_BYTES", STATIC_BYTES},
         {"BODY_BYTES", BODY_BYTES}, {"HEADER_BYTES", HEADER_BYTES}, {"PIECE", PIECE},
     };
     for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++) {

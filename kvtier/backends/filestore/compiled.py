@@ -23,7 +23,7 @@ from kvtier.backends.filestore.store import NOT_A_PAGE, FileStore
 from kvtier.core.envelope import BatchEnvelope
 from kvtier.core.storage import PageBuffers
 
-__all__ = ["MISSING", "available", "read_slice", "write_slice"]
+__all__ = ["BLOCKED", "MISSING", "NOWAIT_MAX_BYTES", "available", "read_slice", "write_slice"]
 
 #: The compiled module, or None where it was not built (then MISSING says why).
 _pageio: Any = None
@@ -41,6 +41,12 @@ else:
         MISSING = "no loaded xxHash library exports the XXH3 functions"
 
 
+#: Pages up to this size are first read from the page cache in the calling thread
+#: (``nowait``); only those that would wait for the disk go to the I/O threads. A hand-off
+#: costs more than such a page's copy; a bigger page is read in pieces on the threads.
+NOWAIT_MAX_BYTES = 512 << 10
+
+
 def available() -> bool:
     """Whether the compiled per-page loop was built and loads."""
     return _pageio is not None
@@ -53,34 +59,44 @@ def _nbytes(views: list[memoryview]) -> int:
     return total
 
 
+#: ``read_slice``'s size for a page left alone by a ``nowait`` pass (not in the page cache).
+BLOCKED = -1
+
+
 def read_slice(
     fs: FileStore,
     keys: Sequence[str],
     pages: Sequence[PageBuffers],
-    lo: int,
-    hi: int,
+    which: Sequence[int],
     envelope: BatchEnvelope,
     on_filled: Callable[[int], object] | None,
+    *,
+    nowait: bool = False,
 ) -> list[int]:
-    """Read pages ``lo..hi`` (keys already checked) and check their envelopes in C.
+    """Read pages ``which`` (keys already checked) and check their envelopes in C.
 
     Returns the bytes read per page (0: a counted miss or failure). A valid page's index
     goes into ``envelope.valid``; a filled page whose envelope did not check out is handed
-    to ``on_filled`` (the core then says why it is rejected).
+    to ``on_filled`` (the core then says why it is rejected). ``nowait`` reads only
+    what the page cache holds: a page that would wait for the disk is :data:`BLOCKED`,
+    untouched and uncounted, for a blocking read on an I/O thread.
     """
     assert _pageio is not None
     store = fs.path_str
-    finals = [paths.page_path_unchecked(store, keys[i]) for i in range(lo, hi)]
-    regions = [[e.view for e in pages[i]] for i in range(lo, hi)]
-    direct = [fs.direct_for(pages[i]) for i in range(lo, hi)]
+    finals = [paths.page_path_unchecked(store, keys[i]) for i in which]
+    regions = [[e.view for e in pages[i]] for i in which]
+    direct = [fs.direct_for(pages[i]) for i in which]
+    digests = [envelope.key_digests[i] for i in which]
     codes = _pageio.read_pages(
-        finals, regions, direct, envelope.static, envelope.key_digests[lo:hi], envelope.full
+        finals, regions, direct, envelope.static, digests, envelope.full, nowait
     )
     sizes: list[int] = []
     valid = envelope.valid
     for j, code in enumerate(codes):
-        i = lo + j
-        if code == _pageio.OK:
+        i = which[j]
+        if code == _pageio.WOULD_BLOCK:
+            sizes.append(BLOCKED)
+        elif code == _pageio.OK:
             valid.append(i)
             sizes.append(_nbytes(regions[j]))
         elif code == _pageio.UNVERIFIED:
