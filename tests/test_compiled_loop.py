@@ -9,6 +9,7 @@ counters for every kind of damaged or foreign store entry. ``KVTIER_REQUIRE_COMP
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -59,6 +60,10 @@ class Setup:
         config = FileConfig(root=root, min_free_bytes=0, compiled_io=compiled_io, **options)  # type: ignore[arg-type]
         self.backend = FileBackend(config)
         self.store = PageStore(self.backend, self.pool, fingerprint=geometry.fingerprint)
+
+    @property
+    def store_dir(self) -> Path:
+        return Path(self.backend.store)
 
     def path(self, i: int) -> str:
         return fs_paths.page_path_str(os.fspath(self.backend.store), self.keys[i])
@@ -267,8 +272,63 @@ def test_an_overwrite_replaces_the_page_atomically(make: Callable[..., Setup]) -
     assert Path(setup.path(0)).read_bytes() != old
     assert setup.store.get(setup.keys[:1], [PAGES]) == [True]
     assert setup.payload(PAGES) == setup.payload(0)
-    leftovers = [p for p in Path(setup.path(0)).parent.iterdir() if p.name.startswith(".")]
+    # the replaced file is kept, locked, for the next overwrite: gone once the backend closes
+    setup.close()
+    leftovers = [p for p in Path(setup.store_dir).rglob(".*")]
     assert leftovers == []
+
+
+def _overwrite(setup: Setup, page: int) -> None:
+    for extent in setup.pool.extents(page):
+        extent.view[:] = os.urandom(extent.length)
+    assert setup.store.put(setup.keys[page : page + 1], [page]) == [True]
+
+
+def test_overwrites_write_into_the_file_a_replaced_page_left(
+    make: Callable[..., Setup],
+) -> None:
+    setup = make(compiled_io=True, io_threads=1)
+    assert setup.put_all() == [True] * PAGES
+    first = os.stat(setup.path(0)).st_ino
+    _overwrite(setup, 0)  # page 0's old file is now the spare
+    _overwrite(setup, 1)  # ... and page 1 is written into it
+    assert os.stat(setup.path(1)).st_ino == first
+    assert setup.store.get(setup.keys[:2], [PAGES, PAGES + 1]) == [True, True]
+    assert setup.payload(PAGES) == setup.payload(0)
+    assert setup.payload(PAGES + 1) == setup.payload(1)
+
+
+def test_a_file_a_reader_holds_is_never_recycled(make: Callable[..., Setup]) -> None:
+    setup = make(compiled_io=True, io_threads=1)
+    assert setup.put_all() == [True] * PAGES
+    old = Path(setup.path(0)).read_bytes()
+    reader = os.open(setup.path(0), os.O_RDONLY)  # as a reader mid-read holds it
+    try:
+        fcntl.flock(reader, fcntl.LOCK_SH)
+        _overwrite(setup, 0)
+        _overwrite(setup, 1)  # would be written into page 0's old file if it were free
+        _overwrite(setup, 2)
+        assert os.pread(reader, len(old) + 1, 0) == old  # the whole old page, unchanged
+        assert os.fstat(reader).st_nlink == 0  # unlinked, not recycled
+    finally:
+        os.close(reader)
+    assert setup.store.get(setup.keys[:3], [PAGES, PAGES + 1, PAGES + 2]) == [True] * 3
+
+
+@pytest.mark.parametrize("compiled_io", [True, False], ids=["compiled", "python"])
+def test_a_page_a_writer_holds_is_a_counted_busy_miss(
+    make: Callable[..., Setup], compiled_io: bool
+) -> None:
+    setup = make(compiled_io=compiled_io)
+    assert setup.put_all() == [True] * PAGES
+    writer = os.open(setup.path(0), os.O_WRONLY)  # as the compiled loop holds a spare
+    try:
+        fcntl.flock(writer, fcntl.LOCK_EX)
+        assert setup.get_all() == [False] + [True] * (PAGES - 1)
+        assert setup.backend.stats()["get_busy"] == 1
+    finally:
+        os.close(writer)
+    assert setup.get_all() == [True] * PAGES
 
 
 def test_a_directory_under_the_page_name_is_replaced_and_counted(

@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -75,6 +76,8 @@ enum {
     UNPUBLISHED = 6,  /* put: written and closed under its temp name, not yet published */
     REPLACED_DEBRIS = 7, /* put: published; a non-file the exchange moved out is at tmp */
     WOULD_BLOCK = 8,  /* get with nowait: not (all) in the page cache; nothing was checked */
+    BUSY = 9,         /* get: a writer holds the file (being recycled) twice in a row */
+    REPLACED = 10,    /* get: the file was recycled for another page while being opened */
 };
 /* Any other (negative) result is -errno of the step that failed; put removed its temp. */
 
@@ -237,20 +240,42 @@ header_valid(const Page *page, const unsigned char *static_fields, const unsigne
     return 1;
 }
 
+/* Open a page file for reading and take the readers' shared lock on it (flock): a writer
+ * recycles a replaced page's file only under an exclusive lock, so a locked file does not
+ * change while it is read. Sets *fd and *info; returns OK, ABSENT, NOT_REGULAR, BUSY or
+ * -errno. A file held by a writer is one just replaced under its name: it is opened again
+ * once (the name then holds the new page). */
+static long
+open_locked(const char *path, int flags, int *fd, struct stat *info)
+{
+    for (int attempt = 0; attempt < 2; attempt++) {
+        *fd = open(path, flags);
+        if (*fd < 0) return (errno == ENOENT || errno == ENOTDIR) ? ABSENT : -errno;
+        if (fstat(*fd, info) != 0) {
+            long failed = -errno;
+            close(*fd);
+            return failed;
+        }
+        if (!S_ISREG(info->st_mode)) {
+            close(*fd);
+            return NOT_REGULAR;
+        }
+        if (flock(*fd, LOCK_SH | LOCK_NB) == 0 || errno != EWOULDBLOCK) return OK;
+        close(*fd); /* no locks on this filesystem: nothing there recycles either */
+    }
+    return BUSY;
+}
+
 static long
 get_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int full, int nowait)
 {
     int flags = O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK;
     if (page->direct) flags |= O_DIRECT;
-    int fd = open(page->path, flags);
-    if (fd < 0) return (errno == ENOENT || errno == ENOTDIR) ? ABSENT : -errno;
+    int fd;
     struct stat info;
-    long result;
-    if (fstat(fd, &info) != 0) {
-        result = -errno;
-    } else if (!S_ISREG(info.st_mode)) {
-        result = NOT_REGULAR;
-    } else if ((uint64_t)info.st_size != (uint64_t)page->buffers[0].len + payload_length(page)) {
+    long result = open_locked(page->path, flags, &fd, &info);
+    if (result != OK) return result;
+    if ((uint64_t)info.st_size != (uint64_t)page->buffers[0].len + payload_length(page)) {
         result = SIZE_MISMATCH;
     } else {
         int hashing = static_fields != NULL && full;
@@ -259,7 +284,12 @@ get_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int
         if (result == OK && static_fields != NULL) {
             unsigned char digest[16];
             if (hashing) canonical128(XXH3_128bits_digest(state), digest);
-            if (!header_valid(page, static_fields, hashing ? digest : NULL)) result = UNVERIFIED;
+            if (!header_valid(page, static_fields, hashing ? digest : NULL)) {
+                /* another page's bytes: was the file recycled before our lock was taken? */
+                struct stat now;
+                int moved = stat(page->path, &now) == 0 && now.st_ino != info.st_ino;
+                result = moved ? REPLACED : UNVERIFIED;
+            }
         }
     }
     close(fd);
@@ -301,18 +331,74 @@ make_shard_dirs(const char *path)
     return 1;
 }
 
+/* A replaced page's file, kept (under its temp name, exclusively locked) to be written
+ * over in place by the next page of the same size: an overwrite then reuses the file's
+ * page cache instead of allocating a new file's worth and freeing the old. */
+typedef struct {
+    int fd; /* -1: none */
+    int direct;
+    uint64_t size;
+    char path[PATH_MAX];
+} Spare;
+
+static void
+drop_spare(Spare *spare)
+{
+    if (spare->fd < 0) return;
+    unlink(spare->path);
+    close(spare->fd);
+    spare->fd = -1;
+}
+
+/* Keep the file an exchange just moved to ``path`` as the spare, if no reader holds it
+ * (readers take a shared lock, so a reader that has it open keeps the old page whole);
+ * otherwise unlink it, as before recycling. */
+static void
+keep_spare(Spare *spare, const char *path, int direct)
+{
+    int flags = O_WRONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | (direct ? O_DIRECT : 0);
+    int fd = open(path, flags);
+    struct stat info;
+    size_t length = strlen(path);
+    if (fd >= 0 && length < sizeof spare->path && flock(fd, LOCK_EX | LOCK_NB) == 0 &&
+        fstat(fd, &info) == 0 && S_ISREG(info.st_mode) && futimens(fd, NULL) == 0) {
+        /* (its time is now's: a sweep must not take a live spare for a stale temp file) */
+        drop_spare(spare);
+        spare->fd = fd;
+        spare->direct = direct;
+        spare->size = (uint64_t)info.st_size;
+        memcpy(spare->path, path, length + 1);
+        return;
+    }
+    if (fd >= 0) close(fd);
+    unlink(path);
+}
+
 static long
 put_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int datasync,
-        int exchange)
+        int exchange, Spare *spare)
 {
     struct iovec iov[MAX_REGIONS];
     if (page->count > MAX_REGIONS) return -E2BIG;
     if (static_fields != NULL) write_header(page, state, static_fields);
-    int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC;
-    if (page->direct) flags |= O_DIRECT;
-    int fd = open(page->path, flags, 0600);
-    if (fd < 0 && errno == ENOENT && make_shard_dirs(page->path)) fd = open(page->path, flags, 0600);
-    if (fd < 0) return -errno;
+    uint64_t total = (uint64_t)page->buffers[0].len + payload_length(page);
+    int fd;
+    const char *at; /* where the bytes are written: the spare, or a fresh temp file */
+    int recycled = spare->fd >= 0 && spare->size == total && spare->direct == page->direct;
+    char spare_path[PATH_MAX];
+    if (recycled) {
+        fd = spare->fd; /* exclusively locked: no reader can be reading it */
+        memcpy(spare_path, spare->path, sizeof spare_path);
+        at = spare_path;
+        spare->fd = -1;
+    } else {
+        int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC;
+        if (page->direct) flags |= O_DIRECT;
+        fd = open(page->path, flags, 0600);
+        if (fd < 0 && errno == ENOENT && make_shard_dirs(page->path)) fd = open(page->path, flags, 0600);
+        if (fd < 0) return -errno;
+        at = page->path;
+    }
     for (Py_ssize_t i = 0; i < page->count; i++) {
         iov[i].iov_base = page->buffers[i].buf;
         iov[i].iov_len = (size_t)page->buffers[i].len;
@@ -320,25 +406,39 @@ put_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int
     long wrote = move_all(fd, iov, (int)page->count, 0, 1);
     long failed = wrote < 0 ? wrote : 0;
     if (failed == 0 && datasync && fdatasync(fd) != 0) failed = -errno;
-    if (close(fd) != 0 && failed == 0) failed = -errno;
+    if (!recycled && close(fd) != 0 && failed == 0) failed = -errno;
     if (failed != 0) {
-        unlink(page->path);
+        unlink(at);
+        if (recycled) close(fd);
         return failed;
     }
-    if (exchange) {
-        if (syscall(SYS_renameat2, AT_FDCWD, page->path, AT_FDCWD, page->final, 2 /* RENAME_EXCHANGE */) == 0) {
-            struct stat old;
-            if (lstat(page->path, &old) != 0) return OK;
-            if (!S_ISREG(old.st_mode)) return REPLACED_DEBRIS;
-            unlink(page->path); /* the replaced page: readers that opened it keep it */
-            return OK;
+    /* From here the bytes are complete under ``at``; a recycled file is published while
+     * still locked, and unlocked (closed) once its name is the page's. */
+    long result = UNPUBLISHED;
+    if (exchange &&
+        syscall(SYS_renameat2, AT_FDCWD, at, AT_FDCWD, page->final, 2 /* RENAME_EXCHANGE */) == 0) {
+        if (recycled) close(fd);
+        struct stat old;
+        if (lstat(at, &old) != 0) return OK;
+        if (!S_ISREG(old.st_mode)) {
+            if (at != page->path && rename(at, page->path) != 0) return OK; /* left as a temp */
+            return REPLACED_DEBRIS;
         }
-        if (errno != ENOENT) return UNPUBLISHED; /* no exchange here, or debris: Python's path */
+        keep_spare(spare, at, page->direct); /* the replaced page's file */
+        return OK;
     }
-    struct stat there;
-    if (lstat(page->final, &there) == 0 && !S_ISREG(there.st_mode)) return UNPUBLISHED;
-    if (rename(page->path, page->final) != 0) return UNPUBLISHED;
-    return OK;
+    if (!exchange || errno == ENOENT) {
+        struct stat there;
+        if (!(lstat(page->final, &there) == 0 && !S_ISREG(there.st_mode)) && rename(at, page->final) == 0)
+            result = OK;
+    }
+    if (recycled) close(fd);
+    /* not published: the bytes go to the page's own temp name, for Python's path */
+    if (result != OK && at != page->path && rename(at, page->path) != 0) {
+        unlink(at);
+        return -EIO;
+    }
+    return result;
 }
 
 /* The address of symbol name (preferring name + "_dispatch") in the library handle. */
@@ -563,22 +663,41 @@ read_pages(PyObject *self, PyObject *args)
 }
 
 PyDoc_STRVAR(write_pages_doc,
-"write_pages(tmps, finals, pages, direct, static, digests, datasync, exchange) -> list[int]\n\n"
-"Write each page into a fresh temp file and publish it over its final name (by\n"
-"exchange where possible, else rename); one code per page. With static and digests\n"
-"the envelope is first written into each page's header slot. The GIL is released for\n"
-"the whole call.");
+"write_pages(tmps, finals, pages, direct, static, digests, datasync, exchange, spare=None)\n"
+"    -> (list[int], spare)\n\n"
+"Write each page into a temp file and publish it over its final name (by exchange\n"
+"where possible, else rename); one code per page. With static and digests the\n"
+"envelope is first written into each page's header slot. A page replaced by exchange\n"
+"leaves its file, exclusively locked, as the spare (fd, path, size, direct) that the\n"
+"next page of that size is written into in place; the caller keeps the returned spare\n"
+"for its next call (or unlinks and closes it). The GIL is released for the call.");
 
 static PyObject *
 write_pages(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *tmps, *finals, *regions, *direct, *static_obj, *digests;
+    PyObject *tmps, *finals, *regions, *direct, *static_obj, *digests, *spare_in = Py_None;
     int datasync, exchange;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!OOpp:write_pages", &PyList_Type, &tmps, &PyList_Type,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OOpp|O:write_pages", &PyList_Type, &tmps, &PyList_Type,
                           &finals, &PyList_Type, &regions, &PyList_Type, &direct, &static_obj,
-                          &digests, &datasync, &exchange))
+                          &digests, &datasync, &exchange, &spare_in))
         return NULL;
+    Spare spare = {.fd = -1};
+    if (spare_in != Py_None) {
+        const char *path;
+        Py_ssize_t length;
+        unsigned long long size;
+        if (!PyArg_ParseTuple(spare_in, "iy#Kp:spare", &spare.fd, &path, &length, &size,
+                              &spare.direct))
+            return NULL;
+        if ((size_t)length >= sizeof spare.path) {
+            PyErr_SetString(PyExc_ValueError, "_pageio: the spare's path is too long");
+            return NULL;
+        }
+        memcpy(spare.path, path, (size_t)length);
+        spare.path[length] = '\0';
+        spare.size = size;
+    }
     const unsigned char *static_fields;
     if (!bound() || !static_arg(static_obj, &static_fields)) return NULL;
     if (static_fields != NULL && digests == Py_None) {
@@ -595,12 +714,18 @@ write_pages(PyObject *self, PyObject *args)
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t p = 0; p < count; p++)
-        pages[p].result = put_one(&pages[p], state, static_fields, datasync, exchange);
+        pages[p].result = put_one(&pages[p], state, static_fields, datasync, exchange, &spare);
     Py_END_ALLOW_THREADS
     XXH3_freeState(state);
-    PyObject *out = results_list(pages, count);
+    PyObject *codes = results_list(pages, count);
     free_pages(pages, count);
-    return out;
+    if (codes == NULL) {
+        drop_spare(&spare);
+        return NULL;
+    }
+    if (spare.fd < 0) return Py_BuildValue("(NO)", codes, Py_None);
+    return Py_BuildValue("(N(iy#Ki))", codes, spare.fd, spare.path, (Py_ssize_t)strlen(spare.path),
+                         (unsigned long long)spare.size, spare.direct);
 }
 
 static PyMethodDef methods[] = {
@@ -626,6 +751,7 @@ PyInit__pageio(void)
         {"SIZE_MISMATCH", SIZE_MISMATCH}, {"SHORT_READ", SHORT_READ},
         {"UNVERIFIED", UNVERIFIED}, {"UNPUBLISHED", UNPUBLISHED},
         {"REPLACED_DEBRIS", REPLACED_DEBRIS}, {"WOULD_BLOCK", WOULD_BLOCK},
+        {"BUSY", BUSY}, {"REPLACED", REPLACED},
         {"STATIC_BYTES", STATIC_BYTES},
         {"BODY_BYTES", BODY_BYTES}, {"HEADER_BYTES", HEADER_BYTES}, {"PIECE", PIECE},
     };

@@ -12,6 +12,7 @@ same files, same answers, more microseconds per page.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 from collections.abc import Callable, Sequence
@@ -23,7 +24,20 @@ from kvtier.backends.filestore.store import NOT_A_PAGE, FileStore
 from kvtier.core.envelope import BatchEnvelope
 from kvtier.core.storage import PageBuffers
 
-__all__ = ["BLOCKED", "MISSING", "NOWAIT_MAX_BYTES", "available", "read_slice", "write_slice"]
+__all__ = [
+    "BLOCKED",
+    "MISSING",
+    "NOWAIT_MAX_BYTES",
+    "Spare",
+    "available",
+    "drop_spare",
+    "read_slice",
+    "write_slice",
+]
+
+#: A replaced page's file kept for the next overwrite of that size, exclusively locked:
+#: (descriptor, path, size, O_DIRECT). See ``write_slice``.
+Spare = tuple[int, bytes, int, bool]
 
 #: The compiled module, or None where it was not built (then MISSING says why).
 _pageio: Any = None
@@ -121,6 +135,10 @@ def _read_failed(fs: FileStore, key: str, path: str, code: int) -> None:
         fs.counters.add("get_size_mismatch")
     elif code == _pageio.SHORT_READ:
         fs.counters.add("get_short_reads")
+    elif code == _pageio.BUSY:
+        fs.counters.add("get_busy")  # a writer held it twice in a row: recycling it
+    elif code == _pageio.REPLACED:
+        fs.counters.add("get_replaced")  # recycled for another page while being opened
     elif -code in NOT_A_PAGE and fs.not_a_page(key, path):
         pass
     else:
@@ -140,13 +158,21 @@ def write_slice(
     datasync: bool,
     publish: Callable[[int, str, str, int], bool],
     fallback: Callable[[int], bool],
-) -> list[bool]:
+    spare: Spare | None = None,
+) -> tuple[list[bool], Spare | None]:
     """Write and publish pages ``lo..hi`` (keys already checked), envelopes written in C.
 
     ``publish(i, tmp, final, nbytes)`` publishes a page the compiled loop wrote but left
     under its temp name (something other than a page held the name); ``fallback(i)``
     puts page ``i`` through the Python loop after the compiled one failed before
     publishing (it repairs what it can: debris shard directories, stale temp names).
+
+    Overwrites recycle: the file a replaced page leaves (after the exchange) is kept,
+    exclusively locked, and the next page of its size is written into it in place and
+    exchanged in turn, so an overwrite reuses page cache instead of allocating a new
+    file. A file a reader holds (readers take a shared lock) is unlinked instead, so
+    the reader keeps the whole old page. Returns the results and the spare left, for
+    the caller's next call on this thread (or :func:`drop_spare`).
     """
     assert _pageio is not None
     results = [False] * (hi - lo)
@@ -171,17 +197,24 @@ def write_slice(
         regions.append(views)
         sizes.append(nbytes)
     if not todo:
-        return results
-    codes = _pageio.write_pages(
-        tmps,
-        finals,
-        regions,
-        [fs.direct_for(pages[i]) for i in todo],
-        envelope.static,
-        [envelope.key_digests[i] for i in todo],
-        datasync,
-        writes.exchange_supported(),
-    )
+        return results, spare
+    try:
+        codes, spare = _pageio.write_pages(
+            tmps,
+            finals,
+            regions,
+            [fs.direct_for(pages[i]) for i in todo],
+            envelope.static,
+            [envelope.key_digests[i] for i in todo],
+            datasync,
+            writes.exchange_supported(),
+            spare,
+        )
+    except BaseException:
+        for nbytes in sizes:
+            index.release(nbytes)
+        drop_spare(spare)
+        raise
     published = 0
     published_bytes = 0
     for j, code in enumerate(codes):
@@ -200,4 +233,15 @@ def write_slice(
             results[i - lo] = fallback(i)
     fs.counters.add("puts", published)
     fs.counters.add("bytes_written", published_bytes)
-    return results
+    return results, spare
+
+
+def drop_spare(spare: Spare | None) -> None:
+    """Unlink and close a spare file (nothing when ``spare`` is None)."""
+    if spare is None:
+        return
+    fd, path, _size, _direct = spare
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    with contextlib.suppress(OSError):
+        os.close(fd)

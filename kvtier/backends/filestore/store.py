@@ -109,7 +109,35 @@ class FileStore:
         again when ``blocking``: io_uring honours it on regular files (a read would fail
         with EAGAIN instead of waiting), ``preadv`` does not (open(2)), so the ``file``
         backend passes False and saves the system call.
+
+        The descriptor holds the readers' shared ``flock``: the file backend's compiled
+        loop recycles a replaced page's file (writing the next page into it in place)
+        only under an exclusive lock, so a locked file does not change while it is read.
+        A file a writer holds was just replaced under its name: it is opened once more,
+        and counted as ``get_busy`` (a miss) if held again.
         """
+        for _attempt in range(2):
+            fd = self._open_page(key, path, nbytes, direct=direct, blocking=blocking)
+            if fd is None or self._read_lock(fd):
+                return fd
+            os.close(fd)
+        self.counters.add("get_busy")
+        return None
+
+    @staticmethod
+    def _read_lock(fd: int) -> bool:
+        """Take the readers' shared lock; False when a writer holds the file."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError:  # no locks on this filesystem: nothing there recycles either
+            pass
+        return True
+
+    def _open_page(
+        self, key: str, path: str, nbytes: int, *, direct: bool, blocking: bool
+    ) -> int | None:
         flags = READ_FLAGS | os.O_DIRECT if direct else READ_FLAGS
         try:
             fd = os.open(path, flags)
