@@ -171,9 +171,11 @@ def test_bench_round_trip_verifies_and_reports(tmp_path: Path) -> None:
     assert out["ok"] is True and out["failures"] == []
     assert out["backend"] == "file" and out["pages"] == 6 and out["batch"] == 4
     assert out["stored_bytes_per_page"] == out["page_bytes"] + 4096
-    for name in ("put", "get", "raw_put", "raw_get", "device_to_host", "host_to_device"):
+    paths = ("put", "get", "raw_put", "raw_get", "raw_put_threads", "raw_get_threads")
+    for name in (*paths, "device_to_host", "host_to_device"):
         assert out[name]["gbps"] > 0 and out[name]["p99_ms"] >= out[name]["p50_ms"] >= 0
-    assert set(out["ratio"]) == {"put", "get"}
+    assert set(out["ratio"]) == set(out["ratio_threads"]) == {"put", "get"}
+    assert out["raw_threads"] == 4  # the file backend's io_threads
     assert out["store_stats"]["hits"] == 12 and out["store_stats"]["invalid"] == 0
     assert list(tmp_path.iterdir()) == []  # the temporary pages are gone
     assert "bit-exact" in result.report()

@@ -83,7 +83,17 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     run_ = parser.add_argument_group("run")
     run_.add_argument("--pages", type=int, default=64, help="pages per round; default 64")
     run_.add_argument(
-        "--batch", type=int, default=1, help="pages per put/get call (latency is per call)"
+        "--batch",
+        type=int,
+        default=None,
+        help="pages per put/get call, as an engine batches them (default 8, at most "
+        "--pages; latency is per call)",
+    )
+    run_.add_argument(
+        "--raw-threads",
+        type=int,
+        default=None,
+        help="threads of the second raw baseline (default: the backend's io_threads, else 4)",
     )
     run_.add_argument("--rounds", type=int, default=3, help="timed rounds after a warm-up")
     run_.add_argument("--seed", type=int, default=0, help="seed of the random KV, 0 to 2**62 - 1")
@@ -111,7 +121,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
 #: The options only one workload reads (``--plot`` is checked along with its file).
 WORKLOAD_OPTIONS: dict[str, tuple[str, ...]] = {
-    "single": ("pages", "batch", "rounds", "no_raw"),
+    "single": ("pages", "batch", "raw_threads", "rounds", "no_raw"),
     "multiturn": (
         "conversations",
         "turns",

@@ -44,6 +44,10 @@ class BenchResult:
     load: Timing
     raw_put: Timing | None
     raw_get: Timing | None
+    #: the second raw baseline: the same calls spread over ``raw_threads`` threads
+    raw_threads: int
+    raw_put_threads: Timing | None
+    raw_get_threads: Timing | None
     backend_stats: dict[str, int | float]
     store_stats: dict[str, int | float]
     workdir: str
@@ -64,6 +68,9 @@ class BenchResult:
         }
         if self.raw_put is not None and self.raw_get is not None:
             paths["raw_put"], paths["raw_get"] = self.raw_put, self.raw_get
+        if self.raw_put_threads is not None and self.raw_get_threads is not None:
+            paths["raw_put_threads"] = self.raw_put_threads
+            paths["raw_get_threads"] = self.raw_get_threads
         return paths
 
     def failed_paths(self) -> dict[str, int]:
@@ -100,6 +107,17 @@ class BenchResult:
             }
             out["target"] = targets
             out["target_reason"] = why
+        if self.raw_put_threads is not None and self.raw_get_threads is not None:
+            targets_n, why_n = ratio_target(
+                self.plan.backend, self.plan.config.verify, threads=True
+            )
+            out["raw_threads"] = self.raw_threads
+            out["ratio_threads"] = {
+                "put": ratio(self.put, self.raw_put_threads),
+                "get": ratio(self.get, self.raw_get_threads),
+            }
+            out["target_threads"] = targets_n
+            out["target_threads_reason"] = why_n
         out["backend_stats"] = self.backend_stats
         out["store_stats"] = self.store_stats
         return out
@@ -119,7 +137,7 @@ class BenchResult:
             f"  verify     {d['verify']}: {VERIFY_MODES.get(d['verify'], '')}; and after "
             "every round each byte on the device is compared with the original",
             "",
-            f"  {'path':<26}{'GB/s':>8}{'p50 ms':>9}{'p99 ms':>9}  one call moves",
+            f"  {'path':<30}{'GB/s':>8}{'p50 ms':>9}{'p99 ms':>9}  one call moves",
         ]
         rows = [
             ("device -> host (backup)", "device_to_host"),
@@ -129,6 +147,12 @@ class BenchResult:
         ]
         if "raw_put" in d:
             rows += [("raw os.pwritev", "raw_put"), ("raw os.preadv", "raw_get")]
+        if "raw_put_threads" in d:
+            n = d["raw_threads"]
+            rows += [
+                (f"raw os.pwritev, {n} threads", "raw_put_threads"),
+                (f"raw os.preadv, {n} threads", "raw_get_threads"),
+            ]
         for label, key in rows:
             s = d[key]
             pages = s["pages_per_call"]
@@ -137,7 +161,7 @@ class BenchResult:
                 what += " (a whole round)"
             flag = f"  FAILED: {s['failed_pages']} page(s)" if s["failed_pages"] else ""
             lines.append(
-                f"  {label:<26}{s['gbps']:>8.2f}{s['p50_ms']:>9.2f}{s['p99_ms']:>9.2f}  "
+                f"  {label:<30}{s['gbps']:>8.2f}{s['p50_ms']:>9.2f}{s['p99_ms']:>9.2f}  "
                 f"{what:<22}{flag}".rstrip()
             )
         lines += [
@@ -149,6 +173,15 @@ class BenchResult:
                 self._ratio_text(op, d["ratio"][op], d["target"][op]) for op in ("put", "get")
             )
             lines += ["", f"  kvtier / raw   {ratios}", f"                 {d['target_reason']}"]
+        if "ratio_threads" in d:
+            ratios = "   ".join(
+                self._ratio_text(op, d["ratio_threads"][op], d["target_threads"][op])
+                for op in ("put", "get")
+            )
+            lines += [
+                f"  kvtier / raw, {d['raw_threads']} threads   {ratios}",
+                f"                 {d['target_threads_reason']}",
+            ]
         lines.append("")
         if self.ok:
             lines.append(
@@ -166,7 +199,10 @@ class BenchResult:
         failed = ", ".join(f"{name} {n}" for name, n in d["failed_pages"].items())
         timed = f"; failed pages in the timed rounds: {failed}" if failed else ""
         withheld = [
-            op for op in ("put", "get") if op in d.get("ratio", {}) and d["ratio"][op] is None
+            op
+            for op in ("put", "get")
+            if op in d.get("ratio", {})
+            and (d["ratio"][op] is None or d.get("ratio_threads", {}).get(op, 0) is None)
         ]
         ratio = f"; no {' or '.join(withheld)} ratio" if withheld else ""
         return [
