@@ -411,6 +411,34 @@ def test_round_trip_multi_extent_pages(make: Callable[..., UringBackend]) -> Non
     assert stats["hits"] == 25 and stats["pages"] == 25 and stats["bytes"] == sum(map(len, datas))
 
 
+def test_large_pages_are_read_in_parts_in_flight_together(
+    make: Callable[..., UringBackend],
+) -> None:
+    from kvtier.backends.uring.backend import READ_PART
+
+    backend = make(queue_depth=8)
+    size = 3 * READ_PART + 12345  # four parts, the last one short
+    cuts = (4096, 4096 + READ_PART // 3)
+    datas = [_data(i, size) for i in range(3)]
+    keys = [f"big-{i}" for i in range(3)]
+    assert backend.put(keys, [_page(d, cuts) for d in datas]) == [True] * 3
+    ring = backend._rings.ring()
+    before = ring.submitted
+    outs = [_blank(size, cuts) for _ in datas]
+    filled: list[int] = []
+    assert backend.get_with(keys, outs, filled.append) == [True] * 3
+    assert [_joined(o) for o in outs] == datas
+    assert sorted(filled) == [0, 1, 2]  # each page once, after all its parts landed
+    assert ring.submitted - before >= 3 * 4
+    assert ring.peak_inflight > 1
+    with open(fs_paths.page_path(backend.store, keys[1]), "r+b") as f:
+        f.seek(3 * READ_PART + 7)  # a byte of the last part, read back as written
+        f.write(b"\xff")
+    outs = [_blank(size, cuts) for _ in datas]
+    assert backend.get(keys, outs) == [True] * 3
+    assert _joined(outs[1])[3 * READ_PART + 7] == 0xFF
+
+
 def test_misses_and_wrong_sizes_are_false(make: Callable[..., UringBackend]) -> None:
     backend = make()
     assert backend.put(["a"], [_page(b"x" * 100)]) == [True]

@@ -40,25 +40,6 @@ MIN_SLICE_BYTES = 1 << 20
 PIECE = 256 << 10
 
 
-def _pieces(views: list[memoryview], size: int) -> list[list[memoryview]]:
-    """``views`` regrouped into consecutive runs of at most ``size`` bytes (split as needed)."""
-    out: list[list[memoryview]] = []
-    run: list[memoryview] = []
-    room = size
-    for view in views:
-        while view.nbytes:
-            part = view[:room]
-            run.append(part)
-            view = view[part.nbytes :]
-            room -= part.nbytes
-            if room == 0:
-                out.append(run)
-                run, room = [], size
-    if run:
-        out.append(run)
-    return out
-
-
 def _preadv_all(fd: int, views: list[memoryview], offset: int = 0) -> int:
     """Fill every region from ``offset`` onwards; stops early only at end of file.
 
@@ -260,7 +241,7 @@ class FileBackend(StorageBackend):
                 got = _preadv_all(fd, views)
             else:
                 got = _preadv_all(fd, views[:1])  # the header region first, unhashed
-                pieces = _pieces(views[1:], PIECE) if got == views[0].nbytes else []
+                pieces = writes.pieces(views[1:], PIECE) if got == views[0].nbytes else []
                 for piece in pieces:
                     size = sum(v.nbytes for v in piece)
                     if _preadv_all(fd, piece, got) != size:

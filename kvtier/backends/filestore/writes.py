@@ -30,6 +30,7 @@ __all__ = [
     "exchange_supported",
     "fsync_dir",
     "is_no_space",
+    "pieces",
     "probe_o_direct",
     "publish",
     "pwritev_all",
@@ -51,6 +52,25 @@ def advance_views(views: list[memoryview], done: int) -> list[memoryview]:
         rest.append(view[done:] if done else view)
         done = 0
     return rest
+
+
+def pieces(views: list[memoryview], size: int) -> list[list[memoryview]]:
+    """``views`` regrouped into consecutive runs of at most ``size`` bytes (split as needed)."""
+    out: list[list[memoryview]] = []
+    run: list[memoryview] = []
+    room = size
+    for view in views:
+        while view.nbytes:
+            part = view[:room]
+            run.append(part)
+            view = view[part.nbytes :]
+            room -= part.nbytes
+            if room == 0:
+                out.append(run)
+                run, room = [], size
+    if run:
+        out.append(run)
+    return out
 
 
 def pwritev_all(fd: int, views: list[memoryview]) -> int:
