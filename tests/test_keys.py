@@ -301,3 +301,37 @@ def test_other_iterables_and_empty_input() -> None:
     for bad in (["5"], [[1, 2], [3]], [2**64], [True, 0.5]):
         with pytest.raises(InvalidKeyError):
             keyer.keys(bad)  # type: ignore[arg-type]
+
+
+def test_a_batch_is_checked_in_one_pass_with_the_same_verdicts() -> None:
+    from kvtier.core.keys import MAX_KEY_LENGTH, validate_keys
+
+    good = ["a", "0-x_y", "z" * MAX_KEY_LENGTH]
+    assert validate_keys(good) == good and validate_keys([]) == []
+    for bad in ("", "-lead", "UPPER", "a\nb", "a/b", "x" * (MAX_KEY_LENGTH + 1), 7):
+        with pytest.raises(InvalidKeyError) as one:
+            validate_key(bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidKeyError) as batch:
+            validate_keys([*good, bad])  # type: ignore[list-item]
+        assert str(batch.value) == str(one.value)  # the same culprit, the same words
+
+
+@given(st.lists(st.text(alphabet="ab0_-\nZ/", max_size=6), max_size=5))
+def test_a_batch_passes_exactly_when_every_key_does(keys: list[str]) -> None:
+    from kvtier.core.keys import validate_keys
+
+    def each_ok() -> bool:
+        try:
+            for key in keys:
+                validate_key(key)
+        except InvalidKeyError:
+            return False
+        return True
+
+    expected = each_ok()
+    try:
+        validate_keys(keys)
+        got = True
+    except InvalidKeyError:
+        got = False
+    assert got is expected

@@ -40,6 +40,7 @@ __all__ = [
     "rank_suffix",
     "token_bytes",
     "validate_key",
+    "validate_keys",
 ]
 
 #: The characters a page key may contain (a key must also start with a letter or digit).
@@ -72,6 +73,30 @@ def validate_key(key: str) -> str:
     if not _KEY_RE.fullmatch(key):
         raise InvalidKeyError(f"invalid page key {key!r}; keys are {_CHARSET_TEXT}", value=key)
     return key
+
+
+#: A whole batch of valid keys, each followed by a newline (never in a key): one regex
+#: pass checks them all.
+_BATCH_RE = re.compile(rf"(?:[a-z0-9][a-z0-9_-]{{0,{MAX_KEY_LENGTH - 1}}}\n)*")
+
+
+def validate_keys(keys: Sequence[str]) -> list[str]:
+    """:func:`validate_key` for a batch, as a list; raise on the first invalid key.
+
+    One regular-expression pass over the joined batch (a batch's hot path); when it
+    fails, the keys are checked one by one, so the error names the culprit.
+    """
+    checked = list(keys)
+    try:
+        batch = "\n".join(checked) + "\n" if checked else ""
+    except TypeError:  # a key that is not a str: checked one by one below
+        batch = "\0"
+    # (the count: a newline inside a key would otherwise pass as two keys)
+    if batch.count("\n") == len(checked) and _BATCH_RE.fullmatch(batch):
+        return checked
+    for key in checked:
+        validate_key(key)
+    return checked
 
 
 @dataclass(frozen=True)

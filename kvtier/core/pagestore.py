@@ -27,7 +27,7 @@ from kvtier.core.envelope import (
 )
 from kvtier.core.errors import InvalidFieldError, PageError, StorageError
 from kvtier.core.extents import Extent
-from kvtier.core.keys import validate_key
+from kvtier.core.keys import validate_keys
 from kvtier.core.layout import Layout
 from kvtier.core.storage import Counters, StorageBackend
 
@@ -377,7 +377,7 @@ class PageStore:
 
     @staticmethod
     def _checked_keys(keys: Sequence[str], pages: Sequence[int] | None = None) -> list[str]:
-        checked = [validate_key(key) for key in keys]
+        checked = validate_keys(keys)
         if pages is not None and len(pages) != len(checked):
             raise PageError(
                 f"got {len(checked)} keys and {len(pages)} pages; pass one page per key",

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import overload
 
-from kvtier.core.keys import MAX_KEY_LENGTH, validate_key
+from kvtier.core.keys import MAX_KEY_LENGTH, validate_key, validate_keys
 
 __all__ = [
     "DIR_MODE",
@@ -62,9 +62,8 @@ def check_key(key: str) -> str:
 
 
 def check_keys(keys: Iterable[str]) -> None:
-    """:func:`check_key` for a batch: raise on the first invalid key."""
-    for key in keys:
-        check_key(key)
+    """:func:`check_key` for a batch: raise on the first invalid key (one regex pass)."""
+    validate_keys(list(keys))
 
 
 def store_dir(root: str | os.PathLike[str], namespace: str) -> Path:
