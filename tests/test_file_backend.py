@@ -701,3 +701,15 @@ def test_index_matches_disk_and_capacity_under_random_operations(
             assert set(on_disk) <= set(model)
             assert not list(root.rglob(".*.tmp"))
         b.close()
+
+
+def test_temp_names_of_a_batch_are_fresh_and_next_to_their_pages(tmp_path: Path) -> None:
+    finals = [f"{tmp_path}/a/b/k{i}.kv" for i in range(3)] + [f"{tmp_path}/c/d/k.kv"]
+    first, second = fs_paths.temp_paths(finals), fs_paths.temp_paths(finals)
+    one = fs_paths.temp_path(finals[0])
+    names = [*first, *second, one]
+    assert len(set(names)) == len(names)  # unique across calls and with temp_path
+    for tmp, final in zip(first, finals, strict=True):
+        assert os.path.dirname(tmp) == os.path.dirname(final)
+        name = os.path.basename(tmp)
+        assert name.startswith(f".{os.getpid()}.") and name.endswith(fs_paths.TEMP_SUFFIX)

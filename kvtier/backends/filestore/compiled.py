@@ -177,7 +177,6 @@ def write_slice(
     assert _pageio is not None
     results = [False] * (hi - lo)
     todo: list[int] = []
-    tmps: list[str] = []
     finals: list[str] = []
     regions: list[list[memoryview]] = []
     sizes: list[int] = []
@@ -190,14 +189,13 @@ def write_slice(
         if refused is not None:
             fs.counters.add(f"put_failed_{refused}")
             continue
-        final = paths.page_path_unchecked(store, keys[i])
         todo.append(i)
-        finals.append(final)
-        tmps.append(paths.temp_path(final))
+        finals.append(paths.page_path_unchecked(store, keys[i]))
         regions.append(views)
         sizes.append(nbytes)
     if not todo:
         return results, spare
+    tmps = paths.temp_paths(finals)
     try:
         codes, spare = _pageio.write_pages(
             tmps,

@@ -36,6 +36,7 @@ __all__ = [
     "store_dir",
     "temp_flags",
     "temp_path",
+    "temp_paths",
 ]
 
 DIR_MODE = 0o700
@@ -113,6 +114,19 @@ def temp_path(final: Path | str) -> Path | str:
     parent = os.path.dirname(os.fspath(final))
     name = f"{parent}/.{os.getpid()}.{tid}.{seq}{TEMP_SUFFIX}"
     return Path(name) if isinstance(final, Path) else name
+
+
+def temp_paths(finals: list[str]) -> list[str]:
+    """:func:`temp_path` for a batch of string paths (one lock, one sequence range)."""
+    tid = threading.get_native_id()
+    with _temp_lock:
+        first = _temp_seq.get(tid, 0) + 1
+        _temp_seq[tid] = first + len(finals) - 1
+    stem = f".{os.getpid()}.{tid}."
+    return [
+        f"{os.path.dirname(final)}/{stem}{seq}{TEMP_SUFFIX}"
+        for seq, final in enumerate(finals, first)
+    ]
 
 
 def temp_flags(*, o_direct: bool = False) -> int:
