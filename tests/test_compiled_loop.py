@@ -14,6 +14,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +34,16 @@ BIG = KVGeometry.mha(num_layers=8, num_kv_heads=8, head_dim=128, page_size=16)
 PAGES = 8
 
 
+def _require_uring() -> None:
+    from kvtier.backends.uring import probe_io_uring
+
+    reason = probe_io_uring()
+    if reason is not None:
+        if os.environ.get("KVTIER_REQUIRE_URING"):
+            pytest.fail(f"io_uring required but unavailable: {reason}")
+        pytest.skip(reason)
+
+
 @pytest.fixture(autouse=True)
 def _compiled_loop_built() -> None:
     if compiled.available():
@@ -46,7 +57,13 @@ class Setup:
     """A host pool of random pages, their keys, and a file backend over one root."""
 
     def __init__(
-        self, root: Path, *, compiled_io: bool, geometry: KVGeometry = GEOMETRY, **options: object
+        self,
+        root: Path,
+        *,
+        compiled_io: bool,
+        geometry: KVGeometry = GEOMETRY,
+        uring: bool = False,
+        **options: object,
     ) -> None:
         self.geometry = geometry
         self.pool = HostPool(geometry, "page_first", num_pages=2 * PAGES, pin_memory=False)
@@ -57,8 +74,17 @@ class Setup:
         self.keys = PageKeyer(namespace, geometry.page_size).keys(
             list(range(geometry.page_size * PAGES))
         )
-        config = FileConfig(root=root, min_free_bytes=0, compiled_io=compiled_io, **options)  # type: ignore[arg-type]
-        self.backend = FileBackend(config)
+        self.backend: Any
+        if uring:
+            from kvtier.backends.uring import UringConfig
+            from kvtier.backends.uring.backend import UringBackend
+
+            _require_uring()
+            ring_config = UringConfig(root=root, min_free_bytes=0, compiled_io=compiled_io)
+            self.backend = UringBackend(ring_config)
+        else:
+            config = FileConfig(root=root, min_free_bytes=0, compiled_io=compiled_io, **options)  # type: ignore[arg-type]
+            self.backend = FileBackend(config)
         self.store = PageStore(self.backend, self.pool, fingerprint=geometry.fingerprint)
 
     @property
@@ -228,14 +254,15 @@ def _outcome(setup: Setup, counter: str) -> tuple[list[bool], int, int, int]:
     return results, stats["hits"], stats["invalid"], int(stats.get(counter, 0))
 
 
+@pytest.mark.parametrize("uring", [False, True], ids=["file", "uring"])
 @pytest.mark.parametrize("case", sorted(DAMAGE))
 def test_damage_gets_the_same_verdict_from_both_loops(
-    make: Callable[..., Setup], case: str
+    make: Callable[..., Setup], case: str, uring: bool
 ) -> None:
     damage, counter = DAMAGE[case]
     outcomes = []
     for compiled_io in (True, False):
-        setup = make(f"root-{compiled_io}", compiled_io=compiled_io)
+        setup = make(f"root-{compiled_io}", compiled_io=compiled_io, uring=uring)
         assert setup.put_all() == [True] * PAGES
         damage(setup)
         outcomes.append(_outcome(setup, counter))
@@ -415,3 +442,28 @@ def test_pages_not_in_the_page_cache_are_read_on_the_io_threads(
         pytest.skip("this filesystem kept the dropped pages cached (tmpfs?)")
     assert set(waited) <= cold  # only cold pages waited (readahead may have cached some)
     assert setup.store.stats()["hits"] == PAGES
+
+
+def test_uring_reads_cached_pages_before_the_ring_and_cold_ones_through_it(
+    make: Callable[..., Setup],
+) -> None:
+    setup = make(compiled_io=True, uring=True)
+    assert setup.backend.checks_envelopes is True
+    assert setup.put_all() == [True] * PAGES
+    ring = setup.backend._rings.ring()
+    before = ring.submitted
+    assert setup.get_all() == [True] * PAGES  # all in the page cache: no ring request
+    assert ring.submitted == before
+    for i in (2, 5):
+        fd = os.open(setup.path(i), os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    assert setup.get_all() == [True] * PAGES
+    for page in range(PAGES):
+        assert setup.payload(PAGES + page) == setup.payload(page)
+    if ring.submitted == before:
+        pytest.skip("this filesystem kept the dropped pages cached (tmpfs?)")
+    assert ring.submitted - before <= 2  # only the dropped pages went to the ring
+    stats = {**setup.backend.stats(), **setup.store.stats()}
+    assert stats["hits"] == 2 * PAGES and stats["invalid"] == 0

@@ -196,7 +196,7 @@ def test_config_rejects_unknown_keys_and_bad_queue_depth(tmp_path: Path) -> None
 
 
 def test_config_mirrors_the_file_backend_fields() -> None:
-    shared = set(FileConfig.model_fields) - {"io_threads", "compiled_io"}
+    shared = set(FileConfig.model_fields) - {"io_threads"}
     assert shared <= set(UringConfig.model_fields)
     assert UringConfig().root == FileConfig().root  # same default store, same format
 

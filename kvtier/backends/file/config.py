@@ -21,12 +21,6 @@ class FileConfig(FileStoreOptions):
         description="Threads issuing reads and writes for one batch, so that several "
         "requests are in flight.",
     )
-    compiled_io: bool = Field(
-        default=True,
-        description="Move pages with the compiled per-page loop (open, preadv/pwritev, "
-        "checksum and envelope with the GIL released) when it was built; false, or "
-        "when it is missing, runs the same steps in Python.",
-    )
 
 
 def validate_file_plan(config: Any, context: Any) -> None:

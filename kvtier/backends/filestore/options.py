@@ -67,6 +67,13 @@ class FileStoreOptions(BaseModel):
         description="Free space always left on the filesystem; pages are evicted (or the "
         "put fails) rather than going below it.",
     )
+    compiled_io: bool = Field(
+        default=True,
+        description="Use the compiled page loop (open, preadv/pwritev, checksum and "
+        "envelope with the GIL released) when it was built: file moves every page with "
+        "it, uring reads pages of up to 512 KiB found in the page cache with it before "
+        "using the ring. false, or when it is missing, runs the same steps in Python.",
+    )
     check_disk_on_miss: bool = Field(
         default=True,
         description="On an index miss, exists() stats the file once, so pages written by "

@@ -23,11 +23,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.backends.filestore import paths, writes
+from kvtier.backends.filestore import compiled, paths, writes
 from kvtier.backends.filestore.store import FileStore
 from kvtier.backends.uring.config import UringConfig
 from kvtier.backends.uring.probe import INSTALL_HINT, probe_io_uring
 from kvtier.backends.uring.ring import IORequest, Op, RingPool
+from kvtier.core.envelope import BatchEnvelope
 from kvtier.core.errors import BackendUnavailableError, StorageError
 from kvtier.core.storage import BackendContext, PageBuffers, StorageBackend
 
@@ -76,6 +77,12 @@ class UringBackend(StorageBackend):
         self._warn_once = self._fs.warn_once
         self._rings = RingPool(self.config.queue_depth)
         self._closed = False
+
+    @property
+    def checks_envelopes(self) -> bool:
+        """Whether warm small pages are read (and their envelopes checked) in the compiled
+        loop before the ring."""
+        return self.config.compiled_io and compiled.available()
 
     # --- helpers ---------------------------------------------------------------------
 
@@ -144,8 +151,16 @@ class UringBackend(StorageBackend):
         pages: Sequence[PageBuffers],
         on_filled: Callable[[int], object] | None,
         on_payload: Callable[[int, memoryview], object] | None = None,
+        *,
+        envelope: BatchEnvelope | None = None,
     ) -> list[bool]:
         """``get``, calling ``on_filled(i)`` as soon as page ``i``'s read completes.
+
+        With ``envelope`` and the compiled loop, pages of up to
+        :data:`~kvtier.backends.filestore.compiled.NOWAIT_MAX_BYTES` are first read from
+        the page cache alone, in this thread, their envelopes checked there (a ring
+        request costs more than such a page's copy); the ring gets the pages that would
+        wait for the disk.
 
         A page larger than :data:`READ_PART` is read as several requests of that size,
         in flight together: the disk then sees them in parallel instead of one long
@@ -157,6 +172,46 @@ class UringBackend(StorageBackend):
         page runs there, while the ring's other reads are still in flight.
         """
         self._check("get", keys, pages)
+        if envelope is not None and self.checks_envelopes and keys:
+            page_bytes = sum(e.length for e in pages[0])
+            if page_bytes <= compiled.NOWAIT_MAX_BYTES:
+                return self._get_cached_first(keys, pages, on_filled, envelope)
+        return self._get_ring(keys, pages, on_filled)
+
+    def _get_cached_first(
+        self,
+        keys: Sequence[str],
+        pages: Sequence[PageBuffers],
+        on_filled: Callable[[int], object] | None,
+        envelope: BatchEnvelope,
+    ) -> list[bool]:
+        """The compiled loop's page-cache pass, then the ring for the pages it left."""
+        sizes = compiled.read_slice(
+            self._fs, keys, pages, range(len(keys)), envelope, on_filled, nowait=True
+        )
+        results = [size > 0 for size in sizes]
+        served = [(keys[i], size) for i, size in enumerate(sizes) if size > 0]
+        self.index.touch_many(served)
+        self._counters.add("hits", len(served))
+        self._counters.add("bytes_read", sum(size for _key, size in served))
+        waiting = [i for i, size in enumerate(sizes) if size == compiled.BLOCKED]
+        if waiting:
+
+            def filled(j: int) -> object:
+                return on_filled(waiting[j]) if on_filled is not None else None
+
+            got = self._get_ring([keys[i] for i in waiting], [pages[i] for i in waiting], filled)
+            for i, ok in zip(waiting, got, strict=True):
+                results[i] = ok
+        return results
+
+    def _get_ring(
+        self,
+        keys: Sequence[str],
+        pages: Sequence[PageBuffers],
+        on_filled: Callable[[int], object] | None,
+    ) -> list[bool]:
+        """Every page through the ring (keys already checked)."""
         store = str(self.store)
         files = [paths.page_path_str(store, key) for key in keys]  # str: cheaper than Path
         results = [False] * len(keys)
@@ -227,8 +282,12 @@ class UringBackend(StorageBackend):
         keys: Sequence[str],
         pages: Sequence[PageBuffers],
         before_write: Callable[[int], object] | None,
+        *,
+        envelope: BatchEnvelope | None = None,
     ) -> list[bool]:
         """Write temp files, fsync as configured, publish by rename; all through the ring.
+
+        ``envelope`` is not used: every page's envelope is written by ``before_write``.
 
         Each page is a small chain: WRITE -> (FDATASYNC) -> RENAME -> (directory FSYNC for
         ``fsync='page'``); ``on_done`` queues the next link as one completes, so the
