@@ -622,6 +622,40 @@ results_list(const Page *pages, Py_ssize_t count)
     return out;
 }
 
+/* What both calls start with: xxHash bound, the static fields (56 bytes, or None: no
+ * envelopes), the page table and a hash state. NULL, with an exception set, when one is
+ * missing or malformed. */
+static Page *
+begin_call(PyObject *paths, PyObject *finals, PyObject *regions, PyObject *direct,
+           PyObject *static_obj, PyObject *digests, const unsigned char **static_fields,
+           Py_ssize_t *count, XXH3_state_t **state)
+{
+    if (!bound() || !static_arg(static_obj, static_fields)) return NULL;
+    if (*static_fields != NULL && digests == Py_None) {
+        PyErr_SetString(PyExc_TypeError, "_pageio: envelopes need the key digests");
+        return NULL;
+    }
+    Page *pages = load_pages(paths, finals, regions, direct, digests, count);
+    if (pages == NULL) return NULL;
+    *state = XXH3_createState();
+    if (*state == NULL) {
+        free_pages(pages, *count);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    return pages;
+}
+
+/* What both calls end with: the per-page codes as a list; the table and state freed. */
+static PyObject *
+end_call(Page *pages, Py_ssize_t count, XXH3_state_t *state)
+{
+    XXH3_freeState(state);
+    PyObject *codes = results_list(pages, count);
+    free_pages(pages, count);
+    return codes;
+}
+
 PyDoc_STRVAR(read_pages_doc,
 "read_pages(paths, pages, direct, static, digests, full, nowait=False) -> list[int]\n\n"
 "Read each page's file into its regions (header slot first); one code per page.\n"
@@ -640,26 +674,15 @@ read_pages(PyObject *self, PyObject *args)
                           &regions, &PyList_Type, &direct, &static_obj, &digests, &full, &nowait))
         return NULL;
     const unsigned char *static_fields;
-    if (!bound() || !static_arg(static_obj, &static_fields)) return NULL;
-    if (static_fields != NULL && digests == Py_None) {
-        PyErr_SetString(PyExc_TypeError, "_pageio: checking envelopes needs the key digests");
-        return NULL;
-    }
     Py_ssize_t count = 0;
-    Page *pages = load_pages(paths, Py_None, regions, direct, digests, &count);
+    XXH3_state_t *state;
+    Page *pages = begin_call(paths, Py_None, regions, direct, static_obj, digests,
+                             &static_fields, &count, &state);
     if (pages == NULL) return NULL;
-    XXH3_state_t *state = XXH3_createState();
-    if (state == NULL) {
-        free_pages(pages, count);
-        return PyErr_NoMemory();
-    }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t p = 0; p < count; p++) pages[p].result = get_one(&pages[p], state, static_fields, full, nowait);
     Py_END_ALLOW_THREADS
-    XXH3_freeState(state);
-    PyObject *out = results_list(pages, count);
-    free_pages(pages, count);
-    return out;
+    return end_call(pages, count, state);
 }
 
 PyDoc_STRVAR(write_pages_doc,
@@ -699,26 +722,16 @@ write_pages(PyObject *self, PyObject *args)
         spare.size = size;
     }
     const unsigned char *static_fields;
-    if (!bound() || !static_arg(static_obj, &static_fields)) return NULL;
-    if (static_fields != NULL && digests == Py_None) {
-        PyErr_SetString(PyExc_TypeError, "_pageio: writing envelopes needs the key digests");
-        return NULL;
-    }
     Py_ssize_t count = 0;
-    Page *pages = load_pages(tmps, finals, regions, direct, digests, &count);
+    XXH3_state_t *state;
+    Page *pages = begin_call(tmps, finals, regions, direct, static_obj, digests,
+                             &static_fields, &count, &state);
     if (pages == NULL) return NULL;
-    XXH3_state_t *state = XXH3_createState();
-    if (state == NULL) {
-        free_pages(pages, count);
-        return PyErr_NoMemory();
-    }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t p = 0; p < count; p++)
         pages[p].result = put_one(&pages[p], state, static_fields, datasync, exchange, &spare);
     Py_END_ALLOW_THREADS
-    XXH3_freeState(state);
-    PyObject *codes = results_list(pages, count);
-    free_pages(pages, count);
+    PyObject *codes = end_call(pages, count, state);
     if (codes == NULL) {
         drop_spare(&spare);
         return NULL;
