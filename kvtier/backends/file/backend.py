@@ -196,7 +196,7 @@ class FileBackend(StorageBackend):
             )
 
         page_bytes = sum(e.length for e in pages[0]) if count else 0
-        if page_bytes > compiled.NOWAIT_MAX_BYTES or count < 2 or self.config.io_threads == 1:
+        if count < 2 or self.config.io_threads == 1:
             return blocking(range(count))
         sizes = self._spread(
             lambda lo, hi: compiled.read_slice(

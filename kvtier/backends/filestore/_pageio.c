@@ -158,6 +158,16 @@ payload_length(const Page *page)
     return total;
 }
 
+/* One read of want bytes at offset from the page cache alone (RWF_NOWAIT): OK when all
+ * came, WOULD_BLOCK when some would wait for the disk, -errno on an error. */
+static long
+cached_read(int fd, struct iovec *iov, int count, off_t offset, uint64_t want)
+{
+    ssize_t got = preadv2(fd, iov, count, offset, RWF_NOWAIT);
+    if (got < 0 && errno != EAGAIN && errno != EOPNOTSUPP && errno != EINTR) return -errno;
+    return got >= 0 && (uint64_t)got == want ? OK : WOULD_BLOCK;
+}
+
 /* Read the page's file into its regions; the payload is hashed into state as it lands
  * (when state is not NULL). With nowait, a page read in one call is read only from the
  * page cache (RWF_NOWAIT): WOULD_BLOCK when it is not all there. Returns OK,
@@ -174,9 +184,8 @@ read_regions(int fd, Page *page, XXH3_state_t *state, int nowait)
             iov[i].iov_len = (size_t)page->buffers[i].len;
         }
         if (nowait && !page->direct) {
-            ssize_t cached = preadv2(fd, iov, (int)page->count, 0, RWF_NOWAIT);
-            if (cached < 0 && errno != EAGAIN && errno != EOPNOTSUPP && errno != EINTR) return -errno;
-            if ((uint64_t)cached != total) return WOULD_BLOCK; /* a thread waits for the disk */
+            long cached = cached_read(fd, iov, (int)page->count, 0, total);
+            if (cached != OK) return cached; /* WOULD_BLOCK: a thread waits for the disk */
             if (state != NULL) hash_regions(state, page->buffers, 1, page->count);
             return OK;
         }
@@ -186,11 +195,20 @@ read_regions(int fd, Page *page, XXH3_state_t *state, int nowait)
         if (state != NULL) hash_regions(state, page->buffers, 1, page->count);
         return OK;
     }
-    /* The header slot, then the payload in pieces of at most PIECE, each hashed at once. */
+    /* The header slot, then the payload in pieces of at most PIECE, each hashed at once
+     * (with nowait, each piece from the page cache alone, else WOULD_BLOCK). */
     off_t offset = 0;
-    long got = move_all(fd, &(struct iovec){page->buffers[0].buf, (size_t)page->buffers[0].len}, 1, 0, 0);
-    if (got < 0) return got;
-    if (got != page->buffers[0].len) return SHORT_READ;
+    struct iovec header = {page->buffers[0].buf, (size_t)page->buffers[0].len};
+    long got;
+    if (nowait && !page->direct) {
+        got = cached_read(fd, &header, 1, 0, header.iov_len);
+        if (got != OK) return got;
+        got = (long)header.iov_len;
+    } else {
+        got = move_all(fd, &header, 1, 0, 0);
+        if (got < 0) return got;
+        if (got != page->buffers[0].len) return SHORT_READ;
+    }
     offset = got;
     Py_ssize_t region = 1;
     size_t inside = 0; /* bytes of buffers[region] already read */
@@ -214,9 +232,15 @@ read_regions(int fd, Page *page, XXH3_state_t *state, int nowait)
             }
         }
         size_t want = PIECE - room;
-        got = move_all(fd, iov, n, offset, 0);
-        if (got < 0) return got;
-        if ((size_t)got != want) return SHORT_READ;
+        if (nowait && !page->direct) {
+            got = cached_read(fd, iov, n, offset, want);
+            if (got != OK) return got;
+            got = (long)want;
+        } else {
+            got = move_all(fd, iov, n, offset, 0);
+            if (got < 0) return got;
+            if ((size_t)got != want) return SHORT_READ;
+        }
         for (int i = 0; i < n; i++) XXH3_128bits_update(state, iov[i].iov_base, iov[i].iov_len);
         offset += got;
         region = r;

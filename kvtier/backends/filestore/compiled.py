@@ -27,7 +27,6 @@ from kvtier.core.storage import PageBuffers
 __all__ = [
     "BLOCKED",
     "MISSING",
-    "NOWAIT_MAX_BYTES",
     "Spare",
     "available",
     "drop_spare",
@@ -53,12 +52,6 @@ else:
     if not any(_pageio.bind(library) for library in (xxhash._xxhash.__file__, "libxxhash.so.0")):
         _pageio = None
         MISSING = "no loaded xxHash library exports the XXH3 functions"
-
-
-#: Pages up to this size are first read from the page cache in the calling thread
-#: (``nowait``); only those that would wait for the disk go to the I/O threads. A hand-off
-#: costs more than such a page's copy; a bigger page is read in pieces on the threads.
-NOWAIT_MAX_BYTES = 512 << 10
 
 
 def available() -> bool:

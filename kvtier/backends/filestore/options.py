@@ -71,8 +71,8 @@ class FileStoreOptions(BaseModel):
         default=True,
         description="Use the compiled page loop (open, preadv/pwritev, checksum and "
         "envelope with the GIL released) when it was built: file moves every page with "
-        "it, uring reads pages of up to 512 KiB found in the page cache with it before "
-        "using the ring. false, or when it is missing, runs the same steps in Python.",
+        "it, uring reads the pages found in the page cache with it before using the "
+        "ring. false, or when it is missing, runs the same steps in Python.",
     )
     check_disk_on_miss: bool = Field(
         default=True,

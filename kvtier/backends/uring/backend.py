@@ -156,11 +156,11 @@ class UringBackend(StorageBackend):
     ) -> list[bool]:
         """``get``, calling ``on_filled(i)`` as soon as page ``i``'s read completes.
 
-        With ``envelope`` and the compiled loop, pages of up to
-        :data:`~kvtier.backends.filestore.compiled.NOWAIT_MAX_BYTES` are first read from
-        the page cache alone, in this thread, their envelopes checked there (a ring
-        request costs more than such a page's copy); the ring gets the pages that would
-        wait for the disk.
+        With ``envelope`` and the compiled loop, pages are first read from the page cache
+        alone, in this thread, their envelopes checked there as the bytes land (a ring
+        request costs more than a small page's copy, and the kernel's workers copy a
+        large one where this thread cannot hash it in cache); the ring gets the pages
+        that would wait for the disk.
 
         A page larger than :data:`READ_PART` is read as several requests of that size,
         in flight together: the disk then sees them in parallel instead of one long
@@ -173,9 +173,7 @@ class UringBackend(StorageBackend):
         """
         self._check("get", keys, pages)
         if envelope is not None and self.checks_envelopes and keys:
-            page_bytes = sum(e.length for e in pages[0])
-            if page_bytes <= compiled.NOWAIT_MAX_BYTES:
-                return self._get_cached_first(keys, pages, on_filled, envelope)
+            return self._get_cached_first(keys, pages, on_filled, envelope)
         return self._get_ring(keys, pages, on_filled)
 
     def _get_cached_first(
