@@ -75,7 +75,7 @@ class Setup:
             list(range(geometry.page_size * PAGES))
         )
         self.backend: Any
-        if uring:
+        if uring:  # (io_threads, a file backend option, does not apply)
             from kvtier.backends.uring import UringConfig
             from kvtier.backends.uring.backend import UringBackend
 
@@ -311,10 +311,11 @@ def _overwrite(setup: Setup, page: int) -> None:
     assert setup.store.put(setup.keys[page : page + 1], [page]) == [True]
 
 
+@pytest.mark.parametrize("uring", [False, True], ids=["file", "uring"])
 def test_overwrites_write_into_the_file_a_replaced_page_left(
-    make: Callable[..., Setup],
+    make: Callable[..., Setup], uring: bool
 ) -> None:
-    setup = make(compiled_io=True, io_threads=1)
+    setup = make(compiled_io=True, io_threads=1, uring=uring)
     assert setup.put_all() == [True] * PAGES
     first = os.stat(setup.path(0)).st_ino
     _overwrite(setup, 0)  # page 0's old file is now the spare
@@ -325,8 +326,11 @@ def test_overwrites_write_into_the_file_a_replaced_page_left(
     assert setup.payload(PAGES + 1) == setup.payload(1)
 
 
-def test_a_file_a_reader_holds_is_never_recycled(make: Callable[..., Setup]) -> None:
-    setup = make(compiled_io=True, io_threads=1)
+@pytest.mark.parametrize("uring", [False, True], ids=["file", "uring"])
+def test_a_file_a_reader_holds_is_never_recycled(
+    make: Callable[..., Setup], uring: bool
+) -> None:
+    setup = make(compiled_io=True, io_threads=1, uring=uring)
     assert setup.put_all() == [True] * PAGES
     old = Path(setup.path(0)).read_bytes()
     reader = os.open(setup.path(0), os.O_RDONLY)  # as a reader mid-read holds it

@@ -74,7 +74,7 @@ class FileBackend(StorageBackend):
         self._lock = threading.Lock()
         self._closed = False
         #: Per writing thread, the file a replaced page left, kept for the next overwrite.
-        self._spares: dict[int, compiled.Spare] = {}
+        self._spares = compiled.Spares()
         if self.config.compiled_io and not compiled.available():
             log.info(
                 "file backend: the compiled page loop is not built (%s); using the Python "
@@ -298,7 +298,7 @@ class FileBackend(StorageBackend):
                 results.append(False)
                 continue
             tmp, final, nbytes = outcome
-            results.append(self._publish(key, tmp, final, nbytes, sync_dir=False))
+            results.append(self._fs.publish_page(key, tmp, final, nbytes, sync_dir=False))
             finals.append(final)
         self._sync_dirs(finals)
         return results
@@ -314,16 +314,13 @@ class FileBackend(StorageBackend):
         page_sync = self.config.fsync == "page"
 
         def publish(i: int, tmp: str, final: str, nbytes: int) -> bool:
-            return self._publish(keys[i], tmp, final, nbytes, sync_dir=page_sync)
+            return self._fs.publish_page(keys[i], tmp, final, nbytes, sync_dir=page_sync)
 
         def fallback(i: int) -> bool:
             return self._put_one(keys[i], pages[i], True, i, before_write) is True
 
         def run(lo: int, hi: int) -> list[bool]:
-            me = threading.get_ident()
-            with self._lock:
-                spare = self._spares.pop(me, None)
-            done, spare = compiled.write_slice(
+            done = compiled.write_slice(
                 self._fs,
                 keys,
                 pages,
@@ -333,13 +330,8 @@ class FileBackend(StorageBackend):
                 datasync=self.config.fsync != "none",
                 publish=publish,
                 fallback=fallback,
-                spare=spare,
+                spares=self._spares,
             )
-            with self._lock:
-                if self._closed:
-                    compiled.drop_spare(spare)
-                elif spare is not None:
-                    self._spares[me] = spare
             if page_sync:
                 store = self._store_str
                 published = [i for i, ok in zip(range(lo, hi), done, strict=True) if ok]
@@ -403,25 +395,7 @@ class FileBackend(StorageBackend):
             raise
         if not publish_now:
             return tmp, final, nbytes
-        return self._publish(key, tmp, final, nbytes, sync_dir=self.config.fsync == "page")
-
-    def _publish(self, key: str, tmp: str, final: str, nbytes: int, *, sync_dir: bool) -> bool:
-        try:
-            self._fs.publish(tmp, final)
-        except OSError as exc:  # nothing was published: the temp file is still ours
-            writes.unlink_quietly([tmp])
-            self.index.release(nbytes)
-            self._warn_once("put_failed_io", "file backend: publishing %s: %s", final, exc)
-            return False
-        self.index.commit(key, nbytes)
-        if sync_dir:
-            try:
-                writes.fsync_dir(os.path.dirname(final))
-            except OSError as exc:
-                self._warn_once("fsync_errors", "file backend: fsync of %s: %s", final, exc)
-        self._counters.add("puts")
-        self._counters.add("bytes_written", nbytes)
-        return True
+        return self._fs.publish_page(key, tmp, final, nbytes, sync_dir=self.config.fsync == "page")
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
         self._check_open()
@@ -442,8 +416,6 @@ class FileBackend(StorageBackend):
         with self._lock:
             self._closed = True
             executor, self._executor = self._executor, None
-            spares, self._spares = list(self._spares.values()), {}
-        for spare in spares:
-            compiled.drop_spare(spare)
+        self._spares.close()
         if executor is not None:
             executor.shutdown(wait=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
     "BLOCKED",
     "MISSING",
     "Spare",
+    "Spares",
     "available",
     "drop_spare",
     "read_slice",
@@ -151,8 +153,8 @@ def write_slice(
     datasync: bool,
     publish: Callable[[int, str, str, int], bool],
     fallback: Callable[[int], bool],
-    spare: Spare | None = None,
-) -> tuple[list[bool], Spare | None]:
+    spares: Spares,
+) -> list[bool]:
     """Write and publish pages ``lo..hi`` (keys already checked), envelopes written in C.
 
     ``publish(i, tmp, final, nbytes)`` publishes a page the compiled loop wrote but left
@@ -164,8 +166,8 @@ def write_slice(
     exclusively locked, and the next page of its size is written into it in place and
     exchanged in turn, so an overwrite reuses page cache instead of allocating a new
     file. A file a reader holds (readers take a shared lock) is unlinked instead, so
-    the reader keeps the whole old page. Returns the results and the spare left, for
-    the caller's next call on this thread (or :func:`drop_spare`).
+    the reader keeps the whole old page. The spare left is kept in ``spares`` for this
+    thread's next call.
     """
     assert _pageio is not None
     results = [False] * (hi - lo)
@@ -187,8 +189,9 @@ def write_slice(
         regions.append(views)
         sizes.append(nbytes)
     if not todo:
-        return results, spare
+        return results
     tmps = paths.temp_paths(finals)
+    spare = spares.take()
     try:
         codes, spare = _pageio.write_pages(
             tmps,
@@ -206,6 +209,7 @@ def write_slice(
             index.release(nbytes)
         drop_spare(spare)
         raise
+    spares.keep(spare)
     published = 0
     published_bytes = 0
     for j, code in enumerate(codes):
@@ -224,7 +228,39 @@ def write_slice(
             results[i - lo] = fallback(i)
     fs.counters.add("puts", published)
     fs.counters.add("bytes_written", published_bytes)
-    return results, spare
+    return results
+
+
+class Spares:
+    """The spare file of each writing thread (see :func:`write_slice`), until ``close``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_thread: dict[int, Spare] = {}
+        self._closed = False
+
+    def take(self) -> Spare | None:
+        """This thread's spare, now the caller's (None when it has none)."""
+        with self._lock:
+            return self._by_thread.pop(threading.get_ident(), None)
+
+    def keep(self, spare: Spare | None) -> None:
+        """Keep ``spare`` for this thread's next call (dropped once closed)."""
+        if spare is None:
+            return
+        with self._lock:
+            if not self._closed:
+                self._by_thread[threading.get_ident()] = spare
+                return
+        drop_spare(spare)
+
+    def close(self) -> None:
+        """Unlink and close every spare; later ones are dropped as they come back."""
+        with self._lock:
+            self._closed = True
+            left, self._by_thread = list(self._by_thread.values()), {}
+        for spare in left:
+            drop_spare(spare)
 
 
 def drop_spare(spare: Spare | None) -> None:

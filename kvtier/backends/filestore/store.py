@@ -232,6 +232,32 @@ class FileStore:
         """:func:`writes.publish` with this store's debris counters."""
         writes.publish(tmp, final, sync_dir=sync_dir, debris=self.debris)
 
+    def publish_page(
+        self, key: str, tmp: str, final: str, nbytes: int, *, sync_dir: bool = False
+    ) -> bool:
+        """Publish ``key``'s written temp file and commit it to the index; False (counted,
+        the temp file removed, the reservation released) when the rename fails."""
+        try:
+            self.publish(tmp, final)
+        except OSError as exc:  # nothing was published: the temp file is still ours
+            writes.unlink_quietly([tmp])
+            self.index.release(nbytes)
+            self.warn_once(
+                "put_failed_io", "%s backend: publishing %s: %s", self.backend, final, exc
+            )
+            return False
+        self.index.commit(key, nbytes)
+        if sync_dir:
+            try:
+                writes.fsync_dir(os.path.dirname(final))
+            except OSError as exc:
+                self.warn_once(
+                    "fsync_errors", "%s backend: fsync of %s: %s", self.backend, final, exc
+                )
+        self.counters.add("puts")
+        self.counters.add("bytes_written", nbytes)
+        return True
+
     def clear_name(self, final: Path | str) -> bool:
         """Before a rename: remove whatever other than a page file holds ``final``."""
         return writes.clear_name(final, self.debris)

@@ -76,6 +76,8 @@ class UringBackend(StorageBackend):
         self._counters = self._fs.counters
         self._warn_once = self._fs.warn_once
         self._rings = RingPool(self.config.queue_depth)
+        #: Per writing thread, the file a replaced page left (the compiled write loop).
+        self._spares = compiled.Spares()
         self._closed = False
 
     @property
@@ -285,7 +287,12 @@ class UringBackend(StorageBackend):
     ) -> list[bool]:
         """Write temp files, fsync as configured, publish by rename; all through the ring.
 
-        ``envelope`` is not used: every page's envelope is written by ``before_write``.
+        With ``envelope``, the compiled loop and ``fsync='none'``, the pages are written
+        by the file backend's compiled loop in this thread instead (envelopes written
+        there, overwrites recycling the replaced files): a buffered write goes to the
+        page cache without waiting for the disk, so the ring has nothing to overlap, and
+        it handed every write to a kernel worker. A page that loop cannot write goes
+        through the ring.
 
         Each page is a small chain: WRITE -> (FDATASYNC) -> RENAME -> (directory FSYNC for
         ``fsync='page'``); ``on_done`` queues the next link as one completes, so the
@@ -295,6 +302,35 @@ class UringBackend(StorageBackend):
         this thread just before page ``i``'s first request is queued.
         """
         self._check("put", keys, pages)
+        if envelope is not None and self.checks_envelopes and self.config.fsync == "none":
+
+            def through_ring(i: int) -> bool:
+                before = None if before_write is None else lambda _j: before_write(i)
+                return self._put_ring([keys[i]], [pages[i]], before)[0]
+
+            return compiled.write_slice(
+                self._fs,
+                keys,
+                pages,
+                0,
+                len(keys),
+                envelope,
+                datasync=False,
+                publish=lambda i, tmp, final, nbytes: self._fs.publish_page(
+                    keys[i], tmp, final, nbytes
+                ),
+                fallback=through_ring,
+                spares=self._spares,
+            )
+        return self._put_ring(keys, pages, before_write)
+
+    def _put_ring(
+        self,
+        keys: Sequence[str],
+        pages: Sequence[PageBuffers],
+        before_write: Callable[[int], object] | None,
+    ) -> list[bool]:
+        """Every page through the ring (keys already checked)."""
         finals = [paths.page_path(self.store, key) for key in keys]
         durability = self.config.fsync
         results = [False] * len(keys)
@@ -505,3 +541,4 @@ class UringBackend(StorageBackend):
         if not self._closed:
             self._closed = True
             self._rings.close()
+            self._spares.close()
