@@ -473,3 +473,14 @@ def test_uring_reads_cached_pages_before_the_ring_and_cold_ones_through_it(
     assert ring.submitted - before <= 2  # only the dropped pages went to the ring
     stats = {**setup.backend.stats(), **setup.store.stats()}
     assert stats["hits"] == 2 * PAGES and stats["invalid"] == 0
+
+
+def test_the_built_loop_is_not_older_than_its_source() -> None:
+    source = Path(compiled.__file__).with_name("_pageio.c")
+    built = Path(compiled._pageio.__file__)
+    if built.parent != source.parent:  # an installed wheel: built from its own source
+        pytest.skip(f"the loop was installed from a wheel ({built})")
+    assert built.stat().st_mtime >= source.stat().st_mtime, (
+        f"{built.name} is older than {source.name}: rebuild it with "
+        "`pip install --no-deps -e .`"
+    )
