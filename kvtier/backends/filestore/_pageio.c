@@ -158,6 +158,36 @@ payload_length(const Page *page)
     return total;
 }
 
+/* Where a walk over a page's payload in pieces stands: a region, and bytes into it. */
+typedef struct {
+    Py_ssize_t region;
+    size_t inside;
+} Cursor;
+
+/* The next piece of at most PIECE payload bytes from ``at`` as iov[0..*n); moves ``at``
+ * past it and returns its size. */
+static size_t
+next_piece(const Page *page, Cursor *at, struct iovec *iov, int *n)
+{
+    size_t room = PIECE;
+    *n = 0;
+    while (at->region < page->count && room > 0 && *n < MAX_REGIONS) {
+        size_t left = (size_t)page->buffers[at->region].len - at->inside;
+        size_t take = left < room ? left : room;
+        iov[*n].iov_base = (char *)page->buffers[at->region].buf + at->inside;
+        iov[*n].iov_len = take;
+        (*n)++;
+        room -= take;
+        if (take == left) {
+            at->region++;
+            at->inside = 0;
+        } else {
+            at->inside += take;
+        }
+    }
+    return PIECE - room;
+}
+
 /* One read of want bytes at offset from the page cache alone (RWF_NOWAIT): OK when all
  * came, WOULD_BLOCK when some would wait for the disk, -errno on an error. */
 static long
@@ -210,28 +240,10 @@ read_regions(int fd, Page *page, XXH3_state_t *state, int nowait)
         if (got != page->buffers[0].len) return SHORT_READ;
     }
     offset = got;
-    Py_ssize_t region = 1;
-    size_t inside = 0; /* bytes of buffers[region] already read */
-    while (region < page->count) {
-        int n = 0;
-        size_t room = PIECE;
-        Py_ssize_t r = region;
-        size_t in = inside;
-        while (r < page->count && room > 0 && n < MAX_REGIONS) {
-            size_t left = (size_t)page->buffers[r].len - in;
-            size_t take = left < room ? left : room;
-            iov[n].iov_base = (char *)page->buffers[r].buf + in;
-            iov[n].iov_len = take;
-            n++;
-            room -= take;
-            if (take == left) {
-                r++;
-                in = 0;
-            } else {
-                in += take;
-            }
-        }
-        size_t want = PIECE - room;
+    Cursor at = {1, 0};
+    while (at.region < page->count) {
+        int n;
+        size_t want = next_piece(page, &at, iov, &n);
         if (nowait && !page->direct) {
             got = cached_read(fd, iov, n, offset, want);
             if (got != OK) return got;
@@ -243,8 +255,6 @@ read_regions(int fd, Page *page, XXH3_state_t *state, int nowait)
         }
         for (int i = 0; i < n; i++) XXH3_128bits_update(state, iov[i].iov_base, iov[i].iov_len);
         offset += got;
-        region = r;
-        inside = in;
     }
     return OK;
 }
@@ -320,18 +330,49 @@ get_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int
     return result;
 }
 
+/* Write the envelope into the page's header slot, from the payload's hash in state. */
 static void
-write_header(Page *page, XXH3_state_t *state, const unsigned char *static_fields)
+fill_header(Page *page, XXH3_state_t *state, const unsigned char *static_fields)
 {
     unsigned char *slot = page->buffers[0].buf;
-    XXH3_128bits_reset(state);
-    hash_regions(state, page->buffers, 1, page->count);
     memcpy(slot, static_fields, STATIC_BYTES);
     memcpy(slot + DIGEST_AT, page->key_digest, 16);
     put_le64(slot + LENGTH_AT, payload_length(page));
     canonical128(XXH3_128bits_digest(state), slot + CHECKSUM_AT);
     put_le64(slot + BODY_BYTES, XXH3_64bits(slot, BODY_BYTES));
     memset(slot + HEADER_BYTES, 0, (size_t)page->buffers[0].len - HEADER_BYTES);
+}
+
+static void
+write_header(Page *page, XXH3_state_t *state, const unsigned char *static_fields)
+{
+    XXH3_128bits_reset(state);
+    hash_regions(state, page->buffers, 1, page->count);
+    fill_header(page, state, static_fields);
+}
+
+/* Write a large page piece by piece, each hashed just before it is written (while it is
+ * in cache), then its header slot, now that the checksum is known: one pass over the
+ * page's memory instead of two. Returns the bytes written or -errno. */
+static long
+write_streamed(int fd, Page *page, XXH3_state_t *state, const unsigned char *static_fields)
+{
+    struct iovec iov[MAX_REGIONS];
+    off_t offset = page->buffers[0].len;
+    Cursor at = {1, 0};
+    XXH3_128bits_reset(state);
+    while (at.region < page->count) {
+        int n;
+        size_t want = next_piece(page, &at, iov, &n);
+        for (int i = 0; i < n; i++) XXH3_128bits_update(state, iov[i].iov_base, iov[i].iov_len);
+        long wrote = move_all(fd, iov, n, offset, 1);
+        if (wrote < 0) return wrote;
+        offset += (off_t)want;
+    }
+    fill_header(page, state, static_fields);
+    struct iovec header = {page->buffers[0].buf, (size_t)page->buffers[0].len};
+    long wrote = move_all(fd, &header, 1, 0, 1);
+    return wrote < 0 ? wrote : (long)offset;
 }
 
 /* Create the two shard directories above path (0700) where they are missing; 0 when one
@@ -404,8 +445,9 @@ put_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int
 {
     struct iovec iov[MAX_REGIONS];
     if (page->count > MAX_REGIONS) return -E2BIG;
-    if (static_fields != NULL) write_header(page, state, static_fields);
     uint64_t total = (uint64_t)page->buffers[0].len + payload_length(page);
+    int streamed = static_fields != NULL && !page->direct && total > 2 * (uint64_t)PIECE;
+    if (static_fields != NULL && !streamed) write_header(page, state, static_fields);
     int fd;
     const char *at; /* where the bytes are written: the spare, or a fresh temp file */
     int recycled = spare->fd >= 0 && spare->size == total && spare->direct == page->direct;
@@ -427,7 +469,8 @@ put_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int
         iov[i].iov_base = page->buffers[i].buf;
         iov[i].iov_len = (size_t)page->buffers[i].len;
     }
-    long wrote = move_all(fd, iov, (int)page->count, 0, 1);
+    long wrote = streamed ? write_streamed(fd, page, state, static_fields)
+                          : move_all(fd, iov, (int)page->count, 0, 1);
     long failed = wrote < 0 ? wrote : 0;
     if (failed == 0 && datasync && fdatasync(fd) != 0) failed = -errno;
     if (!recycled && close(fd) != 0 && failed == 0) failed = -errno;
