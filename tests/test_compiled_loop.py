@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -488,3 +489,21 @@ def test_the_built_loop_is_not_older_than_its_source() -> None:
         f"{built.name} is older than {source.name}: rebuild it with "
         "`pip install --no-deps -e .`"
     )
+
+
+def test_a_forked_child_never_writes_into_its_parents_spare(
+    make: Callable[..., Setup],
+) -> None:
+    setup = make(compiled_io=True, io_threads=1)
+    assert setup.put_all() == [True] * PAGES
+    _overwrite(setup, 0)  # this thread now holds a spare
+    spares = setup.backend._spares
+    held = spares._by_thread[threading.get_ident()]
+    pid = os.fork()
+    if pid == 0:  # the child: same thread ident, inherited descriptors and locks
+        code = 0 if spares.take() is None else 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert spares._by_thread[threading.get_ident()] == held  # the parent's, untouched
+    assert Path(os.fsdecode(held[1])).exists()

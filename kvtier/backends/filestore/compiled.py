@@ -232,16 +232,24 @@ def write_slice(
 
 
 class Spares:
-    """The spare file of each writing thread (see :func:`write_slice`), until ``close``."""
+    """The spare file of each writing thread (see :func:`write_slice`), until ``close``.
+
+    Spares belong to the process that made them: a forked child inherits the descriptors
+    (and so the locks) but must never write into its parent's spares, so it starts with
+    none and leaves the parent's alone.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_thread: dict[int, Spare] = {}
         self._closed = False
+        self._pid = os.getpid()
 
     def take(self) -> Spare | None:
         """This thread's spare, now the caller's (None when it has none)."""
         with self._lock:
+            if self._pid != os.getpid():  # forked: the parent's spares are not ours
+                self._by_thread, self._pid = {}, os.getpid()
             return self._by_thread.pop(threading.get_ident(), None)
 
     def keep(self, spare: Spare | None) -> None:
@@ -259,6 +267,8 @@ class Spares:
         with self._lock:
             self._closed = True
             left, self._by_thread = list(self._by_thread.values()), {}
+            if self._pid != os.getpid():  # a forked child: only close its copies
+                left = [(fd, b"", size, direct) for fd, _path, size, direct in left]
         for spare in left:
             drop_spare(spare)
 
@@ -268,7 +278,8 @@ def drop_spare(spare: Spare | None) -> None:
     if spare is None:
         return
     fd, path, _size, _direct = spare
-    with contextlib.suppress(OSError):
-        os.unlink(path)
+    if path:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
     with contextlib.suppress(OSError):
         os.close(fd)
