@@ -507,3 +507,31 @@ def test_a_forked_child_never_writes_into_its_parents_spare(
     assert os.waitstatus_to_exitcode(status) == 0
     assert spares._by_thread[threading.get_ident()] == held  # the parent's, untouched
     assert Path(os.fsdecode(held[1])).exists()
+
+
+@pytest.mark.parametrize("compiled_io", [True, False], ids=["compiled", "python"])
+def test_pages_of_more_regions_than_one_system_call_takes(
+    tmp_path: Path, compiled_io: bool
+) -> None:
+    # layer_first cuts a page into one region per layer and K/V: 1200 + the header slot,
+    # more than the 1024 regions (IOV_MAX) one preadv / pwritev accepts
+    geometry = KVGeometry.mha(num_layers=600, num_kv_heads=1, head_dim=8, page_size=1)
+    pool = HostPool(geometry, "layer_first", num_pages=4, pin_memory=False)
+    assert len(pool.page_buffers(0)) > 1024
+    for page in range(2):
+        for extent in pool.extents(page):
+            extent.view[:] = os.urandom(extent.length)
+    keys = PageKeyer(Namespace("regions", geometry.fingerprint), 1).keys([1, 2])
+    config = FileConfig(root=tmp_path, min_free_bytes=0, compiled_io=compiled_io)
+    backend = FileBackend(config)
+    try:
+        store = PageStore(backend, pool, fingerprint=geometry.fingerprint)
+        assert store.put(keys, [0, 1]) == [True, True]
+        assert store.put(keys, [0, 1]) == [True, True]  # overwrites (recycled files)
+        assert store.get(keys, [2, 3]) == [True, True]
+        for page in range(2):
+            payload = [bytes(e.view) for e in pool.extents(page)]
+            assert [bytes(e.view) for e in pool.extents(page + 2)] == payload
+        assert backend.stats().get("get_errors", 0) == 0
+    finally:
+        backend.close()

@@ -198,6 +198,35 @@ cached_read(int fd, struct iovec *iov, int count, off_t offset, uint64_t want)
     return got >= 0 && (uint64_t)got == want ? OK : WOULD_BLOCK;
 }
 
+/* Move the whole page (every region, from offset 0) in calls of at most MAX_REGIONS
+ * regions: OK, or for a read SHORT_READ at an early end of file and, with nowait,
+ * WOULD_BLOCK when the page cache does not hold it all; else -errno. */
+static long
+move_regions(int fd, const Page *page, int writing, int nowait)
+{
+    struct iovec iov[MAX_REGIONS];
+    off_t offset = 0;
+    for (Py_ssize_t first = 0; first < page->count; first += MAX_REGIONS) {
+        int n = 0;
+        uint64_t want = 0;
+        for (Py_ssize_t i = first; i < page->count && n < MAX_REGIONS; i++, n++) {
+            iov[n].iov_base = page->buffers[i].buf;
+            iov[n].iov_len = (size_t)page->buffers[i].len;
+            want += iov[n].iov_len;
+        }
+        if (nowait) {
+            long cached = cached_read(fd, iov, n, offset, want);
+            if (cached != OK) return cached;
+        } else {
+            long got = move_all(fd, iov, n, offset, writing);
+            if (got < 0) return got;
+            if ((uint64_t)got != want) return SHORT_READ; /* (a write never comes short) */
+        }
+        offset += (off_t)want;
+    }
+    return OK;
+}
+
 /* Read the page's file into its regions; the payload is hashed into state as it lands
  * (when state is not NULL). With nowait, a page read in one call is read only from the
  * page cache (RWF_NOWAIT): WOULD_BLOCK when it is not all there. Returns OK,
@@ -207,21 +236,9 @@ read_regions(int fd, Page *page, XXH3_state_t *state, int nowait)
 {
     struct iovec iov[MAX_REGIONS];
     uint64_t total = (uint64_t)page->buffers[0].len + payload_length(page);
-    if (page->count > MAX_REGIONS) return -E2BIG;
     if (state == NULL || page->direct || total <= 2 * (uint64_t)PIECE) {
-        for (Py_ssize_t i = 0; i < page->count; i++) {
-            iov[i].iov_base = page->buffers[i].buf;
-            iov[i].iov_len = (size_t)page->buffers[i].len;
-        }
-        if (nowait && !page->direct) {
-            long cached = cached_read(fd, iov, (int)page->count, 0, total);
-            if (cached != OK) return cached; /* WOULD_BLOCK: a thread waits for the disk */
-            if (state != NULL) hash_regions(state, page->buffers, 1, page->count);
-            return OK;
-        }
-        long got = move_all(fd, iov, (int)page->count, 0, 0);
-        if (got < 0) return got;
-        if ((uint64_t)got != total) return SHORT_READ;
+        long moved = move_regions(fd, page, 0, nowait && !page->direct);
+        if (moved != OK) return moved; /* WOULD_BLOCK: a thread waits for the disk */
         if (state != NULL) hash_regions(state, page->buffers, 1, page->count);
         return OK;
     }
@@ -443,8 +460,6 @@ static long
 put_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int datasync,
         int exchange, Spare *spare)
 {
-    struct iovec iov[MAX_REGIONS];
-    if (page->count > MAX_REGIONS) return -E2BIG;
     uint64_t total = (uint64_t)page->buffers[0].len + payload_length(page);
     int streamed = static_fields != NULL && !page->direct && total > 2 * (uint64_t)PIECE;
     if (static_fields != NULL && !streamed) write_header(page, state, static_fields);
@@ -465,12 +480,8 @@ put_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int
         if (fd < 0) return -errno;
         at = page->path;
     }
-    for (Py_ssize_t i = 0; i < page->count; i++) {
-        iov[i].iov_base = page->buffers[i].buf;
-        iov[i].iov_len = (size_t)page->buffers[i].len;
-    }
     long wrote = streamed ? write_streamed(fd, page, state, static_fields)
-                          : move_all(fd, iov, (int)page->count, 0, 1);
+                          : move_regions(fd, page, 1, 0);
     long failed = wrote < 0 ? wrote : 0;
     if (failed == 0 && datasync && fdatasync(fd) != 0) failed = -errno;
     if (!recycled && close(fd) != 0 && failed == 0) failed = -errno;
