@@ -535,3 +535,28 @@ def test_pages_of_more_regions_than_one_system_call_takes(
         assert backend.stats().get("get_errors", 0) == 0
     finally:
         backend.close()
+
+
+def test_o_direct_pages_round_trip_and_recycle(tmp_path: Path) -> None:
+    geometry = KVGeometry.mha(num_layers=2, num_kv_heads=8, head_dim=128, page_size=16)
+    pool = HostPool(geometry, "page_first_direct", num_pages=8, pin_memory=False)
+    for page in range(4):
+        for extent in pool.extents(page):
+            extent.view[:] = os.urandom(extent.length)
+    keys = PageKeyer(Namespace("direct", geometry.fingerprint), 1).keys([1, 2, 3, 4])
+    config = FileConfig(root=tmp_path, min_free_bytes=0, o_direct=True, io_threads=1)
+    backend = FileBackend(config)
+    try:
+        store = PageStore(backend, pool, fingerprint=geometry.fingerprint)
+        assert store.put(keys, [0, 1, 2, 3]) == [True] * 4
+        first = os.stat(fs_paths.page_path_str(os.fspath(backend.store), keys[0])).st_ino
+        assert store.put(keys, [0, 1, 2, 3]) == [True] * 4  # overwrites: recycled files
+        second = os.stat(fs_paths.page_path_str(os.fspath(backend.store), keys[1])).st_ino
+        assert second == first
+        assert store.get(keys, [4, 5, 6, 7]) == [True] * 4
+        for page in range(4):
+            want = [bytes(e.view) for e in pool.extents(page)]
+            assert [bytes(e.view) for e in pool.extents(page + 4)] == want
+        assert backend.stats().get("o_direct_fallbacks", 0) == 0
+    finally:
+        backend.close()
