@@ -560,3 +560,12 @@ def test_o_direct_pages_round_trip_and_recycle(tmp_path: Path) -> None:
         assert backend.stats().get("o_direct_fallbacks", 0) == 0
     finally:
         backend.close()
+
+
+def test_the_compiled_envelope_layout_is_the_python_one() -> None:
+    from kvtier.core import envelope
+
+    pageio = compiled._pageio
+    assert pageio.STATIC_BYTES == envelope.STATIC_BYTES
+    assert pageio.BODY_BYTES == envelope.BODY_BYTES
+    assert envelope.HEADER.size == pageio.HEADER_BYTES

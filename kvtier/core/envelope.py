@@ -225,8 +225,7 @@ def verify_envelope(
 
 #: The body's fields before the key digest: the same in every page of one store.
 STATIC_BYTES = struct.calcsize("<8sHHI32sBBHI")
-_STATIC_BYTES = STATIC_BYTES
-_DIGEST_END = _STATIC_BYTES + 16
+_DIGEST_END = STATIC_BYTES + 16
 _LENGTH = struct.Struct("<Q")
 #: The header body: the static fields, key digest, payload length and payload checksum;
 #: its xxh3-64 follows.
@@ -276,7 +275,7 @@ class EnvelopeFormat:
             bytes(16),
             0,
             bytes(16),
-        )[:_STATIC_BYTES]
+        )[:STATIC_BYTES]
 
     def batch(self, keys: Sequence[str], *, full: bool = True) -> BatchEnvelope:
         """The envelopes of ``keys``, for a backend that writes or checks them itself."""
@@ -319,8 +318,8 @@ class EnvelopeFormat:
         for view in payload:
             expected += view.nbytes
         if (
-            body[:_STATIC_BYTES] != self._static
-            or body[_STATIC_BYTES:_DIGEST_END] != key_digest(key)
+            body[:STATIC_BYTES] != self._static
+            or body[STATIC_BYTES:_DIGEST_END] != key_digest(key)
             or _LENGTH.unpack_from(body, _DIGEST_END)[0] != expected
         ):  # something differs: let the general check say what
             return verify_envelope(
