@@ -178,11 +178,11 @@ class FileBackend(StorageBackend):
     ) -> list[int]:
         """``get_with`` through the compiled loop; the bytes read per page.
 
-        Small pages are first read from the page cache alone (``nowait``), on no more
+        The batch is first read from the page cache alone (``nowait``), on no more
         threads than there are CPUs to copy with and than the batch has
-        :data:`MIN_SLICE_BYTES` slices (a hand-off costs more than a small page's copy);
-        only the pages that would wait for the disk then go to every I/O thread, where
-        the waits overlap.
+        :data:`MIN_SLICE_BYTES` slices (a hand-off costs more than a small page's copy,
+        and threads beyond the CPUs only take turns); only the pages that would wait for
+        the disk then go to every I/O thread, where the waits overlap.
         """
         fs = self._fs
         count = len(keys)

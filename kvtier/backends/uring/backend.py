@@ -82,8 +82,8 @@ class UringBackend(StorageBackend):
 
     @property
     def checks_envelopes(self) -> bool:
-        """Whether warm small pages are read (and their envelopes checked) in the compiled
-        loop before the ring."""
+        """Whether the compiled loop reads pages found in the page cache (their envelopes
+        checked there) before the ring, and writes pages when ``fsync`` is 'none'."""
         return self.config.compiled_io and compiled.available()
 
     # --- helpers ---------------------------------------------------------------------
