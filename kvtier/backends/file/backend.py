@@ -213,10 +213,7 @@ class FileBackend(StorageBackend):
 
     def _got(self, keys: Sequence[str], sizes: list[int]) -> list[bool]:
         """Index and count what a get read (``sizes``: bytes per page, 0 for none)."""
-        filled = [(key, got) for key, got in zip(keys, sizes, strict=True) if got]
-        self.index.touch_many(filled)
-        self._counters.add("hits", len(filled))
-        self._counters.add("bytes_read", sum(sizes))
+        self._fs.record_reads([(key, got) for key, got in zip(keys, sizes, strict=True) if got])
         return [got > 0 for got in sizes]
 
     def _get_one(

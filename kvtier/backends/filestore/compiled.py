@@ -122,8 +122,7 @@ def _read_failed(fs: FileStore, key: str, path: str, code: int) -> None:
     """Count (and where needed repair) one page the compiled loop could not read."""
     assert _pageio is not None
     if code == _pageio.ABSENT:
-        fs.index.forget(key)  # another process deleted or evicted it
-        fs.counters.add("misses")
+        fs.page_gone(key)
     elif code == _pageio.NOT_REGULAR:
         fs.not_a_page(key, path)
     elif code == _pageio.SIZE_MISMATCH:

@@ -108,11 +108,7 @@ def temp_path(final: Path | str) -> Path | str:
     Given a string, it returns one (the put path's hot loop avoids ``Path`` objects,
     which cost microseconds each); given a ``Path``, a ``Path``.
     """
-    tid = threading.get_native_id()
-    with _temp_lock:
-        seq = _temp_seq[tid] = _temp_seq.get(tid, 0) + 1
-    parent = os.path.dirname(os.fspath(final))
-    name = f"{parent}/.{os.getpid()}.{tid}.{seq}{TEMP_SUFFIX}"
+    (name,) = temp_paths([os.fspath(final)])
     return Path(name) if isinstance(final, Path) else name
 
 

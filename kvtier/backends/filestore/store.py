@@ -92,6 +92,17 @@ class FileStore:
         )
         return False
 
+    def record_reads(self, pages: Sequence[tuple[str, int]]) -> None:
+        """Count the pages a get read (key, bytes) and mark them recently used."""
+        self.index.touch_many(pages)
+        self.counters.add("hits", len(pages))
+        self.counters.add("bytes_read", sum(size for _key, size in pages))
+
+    def page_gone(self, key: str) -> None:
+        """A page another process deleted or evicted: a counted miss, out of the index."""
+        self.index.forget(key)
+        self.counters.add("misses")
+
     def stats(self) -> dict[str, int | float]:
         """The backend's counters, the debris counters and the index's figures."""
         return {**self.counters.snapshot(), **self.debris.stats(), **self.index.stats()}
@@ -142,8 +153,7 @@ class FileStore:
         try:
             fd = os.open(path, flags)
         except (FileNotFoundError, NotADirectoryError):
-            self.index.forget(key)  # another process deleted or evicted it
-            self.counters.add("misses")
+            self.page_gone(key)
             return None
         except OSError as exc:
             if exc.errno in NOT_A_PAGE and self.not_a_page(key, path):

@@ -190,10 +190,7 @@ class UringBackend(StorageBackend):
             self._fs, keys, pages, range(len(keys)), envelope, on_filled, nowait=True
         )
         results = [size > 0 for size in sizes]
-        served = [(keys[i], size) for i, size in enumerate(sizes) if size > 0]
-        self.index.touch_many(served)
-        self._counters.add("hits", len(served))
-        self._counters.add("bytes_read", sum(size for _key, size in served))
+        self._fs.record_reads([(keys[i], size) for i, size in enumerate(sizes) if size > 0])
         waiting = [i for i, size in enumerate(sizes) if size == compiled.BLOCKED]
         if waiting:
 
@@ -269,9 +266,7 @@ class UringBackend(StorageBackend):
         finally:
             for fd in open_fds:
                 os.close(fd)
-            self.index.touch_many(touched)
-            self._counters.add("hits", len(touched))
-            self._counters.add("bytes_read", sum(size for _key, size in touched))
+            self._fs.record_reads(touched)
         return results
 
     def put(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
