@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import random
 import shutil
+import string
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,10 +25,10 @@ from kvtier.backends.file import FileConfig
 from kvtier.backends.file.backend import FileBackend
 from kvtier.backends.filestore import compiled
 from kvtier.backends.filestore import paths as fs_paths
-from kvtier.core.envelope import HEADER, EnvelopeFormat
+from kvtier.core.envelope import HEADER, EnvelopeFormat, key_digest
 from kvtier.core.geometry import KVGeometry
 from kvtier.core.host_pool import HostPool
-from kvtier.core.keys import Namespace, PageKeyer
+from kvtier.core.keys import MAX_KEY_LENGTH, Namespace, PageKeyer
 from kvtier.core.pagestore import PageStore
 
 GEOMETRY = KVGeometry.mha(num_layers=2, num_kv_heads=2, head_dim=64, page_size=4)
@@ -332,9 +334,7 @@ def test_overwrites_write_into_the_file_a_replaced_page_left(
 
 
 @pytest.mark.parametrize("uring", [False, True], ids=["file", "uring"])
-def test_a_file_a_reader_holds_is_never_recycled(
-    make: Callable[..., Setup], uring: bool
-) -> None:
+def test_a_file_a_reader_holds_is_never_recycled(make: Callable[..., Setup], uring: bool) -> None:
     setup = make(compiled_io=True, io_threads=1, uring=uring)
     assert setup.put_all() == [True] * PAGES
     old = Path(setup.path(0)).read_bytes()
@@ -405,22 +405,61 @@ def test_capacity_refusals_are_counted_not_written(make: Callable[..., Setup]) -
     assert not any(Path(setup.path(i)).exists() for i in range(PAGES))
 
 
-def test_malformed_calls_are_refused_with_a_reason() -> None:
+def test_malformed_calls_are_refused_with_a_reason(tmp_path: Path) -> None:
     pageio = compiled._pageio
     header = memoryview(bytearray(HEADER.size))
     payload = memoryview(bytearray(64))
+    store = str(tmp_path)
     with pytest.raises(ValueError, match="differ in length"):
-        pageio.read_pages(["a", "b"], [[header, payload]], [False], None, None, False)
+        pageio.read_pages(store, ["a", "b"], [[header, payload]], False, None, False)
+    with pytest.raises(ValueError, match="differ in length"):
+        pageio.read_pages(store, ["a"], [[header, payload]], [False, True], None, False)
     with pytest.raises(ValueError, match="smaller than the envelope header"):
-        pageio.read_pages(["a"], [[header[:8], payload]], [False], None, None, False)
+        pageio.read_pages(store, ["a"], [[header[:8], payload]], False, None, False)
     with pytest.raises(TypeError, match="56 bytes"):
-        pageio.read_pages(["a"], [[header, payload]], [False], b"short", [bytes(16)], True)
-    with pytest.raises(TypeError, match="key digest"):
-        pageio.read_pages(["a"], [[header, payload]], [False], bytes(56), [b"x"], True)
+        pageio.read_pages(store, ["a"], [[header, payload]], False, b"short", True)
     readonly = memoryview(bytes(HEADER.size))
     with pytest.raises(BufferError):
-        pageio.read_pages(["a"], [[readonly, payload]], [False], None, None, False)
+        pageio.read_pages(store, ["a"], [[readonly, payload]], False, None, False)
+    with pytest.raises(ValueError, match="differ in length"):
+        pageio.write_pages(
+            store, ["a", "b"], ".1.2.", 1, [[header, payload]], False, None, False, False
+        )
     assert pageio.bind("/nonexistent/libxxhash.so") is False
+
+
+@pytest.mark.parametrize(
+    "key", ["", "A", "_a", "-a", "a/b", "..", "a.kv", "é", "a" * (MAX_KEY_LENGTH + 1), "a\x00b"]
+)
+def test_the_compiled_loop_makes_no_path_of_an_unchecked_key(tmp_path: Path, key: str) -> None:
+    # keys are checked before they reach the loop; it refuses one that was not, so no
+    # caller's mistake can name a file outside the store
+    header = memoryview(bytearray(HEADER.size))
+    payload = memoryview(bytearray(64))
+    with pytest.raises(ValueError, match="not a checked page key"):
+        compiled._pageio.read_pages(str(tmp_path), [key], [[header, payload]], False, None, False)
+    with pytest.raises(ValueError, match="not a checked page key"):
+        compiled._pageio.write_pages(
+            str(tmp_path), [key], ".1.2.", 1, [[header, payload]], False, None, False, False
+        )
+    with pytest.raises(ValueError, match="not a checked page key"):
+        compiled._pageio.name(str(tmp_path), key)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_compiled_loop_names_pages_as_the_python_loop_does() -> None:
+    # the C page names and key digests (its own BLAKE2b) against hashlib's, for every key
+    # length up to the longest, across the 128-byte block boundary
+    rng = random.Random(7)
+    alphabet = string.ascii_lowercase + string.digits + "_-"
+    store = "/var/kvtier/ns-1"
+    for length in range(1, MAX_KEY_LENGTH + 1):
+        for _ in range(4):
+            key = rng.choice("a9") + "".join(rng.choice(alphabet) for _ in range(length - 1))
+            path, digest = compiled._pageio.name(store, key)
+            assert path == fs_paths.page_path_unchecked(store, key)
+            assert digest == key_digest(key)
+    assert compiled._pageio.MAX_KEY_LENGTH == MAX_KEY_LENGTH
 
 
 @pytest.mark.parametrize("geometry", [GEOMETRY, BIG], ids=["small", "pieces"])
@@ -486,8 +525,7 @@ def test_the_built_loop_is_not_older_than_its_source() -> None:
     if built.parent != source.parent:  # an installed wheel: built from its own source
         pytest.skip(f"the loop was installed from a wheel ({built})")
     assert built.stat().st_mtime >= source.stat().st_mtime, (
-        f"{built.name} is older than {source.name}: rebuild it with "
-        "`pip install --no-deps -e .`"
+        f"{built.name} is older than {source.name}: rebuild it with `pip install --no-deps -e .`"
     )
 
 

@@ -13,6 +13,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import xxhash
 
@@ -240,13 +241,19 @@ class BatchEnvelope:
     xxh3-128 (canonical), then the xxh3-64 of those :data:`BODY_BYTES`, little-endian
     (``docs/integrity.md``). On a get the backend appends to ``valid`` the index of every
     page it found valid (the payload checksum included when ``full``); the core checks
-    any other page it filled.
+    any other page it filled. A backend that hashes the keys itself (the file backends'
+    compiled loop) never pays for :attr:`key_digests`.
     """
 
     static: bytes
-    key_digests: list[bytes]
+    keys: Sequence[str]
     full: bool = True
     valid: list[int] = field(default_factory=list)
+
+    @cached_property
+    def key_digests(self) -> list[bytes]:
+        """Each key's :func:`key_digest`, in batch order (computed on first use)."""
+        return [key_digest(key) for key in self.keys]
 
 
 class EnvelopeFormat:
@@ -279,7 +286,7 @@ class EnvelopeFormat:
 
     def batch(self, keys: Sequence[str], *, full: bool = True) -> BatchEnvelope:
         """The envelopes of ``keys``, for a backend that writes or checks them itself."""
-        return BatchEnvelope(self._static, [key_digest(key) for key in keys], full)
+        return BatchEnvelope(self._static, keys, full)
 
     def write(self, slot: memoryview, key: str, payload: Sequence[memoryview]) -> None:
         """Write ``key``'s envelope for ``payload`` into ``slot`` and zero the slot's rest."""

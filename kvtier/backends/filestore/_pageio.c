@@ -64,6 +64,7 @@ static struct {
 /* Large pages are hashed piece by piece as they land, while each piece is in cache. */
 #define PIECE (256 * 1024)
 #define MAX_REGIONS 1024 /* IOV_MAX */
+#define MAX_KEY_LENGTH 160 /* kvtier.core.keys.MAX_KEY_LENGTH */
 
 /* Per-page outcomes (module constants of the same names). */
 enum {
@@ -87,14 +88,40 @@ typedef struct {
     char *path;         /* owned copies (the GIL is released while they are used) */
     char *final;
     int direct;
-    const unsigned char *key_digest; /* 16 bytes, or NULL */
+    unsigned char key_digest[16]; /* blake2b-128 of the key (envelopes only) */
     long result;
 } Page;
 
-static void
-put_le64(unsigned char *out, uint64_t value)
+/* --- page names ---------------------------------------------------------------------
+ * A page of key K lives at STORE/xx/yy/K.kv, xxyy the hex of K's 2-byte blake2b, and its
+ * envelope carries K's 16-byte blake2b (kvtier/backends/filestore/paths.py,
+ * kvtier/core/envelope.py). Both digests are computed here, so a batch's names cost no
+ * Python per page. BLAKE2b as RFC 7693 specifies it, unkeyed, one message at a time. */
+
+static const uint64_t B2_IV[8] = {
+    0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL, 0xa54ff53a5f1d36f1ULL,
+    0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL, 0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL,
+};
+
+static const uint8_t B2_SIGMA[12][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
+    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
+    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
+    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
+    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
+    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
+    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
+    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+};
+
+static inline uint64_t
+rotr64(uint64_t x, int n)
 {
-    for (int i = 0; i < 8; i++) out[i] = (unsigned char)(value >> (8 * i));
+    return (x >> n) | (x << (64 - n));
 }
 
 static uint64_t
@@ -103,6 +130,93 @@ get_le64(const unsigned char *in)
     uint64_t value = 0;
     for (int i = 7; i >= 0; i--) value = (value << 8) | in[i];
     return value;
+}
+
+#define B2_G(a, b, c, d, x, y)                                                                 \
+    do {                                                                                       \
+        v[a] += v[b] + (x);                                                                    \
+        v[d] = rotr64(v[d] ^ v[a], 32);                                                        \
+        v[c] += v[d];                                                                          \
+        v[b] = rotr64(v[b] ^ v[c], 24);                                                        \
+        v[a] += v[b] + (y);                                                                    \
+        v[d] = rotr64(v[d] ^ v[a], 16);                                                        \
+        v[c] += v[d];                                                                          \
+        v[b] = rotr64(v[b] ^ v[c], 63);                                                        \
+    } while (0)
+
+/* Mix one 128-byte block into h; `count` is the bytes hashed so far, this block included. */
+static void
+b2_compress(uint64_t h[8], const unsigned char block[128], uint64_t count, int last)
+{
+    uint64_t m[16], v[16];
+    for (int i = 0; i < 16; i++) m[i] = get_le64(block + 8 * i);
+    for (int i = 0; i < 8; i++) {
+        v[i] = h[i];
+        v[i + 8] = B2_IV[i];
+    }
+    v[12] ^= count; /* messages here are far below 2**64 bytes: the high word stays 0 */
+    if (last) v[14] = ~v[14];
+    for (int r = 0; r < 12; r++) {
+        const uint8_t *s = B2_SIGMA[r];
+        B2_G(0, 4, 8, 12, m[s[0]], m[s[1]]);
+        B2_G(1, 5, 9, 13, m[s[2]], m[s[3]]);
+        B2_G(2, 6, 10, 14, m[s[4]], m[s[5]]);
+        B2_G(3, 7, 11, 15, m[s[6]], m[s[7]]);
+        B2_G(0, 5, 10, 15, m[s[8]], m[s[9]]);
+        B2_G(1, 6, 11, 12, m[s[10]], m[s[11]]);
+        B2_G(2, 7, 8, 13, m[s[12]], m[s[13]]);
+        B2_G(3, 4, 9, 14, m[s[14]], m[s[15]]);
+    }
+    for (int i = 0; i < 8; i++) h[i] ^= v[i] ^ v[i + 8];
+}
+
+/* The unkeyed BLAKE2b digest of `length` bytes, `size` (1..64) bytes long, into out. */
+static void
+blake2b(unsigned char *out, size_t size, const unsigned char *in, size_t length)
+{
+    uint64_t h[8];
+    unsigned char block[128];
+    memcpy(h, B2_IV, sizeof h);
+    h[0] ^= 0x01010000ULL ^ (uint64_t)size; /* depth 1, fanout 1, no key, `size` bytes */
+    size_t done = 0;
+    while (length - done > 128) {
+        b2_compress(h, in + done, done + 128, 0);
+        done += 128;
+    }
+    memset(block, 0, sizeof block);
+    memcpy(block, in + done, length - done);
+    b2_compress(h, block, length, 1);
+    for (size_t i = 0; i < size; i++) out[i] = (unsigned char)(h[i / 8] >> (8 * (i % 8)));
+}
+
+/* STORE/xx/yy/KEY.kv into out (capacity PATH_MAX); the length, or -1 if it does not fit. */
+static long
+page_name(char *out, const char *store, size_t store_length, const char *key, size_t length)
+{
+    static const char hex[] = "0123456789abcdef";
+    unsigned char shard[2];
+    if (store_length + length + 11 >= PATH_MAX) return -1;
+    blake2b(shard, 2, (const unsigned char *)key, length);
+    char *at = out;
+    memcpy(at, store, store_length);
+    at += store_length;
+    *at++ = '/';
+    *at++ = hex[shard[0] >> 4];
+    *at++ = hex[shard[0] & 15];
+    *at++ = '/';
+    *at++ = hex[shard[1] >> 4];
+    *at++ = hex[shard[1] & 15];
+    *at++ = '/';
+    memcpy(at, key, length);
+    at += length;
+    memcpy(at, ".kv", 4);
+    return (long)(at + 3 - out);
+}
+
+static void
+put_le64(unsigned char *out, uint64_t value)
+{
+    for (int i = 0; i < 8; i++) out[i] = (unsigned char)(value >> (8 * i));
 }
 
 static void
@@ -586,33 +700,122 @@ free_pages(Page *pages, Py_ssize_t count)
     PyMem_Free(pages);
 }
 
-static char *
-copy_path(PyObject *path)
+/* Where a call's pages live: the store directory, and for a put the temp names' stem
+ * ("." pid "." tid ".") and first sequence number (see paths.temp_paths). */
+typedef struct {
+    const char *store;
+    size_t store_length;
+    const char *stem; /* NULL: a get, no temp names */
+    unsigned long long seq;
+} Names;
+
+/* A key as the caller checked it (kvtier.core.keys: [a-z0-9_-], a letter or digit first,
+ * at most MAX_KEY_LENGTH), as bytes; anything else is refused, never made a path. */
+static const char *
+key_arg(PyObject *key, Py_ssize_t *length)
 {
-    PyObject *encoded = NULL;
-    if (!PyUnicode_FSConverter(path, &encoded)) return NULL;
-    const char *raw = PyBytes_AS_STRING(encoded);
-    size_t length = strlen(raw);
+    const char *text = NULL;
+    if (PyUnicode_Check(key) && PyUnicode_IS_ASCII(key)) {
+        text = PyUnicode_AsUTF8AndSize(key, length);
+        if (text == NULL) return NULL;
+    }
+    int valid = text != NULL && *length > 0 && *length <= MAX_KEY_LENGTH && text[0] != '_' &&
+                text[0] != '-';
+    for (Py_ssize_t i = 0; valid && i < *length; i++) {
+        char c = text[i];
+        valid = (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' || c == '-';
+    }
+    if (valid) return text;
+    PyErr_Format(PyExc_ValueError, "_pageio: %R is not a checked page key", key);
+    return NULL;
+}
+
+static char *
+copy_text(const char *text, size_t length)
+{
     char *copy = PyMem_Malloc(length + 1);
     if (copy == NULL) {
-        Py_DECREF(encoded);
         PyErr_NoMemory();
         return NULL;
     }
-    memcpy(copy, raw, length + 1);
-    Py_DECREF(encoded);
+    memcpy(copy, text, length);
+    copy[length] = '\0';
     return copy;
 }
 
-/* Build the page table from the Python arguments (all sequences of one length). */
+/* The page's file name (and, for a put, its temp name) from its key. */
+static int
+name_page(Page *page, const Names *names, PyObject *key, Py_ssize_t index)
+{
+    Py_ssize_t length;
+    const char *text = key_arg(key, &length);
+    if (text == NULL) return 0;
+    char name[PATH_MAX];
+    long size = page_name(name, names->store, names->store_length, text, (size_t)length);
+    if (size < 0) {
+        PyErr_SetString(PyExc_ValueError, "_pageio: a page's path is longer than PATH_MAX");
+        return 0;
+    }
+    blake2b(page->key_digest, 16, (const unsigned char *)text, (size_t)length);
+    if (names->stem == NULL) {
+        page->path = copy_text(name, (size_t)size);
+        return page->path != NULL;
+    }
+    page->final = copy_text(name, (size_t)size);
+    if (page->final == NULL) return 0;
+    char temp[PATH_MAX];
+    size_t dir = names->store_length + 6; /* STORE/xx/yy */
+    int written = snprintf(temp, sizeof temp, "%.*s/%s%llu.tmp", (int)dir, name, names->stem,
+                           names->seq + (unsigned long long)index);
+    if (written < 0 || (size_t)written >= sizeof temp) {
+        PyErr_SetString(PyExc_ValueError, "_pageio: a temp path is longer than PATH_MAX");
+        return 0;
+    }
+    page->path = copy_text(temp, (size_t)written);
+    return page->path != NULL;
+}
+
+/* One page's regions: a list of memoryviews or of kvtier Extents (whose first field is
+ * the view), header slot first. */
+static int
+load_regions(Page *page, PyObject *views)
+{
+    if (!PyList_Check(views) || PyList_GET_SIZE(views) < 2) {
+        PyErr_SetString(PyExc_TypeError, "_pageio: each page is a list of its header slot and payload regions");
+        return 0;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(views);
+    page->buffers = PyMem_Calloc((size_t)n, sizeof(Py_buffer));
+    if (page->buffers == NULL) {
+        PyErr_NoMemory();
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *region = PyList_GET_ITEM(views, i);
+        if (PyTuple_Check(region) && PyTuple_GET_SIZE(region) > 0) region = PyTuple_GET_ITEM(region, 0);
+        if (PyObject_GetBuffer(region, &page->buffers[i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
+            return 0;
+        page->count = i + 1;
+    }
+    if (page->buffers[0].len < HEADER_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "_pageio: a header slot is smaller than the envelope header");
+        return 0;
+    }
+    return 1;
+}
+
+/* Build the page table from the Python arguments: keys and regions of one length, and
+ * direct either one flag for every page or a list of one per page. */
 static Page *
-load_pages(PyObject *paths, PyObject *finals, PyObject *regions, PyObject *direct,
-           PyObject *digests, Py_ssize_t *count_out)
+load_pages(const Names *names, PyObject *keys, PyObject *regions, PyObject *direct,
+           Py_ssize_t *count_out)
 {
     Py_ssize_t count = PyList_Size(regions);
     if (count < 0) return NULL;
-    if (PyList_Size(paths) != count || (finals != Py_None && PyList_Size(finals) != count) ||
-        PyList_Size(direct) != count || (digests != Py_None && PyList_Size(digests) != count)) {
+    int each = PyList_Check(direct);
+    int all = each ? 0 : PyObject_IsTrue(direct);
+    if (all < 0) return NULL;
+    if (PyList_Size(keys) != count || (each && PyList_GET_SIZE(direct) != count)) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError, "_pageio: the per-page lists differ in length");
         return NULL;
@@ -624,43 +827,10 @@ load_pages(PyObject *paths, PyObject *finals, PyObject *regions, PyObject *direc
     }
     for (Py_ssize_t p = 0; p < count; p++) {
         Page *page = &pages[p];
-        PyObject *views = PyList_GET_ITEM(regions, p);
-        if (!PyList_Check(views) || PyList_GET_SIZE(views) < 2) {
-            PyErr_SetString(PyExc_TypeError, "_pageio: each page is a list of its header slot and payload regions");
-            goto fail;
-        }
-        Py_ssize_t n = PyList_GET_SIZE(views);
-        page->buffers = PyMem_Calloc((size_t)n, sizeof(Py_buffer));
-        if (page->buffers == NULL) {
-            PyErr_NoMemory();
-            goto fail;
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (PyObject_GetBuffer(PyList_GET_ITEM(views, i), &page->buffers[i],
-                                   PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
-                goto fail;
-            page->count = i + 1;
-        }
-        if (page->buffers[0].len < HEADER_BYTES) {
-            PyErr_SetString(PyExc_ValueError, "_pageio: a header slot is smaller than the envelope header");
-            goto fail;
-        }
-        page->path = copy_path(PyList_GET_ITEM(paths, p));
-        if (page->path == NULL) goto fail;
-        if (finals != Py_None) {
-            page->final = copy_path(PyList_GET_ITEM(finals, p));
-            if (page->final == NULL) goto fail;
-        }
-        page->direct = PyObject_IsTrue(PyList_GET_ITEM(direct, p));
+        if (!load_regions(page, PyList_GET_ITEM(regions, p))) goto fail;
+        if (!name_page(page, names, PyList_GET_ITEM(keys, p), p)) goto fail;
+        page->direct = each ? PyObject_IsTrue(PyList_GET_ITEM(direct, p)) : all;
         if (page->direct < 0) goto fail;
-        if (digests != Py_None) {
-            PyObject *digest = PyList_GET_ITEM(digests, p);
-            if (!PyBytes_Check(digest) || PyBytes_GET_SIZE(digest) != 16) {
-                PyErr_SetString(PyExc_TypeError, "_pageio: a key digest is 16 bytes");
-                goto fail;
-            }
-            page->key_digest = (const unsigned char *)PyBytes_AS_STRING(digest);
-        }
     }
     *count_out = count;
     return pages;
@@ -701,19 +871,19 @@ results_list(const Page *pages, Py_ssize_t count)
 }
 
 /* What both calls start with: xxHash bound, the static fields (56 bytes, or None: no
- * envelopes), the page table and a hash state. NULL, with an exception set, when one is
- * missing or malformed. */
+ * envelopes), the page table named from the store and keys, and a hash state. NULL,
+ * with an exception set, when one is missing or malformed. */
 static Page *
-begin_call(PyObject *paths, PyObject *finals, PyObject *regions, PyObject *direct,
-           PyObject *static_obj, PyObject *digests, const unsigned char **static_fields,
-           Py_ssize_t *count, XXH3_state_t **state)
+begin_call(PyObject *store, const char *stem, unsigned long long seq, PyObject *keys,
+           PyObject *regions, PyObject *direct, PyObject *static_obj,
+           const unsigned char **static_fields, Py_ssize_t *count, XXH3_state_t **state)
 {
     if (!bound() || !static_arg(static_obj, static_fields)) return NULL;
-    if (*static_fields != NULL && digests == Py_None) {
-        PyErr_SetString(PyExc_TypeError, "_pageio: envelopes need the key digests");
-        return NULL;
-    }
-    Page *pages = load_pages(paths, finals, regions, direct, digests, count);
+    PyObject *encoded = NULL;
+    if (!PyUnicode_FSConverter(store, &encoded)) return NULL;
+    Names names = {PyBytes_AS_STRING(encoded), (size_t)PyBytes_GET_SIZE(encoded), stem, seq};
+    Page *pages = load_pages(&names, keys, regions, direct, count);
+    Py_DECREF(encoded);
     if (pages == NULL) return NULL;
     *state = XXH3_createState();
     if (*state == NULL) {
@@ -735,27 +905,27 @@ end_call(Page *pages, Py_ssize_t count, XXH3_state_t *state)
 }
 
 PyDoc_STRVAR(read_pages_doc,
-"read_pages(paths, pages, direct, static, digests, full, nowait=False) -> list[int]\n\n"
-"Read each page's file into its regions (header slot first); one code per page.\n"
-"With static (56 bytes) and digests (16 bytes per page) the envelope is checked: OK\n"
-"means valid (payload checksum included when full), UNVERIFIED that the caller must\n"
-"explain the rejection. With nowait, pages not all in the page cache are left alone\n"
-"(WOULD_BLOCK). The GIL is released for the whole call.");
+"read_pages(store, keys, pages, direct, static, full, nowait=False) -> list[int]\n\n"
+"Read each key's file under store into its page's regions (header slot first); one\n"
+"code per page. With static (56 bytes) the envelope is checked: OK means valid\n"
+"(payload checksum included when full), UNVERIFIED that the caller must explain the\n"
+"rejection. With nowait, pages not all in the page cache are left alone (WOULD_BLOCK).\n"
+"direct is one flag for all pages or a list. The GIL is released for the whole call.");
 
 static PyObject *
 read_pages(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *paths, *regions, *direct, *static_obj, *digests;
+    PyObject *store, *keys, *regions, *direct, *static_obj;
     int full, nowait = 0;
-    if (!PyArg_ParseTuple(args, "O!O!O!OOp|p:read_pages", &PyList_Type, &paths, &PyList_Type,
-                          &regions, &PyList_Type, &direct, &static_obj, &digests, &full, &nowait))
+    if (!PyArg_ParseTuple(args, "UO!O!OOp|p:read_pages", &store, &PyList_Type, &keys,
+                          &PyList_Type, &regions, &direct, &static_obj, &full, &nowait))
         return NULL;
     const unsigned char *static_fields;
     Py_ssize_t count = 0;
     XXH3_state_t *state;
-    Page *pages = begin_call(paths, Py_None, regions, direct, static_obj, digests,
-                             &static_fields, &count, &state);
+    Page *pages = begin_call(store, NULL, 0, keys, regions, direct, static_obj, &static_fields,
+                             &count, &state);
     if (pages == NULL) return NULL;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t p = 0; p < count; p++) pages[p].result = get_one(&pages[p], state, static_fields, full, nowait);
@@ -764,24 +934,26 @@ read_pages(PyObject *self, PyObject *args)
 }
 
 PyDoc_STRVAR(write_pages_doc,
-"write_pages(tmps, finals, pages, direct, static, digests, datasync, exchange, spare=None)\n"
+"write_pages(store, keys, stem, seq, pages, direct, static, datasync, exchange, spare=None)\n"
 "    -> (list[int], spare)\n\n"
-"Write each page into a temp file and publish it over its final name (by exchange\n"
-"where possible, else rename); one code per page. With static and digests the\n"
-"envelope is first written into each page's header slot. A page replaced by exchange\n"
-"leaves its file, exclusively locked, as the spare (fd, path, size, direct) that the\n"
-"next page of that size is written into in place; the caller keeps the returned spare\n"
-"for its next call (or unlinks and closes it). The GIL is released for the call.");
+"Write each page into a temp file (STORE/xx/yy/<stem><seq + i>.tmp) and publish it over\n"
+"its key's file (by exchange where possible, else rename); one code per page. With\n"
+"static the envelope is first written into each page's header slot. A page replaced by\n"
+"exchange leaves its file, exclusively locked, as the spare (fd, path, size, direct)\n"
+"that the next page of that size is written into in place; the caller keeps the\n"
+"returned spare for its next call (or unlinks and closes it). The GIL is released.");
 
 static PyObject *
 write_pages(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *tmps, *finals, *regions, *direct, *static_obj, *digests, *spare_in = Py_None;
+    PyObject *store, *keys, *regions, *direct, *static_obj, *spare_in = Py_None;
+    const char *stem;
+    unsigned long long seq;
     int datasync, exchange;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!OOpp|O:write_pages", &PyList_Type, &tmps, &PyList_Type,
-                          &finals, &PyList_Type, &regions, &PyList_Type, &direct, &static_obj,
-                          &digests, &datasync, &exchange, &spare_in))
+    if (!PyArg_ParseTuple(args, "UO!sKO!OOpp|O:write_pages", &store, &PyList_Type, &keys, &stem,
+                          &seq, &PyList_Type, &regions, &direct, &static_obj, &datasync,
+                          &exchange, &spare_in))
         return NULL;
     Spare spare = {.fd = -1};
     if (spare_in != Py_None) {
@@ -802,7 +974,7 @@ write_pages(PyObject *self, PyObject *args)
     const unsigned char *static_fields;
     Py_ssize_t count = 0;
     XXH3_state_t *state;
-    Page *pages = begin_call(tmps, finals, regions, direct, static_obj, digests,
+    Page *pages = begin_call(store, stem, seq, keys, regions, direct, static_obj,
                              &static_fields, &count, &state);
     if (pages == NULL) return NULL;
     Py_BEGIN_ALLOW_THREADS
@@ -819,8 +991,32 @@ write_pages(PyObject *self, PyObject *args)
                          (unsigned long long)spare.size, spare.direct);
 }
 
+PyDoc_STRVAR(name_doc,
+"name(store, key) -> (path, digest)\n\n"
+"The file a checked key's page has under store, and the key's 16-byte envelope digest,\n"
+"as this module computes them (the same as paths.page_path_unchecked and\n"
+"envelope.key_digest).");
+
+static PyObject *
+name(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *store, *key;
+    if (!PyArg_ParseTuple(args, "UU:name", &store, &key)) return NULL;
+    PyObject *encoded = NULL;
+    if (!PyUnicode_FSConverter(store, &encoded)) return NULL;
+    Names names = {PyBytes_AS_STRING(encoded), (size_t)PyBytes_GET_SIZE(encoded), NULL, 0};
+    Page page = {0};
+    int named = name_page(&page, &names, key, 0);
+    Py_DECREF(encoded);
+    PyObject *out = named ? Py_BuildValue("(sy#)", page.path, page.key_digest, (Py_ssize_t)16) : NULL;
+    PyMem_Free(page.path);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"bind", bind, METH_O, bind_doc},
+    {"name", name, METH_VARARGS, name_doc},
     {"read_pages", read_pages, METH_VARARGS, read_pages_doc},
     {"write_pages", write_pages, METH_VARARGS, write_pages_doc},
     {NULL, NULL, 0, NULL},
@@ -845,6 +1041,7 @@ PyInit__pageio(void)
         {"BUSY", BUSY}, {"REPLACED", REPLACED},
         {"STATIC_BYTES", STATIC_BYTES},
         {"BODY_BYTES", BODY_BYTES}, {"HEADER_BYTES", HEADER_BYTES}, {"PIECE", PIECE},
+        {"MAX_KEY_LENGTH", MAX_KEY_LENGTH},
     };
     for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++) {
         if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) != 0) {

@@ -61,10 +61,10 @@ def available() -> bool:
     return _pageio is not None
 
 
-def _nbytes(views: list[memoryview]) -> int:
+def _nbytes(page: PageBuffers) -> int:
     total = 0
-    for view in views:
-        total += view.nbytes
+    for extent in page:
+        total += extent.length
     return total
 
 
@@ -91,31 +91,41 @@ def read_slice(
     untouched and uncounted, for a blocking read on an I/O thread.
     """
     assert _pageio is not None
-    store = fs.path_str
-    finals = [paths.page_path_unchecked(store, keys[i]) for i in which]
-    regions = [[e.view for e in pages[i]] for i in which]
-    direct = [fs.direct_for(pages[i]) for i in which]
-    digests = [envelope.key_digests[i] for i in which]
+    chosen = [pages[i] for i in which]
     codes = _pageio.read_pages(
-        finals, regions, direct, envelope.static, digests, envelope.full, nowait
+        fs.path_str,
+        [keys[i] for i in which],
+        chosen,
+        _direct(fs, chosen),
+        envelope.static,
+        envelope.full,
+        nowait,
     )
     sizes: list[int] = []
     valid = envelope.valid
+    ok, would_block, unverified = _pageio.OK, _pageio.WOULD_BLOCK, _pageio.UNVERIFIED
     for j, code in enumerate(codes):
         i = which[j]
-        if code == _pageio.WOULD_BLOCK:
-            sizes.append(BLOCKED)
-        elif code == _pageio.OK:
+        if code == ok:
             valid.append(i)
-            sizes.append(_nbytes(regions[j]))
-        elif code == _pageio.UNVERIFIED:
+            sizes.append(_nbytes(chosen[j]))
+        elif code == would_block:
+            sizes.append(BLOCKED)
+        elif code == unverified:
             if on_filled is not None:
                 on_filled(i)
-            sizes.append(_nbytes(regions[j]))
+            sizes.append(_nbytes(chosen[j]))
         else:
-            _read_failed(fs, keys[i], finals[j], code)
+            _read_failed(fs, keys[i], paths.page_path_unchecked(fs.path_str, keys[i]), code)
             sizes.append(0)
     return sizes
+
+
+def _direct(fs: FileStore, pages: list[PageBuffers]) -> bool | list[bool]:
+    """The compiled loop's O_DIRECT flags: one for all pages, or one per page."""
+    if not fs.o_direct:
+        return False
+    return [fs.direct_for(page) for page in pages]
 
 
 def _read_failed(fs: FileStore, key: str, path: str, code: int) -> None:
@@ -171,34 +181,30 @@ def write_slice(
     assert _pageio is not None
     results = [False] * (hi - lo)
     todo: list[int] = []
-    finals: list[str] = []
-    regions: list[list[memoryview]] = []
     sizes: list[int] = []
-    store = fs.path_str
     index = fs.index
     for i in range(lo, hi):
-        views = [e.view for e in pages[i]]
-        nbytes = _nbytes(views)
+        nbytes = _nbytes(pages[i])
         refused = index.reserve(keys[i], nbytes)
         if refused is not None:
             fs.counters.add(f"put_failed_{refused}")
             continue
         todo.append(i)
-        finals.append(paths.page_path_unchecked(store, keys[i]))
-        regions.append(views)
         sizes.append(nbytes)
     if not todo:
         return results
-    tmps = paths.temp_paths(finals)
+    chosen = [pages[i] for i in todo]
+    stem, first = paths.temp_names(len(todo))
     spare = spares.take()
     try:
         codes, spare = _pageio.write_pages(
-            tmps,
-            finals,
-            regions,
-            [fs.direct_for(pages[i]) for i in todo],
+            fs.path_str,
+            [keys[i] for i in todo],
+            stem,
+            first,
+            chosen,
+            _direct(fs, chosen),
             envelope.static,
-            [envelope.key_digests[i] for i in todo],
             datasync,
             writes.exchange_supported(),
             spare,
@@ -211,17 +217,23 @@ def write_slice(
     spares.keep(spare)
     published = 0
     published_bytes = 0
+
+    def temp(j: int) -> str:  # the temp name the compiled loop gave page todo[j]
+        final = paths.page_path_unchecked(fs.path_str, keys[todo[j]])
+        return f"{os.path.dirname(final)}/{stem}{first + j}{paths.TEMP_SUFFIX}"
+
     for j, code in enumerate(codes):
         i, nbytes = todo[j], sizes[j]
         if code == _pageio.OK or code == _pageio.REPLACED_DEBRIS:
             if code == _pageio.REPLACED_DEBRIS:  # the exchange moved a non-page out
-                discard(tmps[j], fs.debris, where="a page")
+                discard(temp(j), fs.debris, where="a page")
             index.commit(keys[i], nbytes)
             published += 1
             published_bytes += nbytes
             results[i - lo] = True
         elif code == _pageio.UNPUBLISHED:
-            results[i - lo] = publish(i, tmps[j], finals[j], nbytes)
+            final = paths.page_path_unchecked(fs.path_str, keys[i])
+            results[i - lo] = publish(i, temp(j), final, nbytes)
         else:  # nothing was published and the temp file is gone: the Python loop retries
             index.release(nbytes)
             results[i - lo] = fallback(i)

@@ -35,6 +35,7 @@ __all__ = [
     "shard_of",
     "store_dir",
     "temp_flags",
+    "temp_names",
     "temp_path",
     "temp_paths",
 ]
@@ -114,15 +115,24 @@ def temp_path(final: Path | str) -> Path | str:
 
 def temp_paths(finals: list[str]) -> list[str]:
     """:func:`temp_path` for a batch of string paths (one lock, one sequence range)."""
-    tid = threading.get_native_id()
-    with _temp_lock:
-        first = _temp_seq.get(tid, 0) + 1
-        _temp_seq[tid] = first + len(finals) - 1
-    stem = f".{os.getpid()}.{tid}."
+    stem, first = temp_names(len(finals))
     return [
         f"{os.path.dirname(final)}/{stem}{seq}{TEMP_SUFFIX}"
         for seq, final in enumerate(finals, first)
     ]
+
+
+def temp_names(count: int) -> tuple[str, int]:
+    """Reserve ``count`` temp names for this thread: their stem and first sequence number.
+
+    Temp file ``i`` of the batch is ``<its page's directory>/<stem><first + i>.tmp``;
+    the stem (``.<pid>.<tid>.``) is what the start-up sweep reads a temp file's owner from.
+    """
+    tid = threading.get_native_id()
+    with _temp_lock:
+        first = _temp_seq.get(tid, 0) + 1
+        _temp_seq[tid] = first + count - 1
+    return f".{os.getpid()}.{tid}.", first
 
 
 def temp_flags(*, o_direct: bool = False) -> int:
