@@ -319,15 +319,127 @@ def _overwrite(setup: Setup, page: int) -> None:
 
 
 @pytest.mark.parametrize("uring", [False, True], ids=["file", "uring"])
-def test_overwrites_write_into_the_file_a_replaced_page_left(
+def test_overwrites_without_fsync_go_into_the_pages_own_file(
     make: Callable[..., Setup], uring: bool
 ) -> None:
     setup = make(compiled_io=True, io_threads=1, uring=uring)
+    assert setup.put_all() == [True] * PAGES
+    inodes = [os.stat(setup.path(i)).st_ino for i in range(PAGES)]
+    for page in range(PAGES):
+        _overwrite(setup, page)
+    assert [os.stat(setup.path(i)).st_ino for i in range(PAGES)] == inodes
+    assert setup.backend.stats()["puts_in_place"] == PAGES
+    assert setup.get_all() == [True] * PAGES  # full verification: the new bytes, whole
+    for page in range(PAGES):
+        assert setup.payload(PAGES + page) == setup.payload(page)
+    python = make("python", compiled_io=False)  # the Python loop reads them as well
+    shutil.rmtree(python.store_dir)
+    shutil.copytree(setup.store_dir, python.store_dir)
+    assert python.store.get(setup.keys, list(range(PAGES, 2 * PAGES))) == [True] * PAGES
+    for page in range(PAGES):
+        assert python.payload(PAGES + page) == setup.payload(page)
+
+
+def test_header_only_readers_never_see_a_page_mid_overwrite(make: Callable[..., Setup]) -> None:
+    # in-place overwrites against readers that check only the header: the locks alone
+    # keep them from a half-written page (the compiled loop releases the GIL throughout)
+    setup = make(compiled_io=True, io_threads=1, geometry=BIG)
+    assert setup.put_all() == [True] * PAGES
+    versions = {setup.payload(page) for page in range(PAGES)}
+    key = setup.keys[0]
+    header = PageStore(
+        setup.backend, setup.pool, fingerprint=setup.geometry.fingerprint, verify="header"
+    )
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    hits = [0]
+
+    def write() -> None:
+        try:
+            for round_ in range(200):
+                assert setup.store.put([key], [round_ % PAGES]) == [True]
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            stop.set()
+
+    def read(page: int) -> None:
+        try:
+            while not stop.is_set():
+                if header.get([key], [page]) == [True]:
+                    hits[0] += 1
+                    assert setup.payload(page) in versions, "a torn page was served"
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write)]
+    threads += [threading.Thread(target=read, args=(PAGES + i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert hits[0] > 0
+    assert setup.backend.stats()["puts_in_place"] > 0
+    # nor one whose header the writer had invalidated: readers wait for the whole page
+    assert header.stats()["invalid"] == 0
+
+
+def test_a_file_of_another_size_is_replaced_not_patched(make: Callable[..., Setup]) -> None:
+    setup = make(compiled_io=True, io_threads=1)
+    assert setup.put_all() == [True] * PAGES
+    os.truncate(setup.path(0), 100)  # damaged: shorter than the page
+    inode = os.stat(setup.path(0)).st_ino
+    _overwrite(setup, 0)
+    assert os.stat(setup.path(0)).st_ino != inode  # a new file, published whole
+    assert setup.backend.stats().get("puts_in_place", 0) == 0
+    assert setup.store.get(setup.keys[:1], [PAGES]) == [True]
+    assert setup.payload(PAGES) == setup.payload(0)
+
+
+def test_a_hard_linked_page_is_never_overwritten_in_place(
+    make: Callable[..., Setup], tmp_path: Path
+) -> None:
+    setup = make(compiled_io=True, io_threads=1)
+    assert setup.put_all() == [True] * PAGES
+    other = tmp_path / "other-link"
+    os.link(setup.path(0), other)
+    old = other.read_bytes()
+    _overwrite(setup, 0)
+    assert other.read_bytes() == old  # the other name keeps the old page
+    assert setup.backend.stats().get("puts_in_place", 0) == 0
+
+
+@pytest.mark.parametrize("uring", [False, True], ids=["file", "uring"])
+def test_an_overwrite_a_reader_holds_publishes_a_new_file(
+    make: Callable[..., Setup], uring: bool
+) -> None:
+    setup = make(compiled_io=True, io_threads=1, uring=uring)
+    assert setup.put_all() == [True] * PAGES
+    old = Path(setup.path(0)).read_bytes()
+    reader = os.open(setup.path(0), os.O_RDONLY)  # as a reader mid-read holds it
+    try:
+        fcntl.flock(reader, fcntl.LOCK_SH)
+        _overwrite(setup, 0)
+        assert os.pread(reader, len(old) + 1, 0) == old  # the whole old page, unchanged
+        assert os.fstat(reader).st_ino != os.stat(setup.path(0)).st_ino
+    finally:
+        os.close(reader)
+    assert setup.backend.stats().get("puts_in_place", 0) == 0
+    assert setup.store.get(setup.keys[:1], [PAGES]) == [True]
+    assert setup.payload(PAGES) == setup.payload(0)
+
+
+def test_durable_overwrites_write_into_the_file_a_replaced_page_left(
+    make: Callable[..., Setup],
+) -> None:
+    setup = make(compiled_io=True, io_threads=1, fsync="page")
     assert setup.put_all() == [True] * PAGES
     first = os.stat(setup.path(0)).st_ino
     _overwrite(setup, 0)  # page 0's old file is now the spare
     _overwrite(setup, 1)  # ... and page 1 is written into it
     assert os.stat(setup.path(1)).st_ino == first
+    assert setup.backend.stats().get("puts_in_place", 0) == 0
     assert setup.store.get(setup.keys[:2], [PAGES, PAGES + 1]) == [True, True]
     assert setup.payload(PAGES) == setup.payload(0)
     assert setup.payload(PAGES + 1) == setup.payload(1)
@@ -335,7 +447,11 @@ def test_overwrites_write_into_the_file_a_replaced_page_left(
 
 @pytest.mark.parametrize("uring", [False, True], ids=["file", "uring"])
 def test_a_file_a_reader_holds_is_never_recycled(make: Callable[..., Setup], uring: bool) -> None:
-    setup = make(compiled_io=True, io_threads=1, uring=uring)
+    # uring recycles only without fsync (its durable writes go through the ring), where a
+    # held page is replaced by a new file instead of in place
+    setup = make(
+        compiled_io=True, io_threads=1, uring=uring, **({} if uring else {"fsync": "page"})
+    )
     assert setup.put_all() == [True] * PAGES
     old = Path(setup.path(0)).read_bytes()
     reader = os.open(setup.path(0), os.O_RDONLY)  # as a reader mid-read holds it
@@ -532,7 +648,7 @@ def test_the_built_loop_is_not_older_than_its_source() -> None:
 def test_a_forked_child_never_writes_into_its_parents_spare(
     make: Callable[..., Setup],
 ) -> None:
-    setup = make(compiled_io=True, io_threads=1)
+    setup = make(compiled_io=True, io_threads=1, fsync="page")
     assert setup.put_all() == [True] * PAGES
     _overwrite(setup, 0)  # this thread now holds a spare
     spares = setup.backend._spares
@@ -565,7 +681,7 @@ def test_pages_of_more_regions_than_one_system_call_takes(
     try:
         store = PageStore(backend, pool, fingerprint=geometry.fingerprint)
         assert store.put(keys, [0, 1]) == [True, True]
-        assert store.put(keys, [0, 1]) == [True, True]  # overwrites (recycled files)
+        assert store.put(keys, [0, 1]) == [True, True]  # overwrites (in place)
         assert store.get(keys, [2, 3]) == [True, True]
         for page in range(2):
             payload = [bytes(e.view) for e in pool.extents(page)]

@@ -28,6 +28,7 @@ from kvtier.backends.filestore import paths as fs_paths
 from kvtier.backends.filestore import startup as fs_startup
 from kvtier.backends.filestore import writes as fs_writes
 from kvtier.backends.filestore.debris import Debris
+from kvtier.backends.filestore.index import FileIndex
 from kvtier.core.errors import ConfigError, InvalidFieldError, KvtierError, StorageError
 from kvtier.core.extents import Extent, extent_of_view
 from kvtier.core.geometry import KVGeometry
@@ -283,6 +284,25 @@ def test_min_free_space_guard_refuses_and_keeps_serving(root: Path) -> None:
     assert guarded.exists(["new"]) == [False]
     assert guarded.put(["x"], [make_page(3)]) == [False]
     assert list(root.rglob(".*.tmp")) == []
+
+
+def test_a_batch_reservation_counts_its_own_pages_off_the_free_space(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    index = FileIndex(root, min_free_bytes=1000)
+    looked_up: list[int] = []
+
+    def free_bytes() -> int:  # what statvfs would say: nothing written yet
+        looked_up.append(1)
+        return 1250
+
+    monkeypatch.setattr(index, "_free_bytes", free_bytes)
+    refused = index.reserve_many([(f"k{i}", 100) for i in range(4)])
+    # 1250 free: two pages of 100 leave 1050, a third would go below the 1000 kept free
+    assert refused == [None, None, "min_free_space", "min_free_space"]
+    assert looked_up == [1]  # one statvfs for the batch, not one per page
+    index.commit_many([("k0", 100), ("k1", 100)])
+    assert index.stored_bytes == 200 and len(index) == 2
 
 
 def test_other_process_pages_found_by_stat_on_index_miss(root: Path) -> None:

@@ -199,9 +199,10 @@ class HostPool:
 
     def page_buffers(self, page: int) -> list[Extent]:
         """``[header_extent(page), *extents(page)]``: what a storage backend stores."""
-        page = self._check_page(page)
-        cached = self._buffer_cache.get(page)
+        # the cache holds only checked ids (a bool is never one: its type is not int)
+        cached = self._buffer_cache.get(page) if type(page) is int else None
         if cached is None:
+            page = self._check_page(page)
             header = self._headers[page * ENVELOPE_BYTES : (page + 1) * ENVELOPE_BYTES]
             cached = (extent_of_tensor(header), *self.extents(page))
             self._buffer_cache[page] = cached

@@ -48,6 +48,13 @@ def _nbytes(views: Sequence[memoryview]) -> int:
     return total
 
 
+def _extent_bytes(page: Sequence[Extent]) -> int:
+    total = 0
+    for extent in page:
+        total += extent.length
+    return total
+
+
 @runtime_checkable
 class PerPageHooks(Protocol):
     """What a backend offers to run the core's per-page work in its own I/O threads.
@@ -249,11 +256,12 @@ class PageStore:
         if not keys:
             return []
         buffers = [self.pool.page_buffers(page) for page in pages]
-        views = [[e.view for e in regions] for regions in buffers]
-        for page in views:
+        hooks = self._hooks
+        enveloped = self._enveloped
+        for regions in buffers:
             # A backend that reports True without filling the slot must not leave a stale
             # (valid-looking) envelope from an earlier put behind.
-            page[0][: HEADER.size] = _ZERO_HEADER
+            regions[0].view[: HEADER.size] = _ZERO_HEADER
         full = self.verify == "full"
         verify = self._format().verify
         reasons: dict[int, Rejection | None] = {}
@@ -267,7 +275,7 @@ class PageStore:
             stream[1][0] += piece.nbytes
 
         def check(i: int) -> Rejection | None:
-            page = views[i]
+            page = [e.view for e in buffers[i]]
             payload = page[1:]
             stream = streams.pop(i, None)
             digest = None
@@ -276,8 +284,6 @@ class PageStore:
             reason = reasons[i] = verify(page[0], keys[i], payload, full=full, digest=digest)
             return reason
 
-        hooks = self._hooks
-        enveloped = self._enveloped
         batch: BatchEnvelope | None = None
         if enveloped is not None:
             batch = self._format().batch(keys, full=full)
@@ -314,7 +320,7 @@ class PageStore:
                 logger.debug("page %r rejected: %s", keys[i], reason.value)
                 continue
             hits += 1
-            nbytes += _nbytes(views[i])
+            nbytes += _extent_bytes(buffers[i])
         self._counters.add("hits", hits)
         self._counters.add("bytes_read", nbytes)
         return results

@@ -35,6 +35,14 @@ _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os
 #: Least bytes of warm pages worth a hand-off to another thread (about 50 µs here).
 MIN_SLICE_BYTES = 1 << 20
 
+
+def _copy_threads(pages: Sequence[PageBuffers]) -> int:
+    """Threads for a batch that only copies (page-cache reads, in-place overwrites): at
+    most one per CPU and per :data:`MIN_SLICE_BYTES`. Nothing waits, so more threads
+    only take turns on the CPUs, and a hand-off costs more than a small page's copy."""
+    page_bytes = sum(e.length for e in pages[0]) if pages else 0
+    return min(_CPUS, max(1, len(pages) * page_bytes // MIN_SLICE_BYTES))
+
 #: Large pages are read in pieces of this size, each hashed while it is in cache (256 KiB
 #: measured best here: 0.64 -> 0.81 of header-only verification on 8 MiB pages).
 PIECE = 256 << 10
@@ -195,7 +203,6 @@ class FileBackend(StorageBackend):
                 len(which),
             )
 
-        page_bytes = sum(e.length for e in pages[0]) if count else 0
         if count < 2 or self.config.io_threads == 1:
             return blocking(range(count))
         sizes = self._spread(
@@ -203,7 +210,7 @@ class FileBackend(StorageBackend):
                 fs, keys, pages, range(lo, hi), envelope, on_filled, nowait=True
             ),
             count,
-            min(_CPUS, max(1, count * page_bytes // MIN_SLICE_BYTES)),
+            _copy_threads(pages),
         )
         waiting = [i for i, size in enumerate(sizes) if size == compiled.BLOCKED]
         if waiting:
@@ -307,7 +314,11 @@ class FileBackend(StorageBackend):
         before_write: Callable[[int], object] | None,
         envelope: BatchEnvelope,
     ) -> list[bool]:
-        """``put_with`` through the compiled loop, one slice per I/O thread."""
+        """``put_with`` through the compiled loop, one slice per I/O thread.
+
+        A batch of overwrites without fsync goes in place, a copy that waits for
+        nothing, so it gets no more threads than :func:`_copy_threads`.
+        """
         page_sync = self.config.fsync == "page"
 
         def publish(i: int, tmp: str, final: str, nbytes: int) -> bool:
@@ -335,7 +346,8 @@ class FileBackend(StorageBackend):
                 self._sync_dirs(paths.page_path_unchecked(store, keys[i]) for i in published)
             return done
 
-        return self._spread(run, len(keys))
+        overwrites = self.config.fsync == "none" and all(self._fs.index.indexed(keys))
+        return self._spread(run, len(keys), _copy_threads(pages) if overwrites else None)
 
     def _sync_dirs(self, finals: Iterable[str]) -> None:
         """fsync each directory holding one of ``finals`` once (durable renames)."""

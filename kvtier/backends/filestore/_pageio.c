@@ -79,6 +79,7 @@ enum {
     WOULD_BLOCK = 8,  /* get with nowait: not (all) in the page cache; nothing was checked */
     BUSY = 9,         /* get: a writer holds the file (being recycled) twice in a row */
     REPLACED = 10,    /* get: the file was recycled for another page while being opened */
+    IN_PLACE = 11,    /* put: published by overwriting the page's own file under its lock */
 };
 /* Any other (negative) result is -errno of the step that failed; put removed its temp. */
 
@@ -89,6 +90,7 @@ typedef struct {
     char *final;
     int direct;
     unsigned char key_digest[16]; /* blake2b-128 of the key (envelopes only) */
+    int existing;       /* put: the index holds the key (its file may be overwritten) */
     long result;
 } Page;
 
@@ -570,11 +572,43 @@ keep_spare(Spare *spare, const char *path, int direct)
     unlink(path);
 }
 
+/* Overwrite a page's own file in place, without fsync: exclusively locked, so no reader
+ * (readers take a shared lock first) sees a mix of the old and the new page, and with
+ * its header first invalidated and written last, so a writer killed half-way leaves a
+ * page every reader refuses, never a torn one that looks whole. IN_PLACE, or ABSENT when
+ * there is no file of this size to overwrite or someone holds it (the caller then
+ * publishes a new file, which leaves a reader its old one); -errno on a failed write. */
+static long
+overwrite_in_place(Page *page, XXH3_state_t *state, const unsigned char *static_fields,
+                   uint64_t total)
+{
+    int fd = open(page->final, O_WRONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) return ABSENT;
+    struct stat info;
+    static const unsigned char invalid[8] = {0}; /* no magic: refused by every reader */
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0 || fstat(fd, &info) != 0 || !S_ISREG(info.st_mode) ||
+        (uint64_t)info.st_size != total || info.st_nlink != 1) {
+        close(fd);
+        return ABSENT;
+    }
+    long result = pwrite(fd, invalid, sizeof invalid, 0) == (ssize_t)sizeof invalid ? OK : -EIO;
+    if (result == OK) {
+        long wrote = write_streamed(fd, page, state, static_fields); /* header last */
+        if (wrote < 0) result = wrote;
+    }
+    if (close(fd) != 0 && result == OK) result = -errno;
+    return result == OK ? IN_PLACE : result;
+}
+
 static long
 put_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int datasync,
         int exchange, Spare *spare)
 {
     uint64_t total = (uint64_t)page->buffers[0].len + payload_length(page);
+    if (page->existing && static_fields != NULL && !datasync && !page->direct) {
+        long result = overwrite_in_place(page, state, static_fields, total);
+        if (result != ABSENT) return result;
+    }
     int streamed = static_fields != NULL && !page->direct && total > 2 * (uint64_t)PIECE;
     if (static_fields != NULL && !streamed) write_header(page, state, static_fields);
     int fd;
@@ -934,27 +968,44 @@ read_pages(PyObject *self, PyObject *args)
 }
 
 PyDoc_STRVAR(write_pages_doc,
-"write_pages(store, keys, stem, seq, pages, direct, static, datasync, exchange, spare=None)\n"
+"write_pages(store, keys, stem, seq, pages, direct, static, datasync, exchange, spare=None,\n"
+"            existing=None)\n"
 "    -> (list[int], spare)\n\n"
 "Write each page into a temp file (STORE/xx/yy/<stem><seq + i>.tmp) and publish it over\n"
 "its key's file (by exchange where possible, else rename); one code per page. With\n"
 "static the envelope is first written into each page's header slot. A page replaced by\n"
 "exchange leaves its file, exclusively locked, as the spare (fd, path, size, direct)\n"
 "that the next page of that size is written into in place; the caller keeps the\n"
-"returned spare for its next call (or unlinks and closes it). The GIL is released.");
+"returned spare for its next call (or unlinks and closes it). Without datasync, a page\n"
+"whose existing (a list of flags: the index holds its key) file has its size is\n"
+"overwritten in place under an exclusive lock (IN_PLACE). The GIL is released.");
 
 static PyObject *
 write_pages(PyObject *self, PyObject *args)
 {
     (void)self;
     PyObject *store, *keys, *regions, *direct, *static_obj, *spare_in = Py_None;
+    PyObject *existing = Py_None;
     const char *stem;
     unsigned long long seq;
     int datasync, exchange;
-    if (!PyArg_ParseTuple(args, "UO!sKO!OOpp|O:write_pages", &store, &PyList_Type, &keys, &stem,
+    if (!PyArg_ParseTuple(args, "UO!sKO!OOpp|OO:write_pages", &store, &PyList_Type, &keys, &stem,
                           &seq, &PyList_Type, &regions, &direct, &static_obj, &datasync,
-                          &exchange, &spare_in))
+                          &exchange, &spare_in, &existing))
         return NULL;
+    if (existing != Py_None) {
+        if (!PyList_Check(existing) || PyList_GET_SIZE(existing) != PyList_Size(keys)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "_pageio: the per-page lists differ in length");
+            return NULL;
+        }
+        for (Py_ssize_t p = 0; p < PyList_GET_SIZE(existing); p++) {
+            if (!PyBool_Check(PyList_GET_ITEM(existing, p))) {
+                PyErr_SetString(PyExc_TypeError, "_pageio: existing is a list of bools");
+                return NULL;
+            }
+        }
+    }
     Spare spare = {.fd = -1};
     if (spare_in != Py_None) {
         const char *path;
@@ -977,6 +1028,8 @@ write_pages(PyObject *self, PyObject *args)
     Page *pages = begin_call(store, stem, seq, keys, regions, direct, static_obj,
                              &static_fields, &count, &state);
     if (pages == NULL) return NULL;
+    for (Py_ssize_t p = 0; existing != Py_None && p < count; p++)
+        pages[p].existing = PyList_GET_ITEM(existing, p) == Py_True;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t p = 0; p < count; p++)
         pages[p].result = put_one(&pages[p], state, static_fields, datasync, exchange, &spare);
@@ -1038,7 +1091,7 @@ PyInit__pageio(void)
         {"SIZE_MISMATCH", SIZE_MISMATCH}, {"SHORT_READ", SHORT_READ},
         {"UNVERIFIED", UNVERIFIED}, {"UNPUBLISHED", UNPUBLISHED},
         {"REPLACED_DEBRIS", REPLACED_DEBRIS}, {"WOULD_BLOCK", WOULD_BLOCK},
-        {"BUSY", BUSY}, {"REPLACED", REPLACED},
+        {"BUSY", BUSY}, {"REPLACED", REPLACED}, {"IN_PLACE", IN_PLACE},
         {"STATIC_BYTES", STATIC_BYTES},
         {"BODY_BYTES", BODY_BYTES}, {"HEADER_BYTES", HEADER_BYTES}, {"PIECE", PIECE},
         {"MAX_KEY_LENGTH", MAX_KEY_LENGTH},

@@ -171,11 +171,14 @@ def write_slice(
     puts page ``i`` through the Python loop after the compiled one failed before
     publishing (it repairs what it can: debris shard directories, stale temp names).
 
-    Overwrites recycle: the file a replaced page leaves (after the exchange) is kept,
-    exclusively locked, and the next page of its size is written into it in place and
-    exchanged in turn, so an overwrite reuses page cache instead of allocating a new
-    file. A file a reader holds (readers take a shared lock) is unlinked instead, so
-    the reader keeps the whole old page. The spare left is kept in ``spares`` for this
+    Without ``datasync``, an overwrite of an indexed page of the same size goes into the
+    page's own file, in place, under an exclusive lock (readers take a shared one), its
+    header invalidated first and written last (counted ``puts_in_place``). Otherwise, and
+    when a reader holds the file, overwrites recycle: the file a replaced page leaves
+    (after the exchange) is kept, exclusively locked, and the next page of its size is
+    written into it in place and exchanged in turn, so an overwrite reuses page cache
+    instead of allocating a new file. A file a reader holds is unlinked instead, so the
+    reader keeps the whole old page. The spare left is kept in ``spares`` for this
     thread's next call.
     """
     assert _pageio is not None
@@ -183,9 +186,10 @@ def write_slice(
     todo: list[int] = []
     sizes: list[int] = []
     index = fs.index
-    for i in range(lo, hi):
-        nbytes = _nbytes(pages[i])
-        refused = index.reserve(keys[i], nbytes)
+    wanted = [(keys[i], _nbytes(pages[i])) for i in range(lo, hi)]
+    for i, (_key, nbytes), refused in zip(
+        range(lo, hi), wanted, index.reserve_many(wanted), strict=True
+    ):
         if refused is not None:
             fs.counters.add(f"put_failed_{refused}")
             continue
@@ -194,12 +198,13 @@ def write_slice(
     if not todo:
         return results
     chosen = [pages[i] for i in todo]
+    chosen_keys = [keys[i] for i in todo]
     stem, first = paths.temp_names(len(todo))
     spare = spares.take()
     try:
         codes, spare = _pageio.write_pages(
             fs.path_str,
-            [keys[i] for i in todo],
+            chosen_keys,
             stem,
             first,
             chosen,
@@ -208,6 +213,7 @@ def write_slice(
             datasync,
             writes.exchange_supported(),
             spare,
+            index.indexed(chosen_keys),
         )
     except BaseException:
         for nbytes in sizes:
@@ -215,30 +221,35 @@ def write_slice(
         drop_spare(spare)
         raise
     spares.keep(spare)
-    published = 0
-    published_bytes = 0
-
-    def temp(j: int) -> str:  # the temp name the compiled loop gave page todo[j]
-        final = paths.page_path_unchecked(fs.path_str, keys[todo[j]])
-        return f"{os.path.dirname(final)}/{stem}{first + j}{paths.TEMP_SUFFIX}"
-
+    in_place = 0
+    published: list[tuple[str, int]] = []
+    rest: list[int] = []  # pages the compiled loop did not publish itself
     for j, code in enumerate(codes):
-        i, nbytes = todo[j], sizes[j]
-        if code == _pageio.OK or code == _pageio.REPLACED_DEBRIS:
-            if code == _pageio.REPLACED_DEBRIS:  # the exchange moved a non-page out
-                discard(temp(j), fs.debris, where="a page")
+        if code == _pageio.OK or code == _pageio.IN_PLACE:
+            in_place += code == _pageio.IN_PLACE
+            published.append((keys[todo[j]], sizes[j]))
+            results[todo[j] - lo] = True
+        else:
+            rest.append(j)
+    index.commit_many(published)
+    fs.counters.add("puts_in_place", in_place)
+    fs.counters.add("puts", len(published))
+    fs.counters.add("bytes_written", sum(nbytes for _key, nbytes in published))
+    for j in rest:
+        i, nbytes, code = todo[j], sizes[j], codes[j]
+        final = paths.page_path_unchecked(fs.path_str, keys[i])
+        tmp = f"{os.path.dirname(final)}/{stem}{first + j}{paths.TEMP_SUFFIX}"
+        if code == _pageio.REPLACED_DEBRIS:  # published; the exchange moved a non-page out
+            discard(tmp, fs.debris, where="a page")
             index.commit(keys[i], nbytes)
-            published += 1
-            published_bytes += nbytes
+            fs.counters.add("puts")
+            fs.counters.add("bytes_written", nbytes)
             results[i - lo] = True
         elif code == _pageio.UNPUBLISHED:
-            final = paths.page_path_unchecked(fs.path_str, keys[i])
-            results[i - lo] = publish(i, temp(j), final, nbytes)
+            results[i - lo] = publish(i, tmp, final, nbytes)
         else:  # nothing was published and the temp file is gone: the Python loop retries
             index.release(nbytes)
             results[i - lo] = fallback(i)
-    fs.counters.add("puts", published)
-    fs.counters.add("bytes_written", published_bytes)
     return results
 
 

@@ -89,15 +89,19 @@ class FileIndex:
         """Whether ``key`` is stored: the index, then (optionally) one stat on a miss."""
         return self.contains_many([key])[0]
 
+    def indexed(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each (already checked) key is in the index now; no disk look-up."""
+        with self._lock:
+            sizes = self._sizes
+            return [key in sizes for key in keys]
+
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """:meth:`contains` for a batch: one lock for the index lookups, stats for misses.
 
         A key found in the index was checked when it got there; every other key is checked
         (and a bad one raises) before its file is looked up.
         """
-        with self._lock:
-            sizes = self._sizes
-            found = [key in sizes for key in keys]
+        found = self.indexed(keys)
         for i, hit in enumerate(found):
             if not hit:
                 if self.check_disk_on_miss:
@@ -158,24 +162,45 @@ class FileIndex:
 
     def reserve(self, key: str, nbytes: int) -> str | None:
         """Make room for a page of ``nbytes``; None when it fits, else why it cannot."""
+        return self.reserve_many([(key, nbytes)])[0]
+
+    def reserve_many(self, pages: Sequence[tuple[str, int]]) -> list[str | None]:
+        """:meth:`reserve` for a batch of ``(key, nbytes)``: one lock and one ``statvfs``.
+
+        The free space is looked up once and each reserved page counted off it, so the
+        batch as a whole leaves ``min_free_bytes`` free.
+        """
+        refused: list[str | None] = []
         with self._lock:
-            if self.capacity_bytes is not None:
-                if nbytes > self.capacity_bytes:
-                    return "page_larger_than_capacity"
+            free = self._free_bytes() if self.min_free_bytes > 0 and pages else 0
+            for key, nbytes in pages:
+                reason, free = self._reserve_locked(key, nbytes, free)
+                refused.append(reason)
+                if reason is None:
+                    free -= nbytes
+                    self._pending += nbytes
+        return refused
+
+    def _reserve_locked(self, key: str, nbytes: int, free: int) -> tuple[str | None, int]:
+        """Evict until ``key``'s page of ``nbytes`` fits; why not (or None), and the bytes
+        free on disk after the evictions (``free``: before them)."""
+        if self.capacity_bytes is not None:
+            if nbytes > self.capacity_bytes:
+                return "page_larger_than_capacity", free
+            replaced = self._sizes.get(key, 0)
+            while self._bytes - replaced + self._pending + nbytes > self.capacity_bytes:
+                freed = self._evict_one_locked(protect=key)
+                if not freed:
+                    return "capacity", free
+                free += freed
                 replaced = self._sizes.get(key, 0)
-                while self._bytes - replaced + self._pending + nbytes > self.capacity_bytes:
-                    if not self._evict_one_locked(protect=key):
-                        return "capacity"
-                    replaced = self._sizes.get(key, 0)
-            if self.min_free_bytes > 0:
-                free = self._free_bytes()
-                while free - nbytes < self.min_free_bytes:
-                    freed = self._evict_one_locked(protect=key)
-                    if not freed:
-                        return "min_free_space"
-                    free += freed
-            self._pending += nbytes
-        return None
+        if self.min_free_bytes > 0:
+            while free - nbytes < self.min_free_bytes:
+                freed = self._evict_one_locked(protect=key)
+                if not freed:
+                    return "min_free_space", free
+                free += freed
+        return None, free
 
     def release(self, nbytes: int) -> None:
         """Undo a reservation whose write failed."""
@@ -184,13 +209,19 @@ class FileIndex:
 
     def commit(self, key: str, nbytes: int) -> None:
         """Record a published page (replacing any older size) as most recently used."""
+        self.commit_many([(key, nbytes)])
+
+    def commit_many(self, pages: Sequence[tuple[str, int]]) -> None:
+        """:meth:`commit` for a batch of ``(key, nbytes)`` under one lock."""
         with self._lock:
-            self._pending -= nbytes
-            old = self._sizes.pop(key, None)
-            if old is not None:
-                self._bytes -= old
-            self._sizes[key] = nbytes
-            self._bytes += nbytes
+            sizes = self._sizes
+            for key, nbytes in pages:
+                self._pending -= nbytes
+                old = sizes.pop(key, None)
+                if old is not None:
+                    self._bytes -= old
+                sizes[key] = nbytes
+                self._bytes += nbytes
 
     def _evict_one_locked(self, *, protect: str) -> int:
         """Unlink the least recently used page other than ``protect``; bytes freed or 0."""
