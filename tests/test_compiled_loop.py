@@ -23,7 +23,7 @@ import pytest
 
 from kvtier.backends.file import FileConfig
 from kvtier.backends.file.backend import FileBackend
-from kvtier.backends.filestore import compiled
+from kvtier.backends.filestore import compiled, slices
 from kvtier.backends.filestore import paths as fs_paths
 from kvtier.core.envelope import HEADER, EnvelopeFormat, key_digest
 from kvtier.core.geometry import KVGeometry
@@ -633,6 +633,28 @@ def test_uring_reads_cached_pages_before_the_ring_and_cold_ones_through_it(
     assert ring.submitted - before <= 2  # only the dropped pages went to the ring
     stats = {**setup.backend.stats(), **setup.store.stats()}
     assert stats["hits"] == 2 * PAGES and stats["invalid"] == 0
+
+
+@pytest.mark.parametrize("uring", [False, True], ids=["file", "uring"])
+def test_warm_pages_are_copied_on_one_thread_per_cpu_and_mib(
+    make: Callable[..., Setup], monkeypatch: pytest.MonkeyPatch, uring: bool
+) -> None:
+    setup = make(compiled_io=True, io_threads=4, uring=uring, geometry=BIG)
+    assert setup.put_all() == [True] * PAGES
+    threads: set[int] = set()
+    real = compiled.read_slice
+
+    def recorded(*args: Any, **kwargs: Any) -> list[int]:
+        threads.add(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compiled, "read_slice", recorded)
+    assert setup.get_all() == [True] * PAGES
+    batch_bytes = PAGES * sum(e.length for e in setup.pool.page_buffers(0))
+    assert len(threads) == min(slices.CPUS, batch_bytes // slices.MIN_SLICE_BYTES, 4)
+    threads.clear()
+    assert setup.store.get(setup.keys[:1], [PAGES]) == [True]  # one page: no hand-off
+    assert threads == {threading.get_ident()}
 
 
 def test_the_built_loop_is_not_older_than_its_source() -> None:

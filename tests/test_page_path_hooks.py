@@ -149,10 +149,10 @@ def test_file_backend_hands_off_once_per_thread(tmp_path: Path) -> None:
     backend = FileBackend(FileConfig(root=tmp_path / "s", min_free_bytes=0, io_threads=4))
     seen: list[int] = []
     assert backend._map(lambda i: seen.append(i) or i * 2, 1) == [0]
-    assert backend._executor is None  # a one-page batch stays in the calling thread
+    assert backend._slices._executor is None  # a one-page batch stays in the calling thread
     submits = 0
     results = backend._map(lambda i: i * 2, 2)  # starts the pool
-    executor = backend._executor
+    executor = backend._slices._executor
     assert executor is not None and results == [0, 2]
     real_submit = executor.submit
 

@@ -14,11 +14,11 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
 from kvtier.backends.file.config import FileConfig
 from kvtier.backends.filestore import compiled, paths, writes
+from kvtier.backends.filestore.slices import Slices, copy_threads
 from kvtier.backends.filestore.store import FileStore
 from kvtier.core.envelope import BatchEnvelope
 from kvtier.core.errors import StorageError
@@ -29,19 +29,6 @@ __all__ = ["FileBackend"]
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-
-#: CPUs this process may run on: warm copies scale with these, not with more threads.
-_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-#: Least bytes of warm pages worth a hand-off to another thread (about 50 µs here).
-MIN_SLICE_BYTES = 1 << 20
-
-
-def _copy_threads(pages: Sequence[PageBuffers]) -> int:
-    """Threads for a batch that only copies (page-cache reads, in-place overwrites): at
-    most one per CPU and per :data:`MIN_SLICE_BYTES`. Nothing waits, so more threads
-    only take turns on the CPUs, and a hand-off costs more than a small page's copy."""
-    page_bytes = sum(e.length for e in pages[0]) if pages else 0
-    return min(_CPUS, max(1, len(pages) * page_bytes // MIN_SLICE_BYTES))
 
 #: Large pages are read in pieces of this size, each hashed while it is in cache (256 KiB
 #: measured best here: 0.64 -> 0.81 of header-only verification on 8 MiB pages).
@@ -78,7 +65,7 @@ class FileBackend(StorageBackend):
         self.index = self._fs.index
         self._counters = self._fs.counters
         self._warn_once = self._fs.warn_once
-        self._executor: ThreadPoolExecutor | None = None
+        self._slices = Slices(self.config.io_threads, "kvtier-file")
         self._lock = threading.Lock()
         self._closed = False
         #: Per writing thread, the file a replaced page left, kept for the next overwrite.
@@ -108,33 +95,10 @@ class FileBackend(StorageBackend):
     def _spread(
         self, run: Callable[[int, int], list[_T]], count: int, most: int | None = None
     ) -> list[_T]:
-        """``run(lo, hi)`` for consecutive slices of ``range(count)``, one per I/O thread.
-
-        One contiguous slice per thread: one hand-off per thread, not per page (a
-        hand-off costs tens of microseconds, more than a small page's copy). The calling
-        thread works its own slice; every slice is finished before this returns or
-        raises. The results are concatenated in order. ``most`` caps the threads used.
-        """
+        """``run(lo, hi)`` for consecutive slices of ``range(count)``, one per I/O thread
+        (see :class:`~kvtier.backends.filestore.slices.Slices`); ``most`` caps them."""
         self._check_open()
-        threads = min(self.config.io_threads, count, most or count)
-        if threads <= 1:
-            return run(0, count)
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    self.config.io_threads - 1 or 1, thread_name_prefix="kvtier-file"
-                )
-            executor = self._executor
-
-        bounds = [count * t // threads for t in range(threads + 1)]
-        futures = [executor.submit(run, bounds[t], bounds[t + 1]) for t in range(1, threads)]
-        try:
-            results = run(bounds[0], bounds[1])
-        finally:
-            wait(futures)
-        for future in futures:
-            results.extend(future.result())
-        return results
+        return self._slices.spread(run, count, most)
 
     # --- contract ------------------------------------------------------------------------
 
@@ -188,9 +152,10 @@ class FileBackend(StorageBackend):
 
         The batch is first read from the page cache alone (``nowait``), on no more
         threads than there are CPUs to copy with and than the batch has
-        :data:`MIN_SLICE_BYTES` slices (a hand-off costs more than a small page's copy,
-        and threads beyond the CPUs only take turns); only the pages that would wait for
-        the disk then go to every I/O thread, where the waits overlap.
+        :data:`~kvtier.backends.filestore.slices.MIN_SLICE_BYTES` slices (a hand-off
+        costs more than a small page's copy, and threads beyond the CPUs only take
+        turns); only the pages that would wait for the disk then go to every I/O
+        thread, where the waits overlap.
         """
         fs = self._fs
         count = len(keys)
@@ -210,7 +175,7 @@ class FileBackend(StorageBackend):
                 fs, keys, pages, range(lo, hi), envelope, on_filled, nowait=True
             ),
             count,
-            _copy_threads(pages),
+            copy_threads(pages),
         )
         waiting = [i for i, size in enumerate(sizes) if size == compiled.BLOCKED]
         if waiting:
@@ -317,7 +282,8 @@ class FileBackend(StorageBackend):
         """``put_with`` through the compiled loop, one slice per I/O thread.
 
         A batch of overwrites without fsync goes in place, a copy that waits for
-        nothing, so it gets no more threads than :func:`_copy_threads`.
+        nothing, so it gets no more threads than
+        :func:`~kvtier.backends.filestore.slices.copy_threads` gives it.
         """
         page_sync = self.config.fsync == "page"
 
@@ -347,7 +313,7 @@ class FileBackend(StorageBackend):
             return done
 
         overwrites = self.config.fsync == "none" and all(self._fs.index.indexed(keys))
-        return self._spread(run, len(keys), _copy_threads(pages) if overwrites else None)
+        return self._spread(run, len(keys), copy_threads(pages) if overwrites else None)
 
     def _sync_dirs(self, finals: Iterable[str]) -> None:
         """fsync each directory holding one of ``finals`` once (durable renames)."""
@@ -424,7 +390,5 @@ class FileBackend(StorageBackend):
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            executor, self._executor = self._executor, None
         self._spares.close()
-        if executor is not None:
-            executor.shutdown(wait=True)
+        self._slices.close()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.backends.filestore import compiled, paths, writes
+from kvtier.backends.filestore.slices import CPUS, Slices, copy_threads
 from kvtier.backends.filestore.store import FileStore
 from kvtier.backends.uring.config import UringConfig
 from kvtier.backends.uring.probe import INSTALL_HINT, probe_io_uring
@@ -78,6 +79,8 @@ class UringBackend(StorageBackend):
         self._rings = RingPool(self.config.queue_depth)
         #: Per writing thread, the file a replaced page left (the compiled write loop).
         self._spares = compiled.Spares()
+        #: Threads for the page-cache pass: a warm copy scales with the CPUs, not the ring.
+        self._slices = Slices(CPUS, "kvtier-uring")
         self._closed = False
 
     @property
@@ -185,9 +188,15 @@ class UringBackend(StorageBackend):
         on_filled: Callable[[int], object] | None,
         envelope: BatchEnvelope,
     ) -> list[bool]:
-        """The compiled loop's page-cache pass, then the ring for the pages it left."""
-        sizes = compiled.read_slice(
-            self._fs, keys, pages, range(len(keys)), envelope, on_filled, nowait=True
+        """The compiled loop's page-cache pass (on up to one thread per CPU and per MiB
+        of the batch, see :func:`~kvtier.backends.filestore.slices.copy_threads`), then
+        the ring for the pages it left."""
+        sizes = self._slices.spread(
+            lambda lo, hi: compiled.read_slice(
+                self._fs, keys, pages, range(lo, hi), envelope, on_filled, nowait=True
+            ),
+            len(keys),
+            copy_threads(pages),
         )
         results = [size > 0 for size in sizes]
         self._fs.record_reads([(keys[i], size) for i, size in enumerate(sizes) if size > 0])
@@ -537,3 +546,4 @@ class UringBackend(StorageBackend):
             self._closed = True
             self._rings.close()
             self._spares.close()
+            self._slices.close()
