@@ -636,22 +636,32 @@ def test_uring_reads_cached_pages_before_the_ring_and_cold_ones_through_it(
 
 
 @pytest.mark.parametrize("uring", [False, True], ids=["file", "uring"])
-def test_warm_pages_are_copied_on_one_thread_per_cpu_and_mib(
+def test_warm_copies_run_on_one_thread_per_cpu_and_mib(
     make: Callable[..., Setup], monkeypatch: pytest.MonkeyPatch, uring: bool
 ) -> None:
+    # page-cache reads and overwrites without fsync wait for nothing: more threads than
+    # CPUs (or than MiB in the batch) would only take turns
     setup = make(compiled_io=True, io_threads=4, uring=uring, geometry=BIG)
     assert setup.put_all() == [True] * PAGES
     threads: set[int] = set()
-    real = compiled.read_slice
 
-    def recorded(*args: Any, **kwargs: Any) -> list[int]:
-        threads.add(threading.get_ident())
-        return real(*args, **kwargs)
+    def recording(real: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+        def recorded(*args: Any, **kwargs: Any) -> list[Any]:
+            threads.add(threading.get_ident())
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(compiled, "read_slice", recorded)
-    assert setup.get_all() == [True] * PAGES
+        return recorded
+
+    monkeypatch.setattr(compiled, "read_slice", recording(compiled.read_slice))
+    monkeypatch.setattr(compiled, "write_slice", recording(compiled.write_slice))
     batch_bytes = PAGES * sum(e.length for e in setup.pool.page_buffers(0))
-    assert len(threads) == min(slices.CPUS, batch_bytes // slices.MIN_SLICE_BYTES, 4)
+    expected = min(slices.CPUS, batch_bytes // slices.MIN_SLICE_BYTES, 4)
+    assert setup.get_all() == [True] * PAGES
+    assert len(threads) == expected
+    threads.clear()
+    assert setup.put_all() == [True] * PAGES  # overwrites, in place
+    assert len(threads) == expected
+    assert setup.backend.stats()["puts_in_place"] == PAGES
     threads.clear()
     assert setup.store.get(setup.keys[:1], [PAGES]) == [True]  # one page: no hand-off
     assert threads == {threading.get_ident()}

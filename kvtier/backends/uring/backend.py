@@ -292,11 +292,11 @@ class UringBackend(StorageBackend):
         """Write temp files, fsync as configured, publish by rename; all through the ring.
 
         With ``envelope``, the compiled loop and ``fsync='none'``, the pages are written
-        by the file backend's compiled loop in this thread instead (envelopes written
-        there, overwrites recycling the replaced files): a buffered write goes to the
-        page cache without waiting for the disk, so the ring has nothing to overlap, and
-        it handed every write to a kernel worker. A page that loop cannot write goes
-        through the ring.
+        by the file backend's compiled loop instead, on up to one thread per CPU and MiB
+        (:func:`~kvtier.backends.filestore.slices.copy_threads`; envelopes written
+        there, overwrites in place): a buffered write goes to the page cache without
+        waiting for the disk, so the ring has nothing to overlap, and it handed every
+        write to a kernel worker. A page that loop cannot write goes through the ring.
 
         Each page is a small chain: WRITE -> (FDATASYNC) -> RENAME -> (directory FSYNC for
         ``fsync='page'``); ``on_done`` queues the next link as one completes, so the
@@ -312,19 +312,23 @@ class UringBackend(StorageBackend):
                 before = None if before_write is None else lambda _j: before_write(i)
                 return self._put_ring([keys[i]], [pages[i]], before)[0]
 
-            return compiled.write_slice(
-                self._fs,
-                keys,
-                pages,
-                0,
-                len(keys),
-                envelope,
-                datasync=False,
-                publish=lambda i, tmp, final, nbytes: self._fs.publish_page(
-                    keys[i], tmp, final, nbytes
+            return self._slices.spread(
+                lambda lo, hi: compiled.write_slice(
+                    self._fs,
+                    keys,
+                    pages,
+                    lo,
+                    hi,
+                    envelope,
+                    datasync=False,
+                    publish=lambda i, tmp, final, nbytes: self._fs.publish_page(
+                        keys[i], tmp, final, nbytes
+                    ),
+                    fallback=through_ring,
+                    spares=self._spares,
                 ),
-                fallback=through_ring,
-                spares=self._spares,
+                len(keys),
+                copy_threads(pages),
             )
         return self._put_ring(keys, pages, before_write)
 
