@@ -14,7 +14,10 @@ import os
 import random
 import shutil
 import string
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -383,6 +386,78 @@ def test_header_only_readers_never_see_a_page_mid_overwrite(make: Callable[..., 
     assert setup.backend.stats()["puts_in_place"] > 0
     # nor one whose header the writer had invalidated: readers wait for the whole page
     assert header.stats()["invalid"] == 0
+
+
+_OVERWRITER = """
+import sys
+from pathlib import Path
+
+import torch
+
+from kvtier.backends.file import FileConfig
+from kvtier.backends.file.backend import FileBackend
+from kvtier.core.geometry import KVGeometry
+from kvtier.core.host_pool import HostPool
+from kvtier.core.keys import Namespace, PageKeyer
+from kvtier.core.pagestore import PageStore
+
+geometry = KVGeometry.mha(num_layers=32, num_kv_heads=8, head_dim=128, page_size=64)
+pool = HostPool(geometry, "page_first", num_pages=2, pin_memory=False)
+for page, fill in ((0, 1), (1, 2)):
+    for extent in pool.extents(page):
+        torch.frombuffer(extent.view, dtype=torch.uint8).fill_(fill)
+config = FileConfig(root=Path(sys.argv[1]), min_free_bytes=0, io_threads=1)
+store = PageStore(FileBackend(config), pool, fingerprint=geometry.fingerprint)
+namespace = Namespace("killed", geometry.fingerprint)
+key = PageKeyer(namespace, geometry.page_size).keys(list(range(geometry.page_size)))[0]
+if sys.argv[2] == "seed":
+    assert store.put([key], [0]) == [True]
+    print(key, flush=True)
+    sys.exit(0)
+print("writing", flush=True)
+for round_ in range(1_000_000):  # in place, one 16 MiB page after the other
+    assert store.put([key], [(round_ + 1) % 2]) == [True]
+"""
+
+
+def test_a_writer_killed_mid_overwrite_leaves_no_torn_page(tmp_path: Path) -> None:
+    # SIGKILL stops a buffered write between two 4 KiB pages of the file: the invalidated
+    # header makes such a page a miss, under header-only verification too
+    def run(*args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-c", _OVERWRITER, str(tmp_path), *args],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    with run("seed") as seeder:
+        assert seeder.stdout is not None
+        key = seeder.stdout.readline().strip()
+    assert seeder.returncode == 0
+    geometry = KVGeometry.mha(num_layers=32, num_kv_heads=8, head_dim=128, page_size=64)
+    pool = HostPool(geometry, "page_first", num_pages=1, pin_memory=False)
+    backend = FileBackend(FileConfig(root=tmp_path, min_free_bytes=0, io_threads=1))
+    reader = PageStore(backend, pool, fingerprint=geometry.fingerprint, verify="header")
+    path = fs_paths.page_path_str(os.fspath(backend.store), key)
+    inode = os.stat(path).st_ino
+    whole = {bytes([fill]) * (pool.page_bytes) for fill in (1, 2)}
+    rng = random.Random(3)
+    refused = 0
+    try:
+        for _ in range(6):
+            with run("overwrite") as writer:
+                assert writer.stdout is not None
+                assert writer.stdout.readline().strip() == "writing"
+                time.sleep(0.05 + rng.random() * 0.05)
+                writer.kill()
+            assert os.stat(path).st_ino == inode  # written in place, never replaced
+            if reader.get([key], [0]) == [True]:
+                assert b"".join(bytes(e.view) for e in pool.extents(0)) in whole, "torn"
+            else:
+                refused += 1
+    finally:
+        backend.close()
+    assert reader.stats()["invalid"] == refused  # each miss: a header without its magic
 
 
 def test_a_file_of_another_size_is_replaced_not_patched(make: Callable[..., Setup]) -> None:
