@@ -13,7 +13,6 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import xxhash
 
@@ -241,19 +240,15 @@ class BatchEnvelope:
     xxh3-128 (canonical), then the xxh3-64 of those :data:`BODY_BYTES`, little-endian
     (``docs/integrity.md``). On a get the backend appends to ``valid`` the index of every
     page it found valid (the payload checksum included when ``full``); the core checks
-    any other page it filled. A backend that hashes the keys itself (the file backends'
-    compiled loop) never pays for :attr:`key_digests`.
+    any other page it filled. The key digest is :func:`key_digest` of the page's key in
+    ``keys``; the backend computes it where it writes or checks the header (the file
+    backends' compiled loop hashes the keys in C).
     """
 
     static: bytes
     keys: Sequence[str]
     full: bool = True
     valid: list[int] = field(default_factory=list)
-
-    @cached_property
-    def key_digests(self) -> list[bytes]:
-        """Each key's :func:`key_digest`, in batch order (computed on first use)."""
-        return [key_digest(key) for key in self.keys]
 
 
 class EnvelopeFormat:

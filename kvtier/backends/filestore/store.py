@@ -121,9 +121,10 @@ class FileStore:
         with EAGAIN instead of waiting), ``preadv`` does not (open(2)), so the ``file``
         backend passes False and saves the system call.
 
-        The descriptor holds the readers' shared ``flock``: the file backend's compiled
-        loop recycles a replaced page's file (writing the next page into it in place)
-        only under an exclusive lock, so a locked file does not change while it is read.
+        The descriptor holds the readers' shared ``flock``: the compiled loop overwrites
+        a page's file in place, or recycles a replaced page's file (writing the next page
+        into it in place), only under an exclusive lock, so a locked file does not change
+        while it is read.
         A file a writer holds was just replaced under its name: it is opened once more,
         and counted as ``get_busy`` (a miss) if held again.
         """
