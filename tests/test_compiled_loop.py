@@ -28,6 +28,7 @@ from kvtier.backends.file import FileConfig
 from kvtier.backends.file.backend import FileBackend
 from kvtier.backends.filestore import compiled, slices
 from kvtier.backends.filestore import paths as fs_paths
+from kvtier.backends.filestore.store import WRITER_WAIT
 from kvtier.core.envelope import HEADER, EnvelopeFormat, key_digest
 from kvtier.core.geometry import KVGeometry
 from kvtier.core.host_pool import HostPool
@@ -542,6 +543,30 @@ def test_a_file_a_reader_holds_is_never_recycled(make: Callable[..., Setup], uri
     assert setup.store.get(setup.keys[:3], [PAGES, PAGES + 1, PAGES + 2]) == [True] * 3
 
 
+@pytest.mark.parametrize(
+    ("compiled_io", "uring"),
+    [(True, False), (False, False), (True, True)],
+    ids=["compiled", "python", "uring"],
+)
+def test_a_reader_waits_out_an_overwrite_in_place(
+    make: Callable[..., Setup], compiled_io: bool, uring: bool
+) -> None:
+    # the name still holds the same, locked file: a page being overwritten in place, which
+    # ends within milliseconds; the reader waits for it instead of missing
+    setup = make(compiled_io=compiled_io, uring=uring)
+    assert setup.put_all() == [True] * PAGES
+    writer = os.open(setup.path(0), os.O_WRONLY)
+    fcntl.flock(writer, fcntl.LOCK_EX)
+    release = threading.Timer(0.005, os.close, args=(writer,))
+    release.start()
+    try:
+        assert setup.get_all() == [True] * PAGES
+    finally:
+        release.join()
+    assert setup.backend.stats().get("get_busy", 0) == 0
+    assert setup.payload(PAGES) == setup.payload(0)
+
+
 @pytest.mark.parametrize("compiled_io", [True, False], ids=["compiled", "python"])
 def test_a_page_a_writer_holds_is_a_counted_busy_miss(
     make: Callable[..., Setup], compiled_io: bool
@@ -827,6 +852,7 @@ def test_the_compiled_envelope_layout_is_the_python_one() -> None:
     from kvtier.core import envelope
 
     pageio = compiled._pageio
+    assert round(WRITER_WAIT * 1e9) == pageio.WRITER_WAIT_NS  # both loops wait as long
     assert pageio.STATIC_BYTES == envelope.STATIC_BYTES
     assert pageio.BODY_BYTES == envelope.BODY_BYTES
     assert envelope.HEADER.size == pageio.HEADER_BYTES

@@ -28,6 +28,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 #include <dlfcn.h>
 
@@ -65,6 +66,10 @@ static struct {
 #define PIECE (256 * 1024)
 #define MAX_REGIONS 1024 /* IOV_MAX */
 #define MAX_KEY_LENGTH 160 /* kvtier.core.keys.MAX_KEY_LENGTH */
+/* How long a reader waits out a page being overwritten in place (a write of microseconds
+ * to a few milliseconds), polling its lock; then the page is a counted busy miss. */
+#define WRITER_WAIT_NS (20L * 1000 * 1000)
+#define WRITER_POLL_NS (50L * 1000)
 
 /* Per-page outcomes (module constants of the same names). */
 enum {
@@ -408,13 +413,16 @@ header_valid(const Page *page, const unsigned char *static_fields, const unsigne
 }
 
 /* Open a page file for reading and take the readers' shared lock on it (flock): a writer
- * recycles a replaced page's file only under an exclusive lock, so a locked file does not
- * change while it is read. Sets *fd and *info; returns OK, ABSENT, NOT_REGULAR, BUSY or
- * -errno. A file held by a writer is one just replaced under its name: it is opened again
- * once (the name then holds the new page). */
+ * overwrites a page's file in place, or recycles a replaced page's file, only under an
+ * exclusive lock, so a locked file does not change while it is read. Sets *fd and *info;
+ * returns OK, ABSENT, NOT_REGULAR, BUSY or -errno. A file held by a writer was either
+ * just replaced under its name (opened again, the name then holds the new page) or, when
+ * the name still holds the same file, is being overwritten in place: that write is
+ * waited out, for at most WRITER_WAIT_NS. */
 static long
 open_locked(const char *path, int flags, int *fd, struct stat *info)
 {
+    ino_t held = 0;
     for (int attempt = 0; attempt < 2; attempt++) {
         *fd = open(path, flags);
         if (*fd < 0) return (errno == ENOENT || errno == ENOTDIR) ? ABSENT : -errno;
@@ -428,6 +436,14 @@ open_locked(const char *path, int flags, int *fd, struct stat *info)
             return NOT_REGULAR;
         }
         if (flock(*fd, LOCK_SH | LOCK_NB) == 0 || errno != EWOULDBLOCK) return OK;
+        if (attempt == 1 && info->st_ino == held) {
+            for (long waited = 0; waited < WRITER_WAIT_NS; waited += WRITER_POLL_NS) {
+                struct timespec pause = {0, WRITER_POLL_NS};
+                nanosleep(&pause, NULL);
+                if (flock(*fd, LOCK_SH | LOCK_NB) == 0 || errno != EWOULDBLOCK) return OK;
+            }
+        }
+        held = info->st_ino;
         close(*fd); /* no locks on this filesystem: nothing there recycles either */
     }
     return BUSY;
@@ -1094,7 +1110,7 @@ PyInit__pageio(void)
         {"BUSY", BUSY}, {"REPLACED", REPLACED}, {"IN_PLACE", IN_PLACE},
         {"STATIC_BYTES", STATIC_BYTES},
         {"BODY_BYTES", BODY_BYTES}, {"HEADER_BYTES", HEADER_BYTES}, {"PIECE", PIECE},
-        {"MAX_KEY_LENGTH", MAX_KEY_LENGTH},
+        {"MAX_KEY_LENGTH", MAX_KEY_LENGTH}, {"WRITER_WAIT_NS", WRITER_WAIT_NS},
     };
     for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++) {
         if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) != 0) {

@@ -15,6 +15,7 @@ import fcntl
 import logging
 import os
 import stat
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import overload
@@ -26,12 +27,16 @@ from kvtier.backends.filestore.options import FileStoreOptions
 from kvtier.core.layout import ALIGNMENT
 from kvtier.core.storage import Counters, PageBuffers
 
-__all__ = ["NOT_A_PAGE", "READ_FLAGS", "FileStore"]
+__all__ = ["NOT_A_PAGE", "READ_FLAGS", "WRITER_POLL", "WRITER_WAIT", "FileStore"]
 
 #: How a page is opened for reading: never through a symlink, never blocking on a FIFO.
 READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 #: open(2) errors that mean the name holds something other than a page file.
 NOT_A_PAGE = frozenset({errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EINVAL})
+#: How long a reader waits out a page being overwritten in place (a write of microseconds
+#: to a few milliseconds), polling its lock every WRITER_POLL s; the compiled loop's too.
+WRITER_WAIT = 0.020
+WRITER_POLL = 50e-6
 #: open(2) errors of a temp file that a repaired shard directory cures.
 _BAD_SHARD = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
 
@@ -125,16 +130,33 @@ class FileStore:
         a page's file in place, or recycles a replaced page's file (writing the next page
         into it in place), only under an exclusive lock, so a locked file does not change
         while it is read.
-        A file a writer holds was just replaced under its name: it is opened once more,
-        and counted as ``get_busy`` (a miss) if held again.
+        A file a writer holds was either just replaced under its name (it is opened once
+        more: the name then holds the new page) or, when the name still holds the same
+        file, is being overwritten in place: that write is waited out for at most
+        :data:`WRITER_WAIT` seconds. Still held, it is counted as ``get_busy`` (a miss).
         """
+        held = None
         for _attempt in range(2):
             fd = self._open_page(key, path, nbytes, direct=direct, blocking=blocking)
             if fd is None or self._read_lock(fd):
                 return fd
+            inode = os.fstat(fd).st_ino
+            if inode == held and self._wait_for_writer(fd):
+                return fd
+            held = inode
             os.close(fd)
         self.counters.add("get_busy")
         return None
+
+    @classmethod
+    def _wait_for_writer(cls, fd: int) -> bool:
+        """Poll the readers' lock until an in-place overwrite ends; False after WRITER_WAIT."""
+        deadline = time.monotonic() + WRITER_WAIT
+        while time.monotonic() < deadline:
+            time.sleep(WRITER_POLL)
+            if cls._read_lock(fd):
+                return True
+        return False
 
     @staticmethod
     def _read_lock(fd: int) -> bool:
