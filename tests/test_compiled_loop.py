@@ -767,6 +767,43 @@ def test_warm_copies_run_on_one_thread_per_cpu_and_mib(
     assert threads == {threading.get_ident()}
 
 
+def test_open_pages_opens_what_the_ring_reads_and_counts_the_rest(
+    make: Callable[..., Setup],
+) -> None:
+    # uring's ring path opens a batch in one C call: locked, sized, O_NONBLOCK cleared
+    setup = make(compiled_io=True)
+    assert setup.put_all() == [True] * PAGES
+    os.truncate(setup.path(1), 100)  # a wrong size
+    os.unlink(setup.path(2))  # gone
+    os.unlink(setup.path(3))
+    os.mkdir(setup.path(3))  # debris under the page's name
+    writer = os.open(setup.path(4), os.O_WRONLY)  # held by a writer throughout
+    fcntl.flock(writer, fcntl.LOCK_EX)
+    pages = [setup.pool.page_buffers(i) for i in range(PAGES)]
+    try:
+        fds = compiled.open_pages(setup.backend._fs, setup.keys, pages, [False] * PAGES)
+    finally:
+        os.close(writer)
+    try:
+        assert [fd >= 0 for fd in fds] == [True, False, False, False, False, True, True, True]
+        for fd in (fd for fd in fds if fd >= 0):
+            assert os.get_blocking(fd)  # O_NONBLOCK cleared
+            with pytest.raises(BlockingIOError):  # and the readers' lock held
+                probe = os.open(setup.path(fds.index(fd)), os.O_WRONLY)
+                try:
+                    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                finally:
+                    os.close(probe)
+    finally:
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+    stats = setup.backend.stats()
+    assert stats["get_size_mismatch"] == 1
+    assert stats["get_busy"] == 1
+    assert stats["debris_dirs"] == 1 and not os.path.exists(setup.path(3))
+
+
 def test_the_built_loop_is_not_older_than_its_source() -> None:
     source = Path(compiled.__file__).with_name("_pageio.c")
     built = Path(compiled._pageio.__file__)

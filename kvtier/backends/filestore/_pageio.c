@@ -1060,6 +1060,93 @@ write_pages(PyObject *self, PyObject *args)
                          (unsigned long long)spare.size, spare.direct);
 }
 
+PyDoc_STRVAR(open_pages_doc,
+"open_pages(store, keys, sizes, direct) -> (list[int], list[int])\n\n"
+"Open each key's page file under store for a read elsewhere (an io_uring): under the\n"
+"readers' shared lock, a regular file of its size in sizes (bytes), O_NONBLOCK\n"
+"cleared. Returns the descriptors (-1 where none) and one code per page (OK, or why\n"
+"not, as read_pages reports it). direct is one flag for all pages or a list. The\n"
+"caller closes the descriptors. The GIL is released for the call.");
+
+static PyObject *
+open_pages(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *store, *keys, *sizes_obj, *direct;
+    if (!PyArg_ParseTuple(args, "UO!O!O:open_pages", &store, &PyList_Type, &keys, &PyList_Type,
+                          &sizes_obj, &direct))
+        return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(keys);
+    int each = PyList_Check(direct);
+    int all = each ? 0 : PyObject_IsTrue(direct);
+    if (all < 0) return NULL;
+    if (PyList_GET_SIZE(sizes_obj) != count || (each && PyList_GET_SIZE(direct) != count)) {
+        PyErr_SetString(PyExc_ValueError, "_pageio: the per-page lists differ in length");
+        return NULL;
+    }
+    PyObject *encoded = NULL;
+    if (!PyUnicode_FSConverter(store, &encoded)) return NULL;
+    Names names = {PyBytes_AS_STRING(encoded), (size_t)PyBytes_GET_SIZE(encoded), NULL, 0};
+    Page *pages = PyMem_Calloc((size_t)(count ? count : 1), sizeof(Page));
+    unsigned long long *sizes = PyMem_Calloc((size_t)(count ? count : 1), sizeof *sizes);
+    int *fds = PyMem_Calloc((size_t)(count ? count : 1), sizeof(int));
+    int loaded = pages != NULL && sizes != NULL && fds != NULL;
+    if (!loaded) PyErr_NoMemory();
+    for (Py_ssize_t p = 0; loaded && p < count; p++) {
+        sizes[p] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(sizes_obj, p));
+        pages[p].direct = each ? PyObject_IsTrue(PyList_GET_ITEM(direct, p)) : all;
+        loaded = !PyErr_Occurred() && pages[p].direct >= 0 &&
+                 name_page(&pages[p], &names, PyList_GET_ITEM(keys, p), p);
+    }
+    Py_DECREF(encoded);
+    PyObject *out = NULL, *codes = NULL;
+    if (loaded) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t p = 0; p < count; p++) {
+            Page *page = &pages[p];
+            int flags = O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | (page->direct ? O_DIRECT : 0);
+            struct stat info;
+            page->result = open_locked(page->path, flags, &fds[p], &info);
+            if (page->result != OK) {
+                fds[p] = -1;
+                continue;
+            }
+            if ((unsigned long long)info.st_size != sizes[p])
+                page->result = SIZE_MISMATCH;
+            else if (fcntl(fds[p], F_SETFL, page->direct ? O_DIRECT : 0) != 0)
+                page->result = -errno; /* io_uring would honour O_NONBLOCK: EAGAIN, not a wait */
+            if (page->result != OK) {
+                close(fds[p]);
+                fds[p] = -1;
+            }
+        }
+        Py_END_ALLOW_THREADS
+        codes = results_list(pages, count);
+        out = codes == NULL ? NULL : PyList_New(count);
+        for (Py_ssize_t p = 0; out != NULL && p < count; p++) {
+            PyObject *fd = PyLong_FromLong(fds[p]);
+            if (fd == NULL) {
+                Py_CLEAR(out);
+                break;
+            }
+            PyList_SET_ITEM(out, p, fd);
+        }
+        if (out == NULL)
+            for (Py_ssize_t p = 0; p < count; p++)
+                if (fds[p] >= 0) close(fds[p]);
+    }
+    if (pages != NULL)
+        for (Py_ssize_t p = 0; p < count; p++) PyMem_Free(pages[p].path);
+    PyMem_Free(pages);
+    PyMem_Free(sizes);
+    PyMem_Free(fds);
+    if (out == NULL) {
+        Py_XDECREF(codes);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", out, codes);
+}
+
 PyDoc_STRVAR(name_doc,
 "name(store, key) -> (path, digest)\n\n"
 "The file a checked key's page has under store, and the key's 16-byte envelope digest,\n"
@@ -1086,6 +1173,7 @@ name(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"bind", bind, METH_O, bind_doc},
     {"name", name, METH_VARARGS, name_doc},
+    {"open_pages", open_pages, METH_VARARGS, open_pages_doc},
     {"read_pages", read_pages, METH_VARARGS, read_pages_doc},
     {"write_pages", write_pages, METH_VARARGS, write_pages_doc},
     {NULL, NULL, 0, NULL},

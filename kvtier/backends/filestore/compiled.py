@@ -32,6 +32,7 @@ __all__ = [
     "Spares",
     "available",
     "drop_spare",
+    "open_pages",
     "read_slice",
     "write_slice",
 ]
@@ -119,6 +120,25 @@ def read_slice(
             _read_failed(fs, keys[i], paths.page_path_unchecked(fs.path_str, keys[i]), code)
             sizes.append(0)
     return sizes
+
+
+def open_pages(
+    fs: FileStore, keys: Sequence[str], pages: Sequence[PageBuffers], direct: list[bool]
+) -> list[int]:
+    """Open the pages of ``keys`` (already checked) for reads elsewhere, in one C call.
+
+    Each descriptor holds the readers' shared lock on a regular file of its page's size,
+    ``O_NONBLOCK`` cleared (an io_uring honours it), opened with ``O_DIRECT`` where
+    ``direct`` says; -1 for a page that is not there or cannot be read, counted (and
+    repaired) as :func:`read_slice` counts it. The caller closes the descriptors.
+    """
+    assert _pageio is not None
+    sizes = [_nbytes(page) for page in pages]
+    fds, codes = _pageio.open_pages(fs.path_str, list(keys), sizes, direct)
+    for key, code in zip(keys, codes, strict=True):
+        if code != _pageio.OK:
+            _read_failed(fs, key, paths.page_path_unchecked(fs.path_str, key), code)
+    return list(fds)
 
 
 def _direct(fs: FileStore, pages: list[PageBuffers]) -> bool | list[bool]:

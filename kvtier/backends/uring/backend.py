@@ -217,7 +217,12 @@ class UringBackend(StorageBackend):
         pages: Sequence[PageBuffers],
         on_filled: Callable[[int], object] | None,
     ) -> list[bool]:
-        """Every page through the ring (keys already checked)."""
+        """Every page through the ring (keys already checked).
+
+        With the compiled loop the whole batch is opened first in one C call (GIL
+        released), so the requests go into the ring back to back; otherwise each page is
+        opened in Python as its requests are queued.
+        """
         store = str(self.store)
         files = [paths.page_path_str(store, key) for key in keys]  # str: cheaper than Path
         results = [False] * len(keys)
@@ -225,12 +230,20 @@ class UringBackend(StorageBackend):
         touched: list[tuple[str, int]] = []
         #: page index -> [requests still in flight, bytes read, first error or -1 short]
         parts: dict[int, list[int]] = {}
+        directs = [self._fs.direct_for(page) for page in pages]
+        opened: list[int] | None = None
+        if self.checks_envelopes:
+            opened = compiled.open_pages(self._fs, keys, pages, directs)
+            open_fds.update(fd for fd in opened if fd >= 0)
 
         def requests() -> Iterator[IORequest]:
             for index, (key, page) in enumerate(zip(keys, pages, strict=True)):
-                direct = self._fs.direct_for(page)
+                direct = directs[index]
                 nbytes = sum(e.length for e in page)
-                fd = self._fs.open_page(key, files[index], nbytes, direct=direct)
+                if opened is not None:
+                    fd: int | None = opened[index] if opened[index] >= 0 else None
+                else:
+                    fd = self._fs.open_page(key, files[index], nbytes, direct=direct)
                 if fd is None:  # a miss, debris or a wrong size: counted
                     continue
                 open_fds.add(fd)
