@@ -641,6 +641,12 @@ def test_malformed_calls_are_refused_with_a_reason(tmp_path: Path) -> None:
         pageio.write_pages(
             store, ["a", "b"], ".1.2.", 1, [[header, payload]], False, None, False, False
         )
+    for stem in ("x.1.2.", "./../.1."):
+        with pytest.raises(ValueError, match="not a temp name stem"):
+            pageio.write_pages(
+                store, ["a"], stem, 1, [[header, payload]], False, None, False, False
+            )
+    assert list(tmp_path.iterdir()) == []
     assert pageio.bind("/nonexistent/libxxhash.so") is False
 
 

@@ -1009,6 +1009,10 @@ write_pages(PyObject *self, PyObject *args)
                           &seq, &PyList_Type, &regions, &direct, &static_obj, &datasync,
                           &exchange, &spare_in, &existing))
         return NULL;
+    if (stem[0] != '.' || strchr(stem, '/') != NULL) { /* temp names are hidden, in place */
+        PyErr_Format(PyExc_ValueError, "_pageio: %s is not a temp name stem (.<pid>.<tid>.)", stem);
+        return NULL;
+    }
     if (existing != Py_None) {
         if (!PyList_Check(existing) || PyList_GET_SIZE(existing) != PyList_Size(keys)) {
             if (!PyErr_Occurred())
