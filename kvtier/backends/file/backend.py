@@ -170,13 +170,7 @@ class FileBackend(StorageBackend):
 
         if count < 2 or self.config.io_threads == 1:
             return blocking(range(count))
-        sizes = self._spread(
-            lambda lo, hi: compiled.read_slice(
-                fs, keys, pages, range(lo, hi), envelope, on_filled, nowait=True
-            ),
-            count,
-            copy_threads(pages),
-        )
+        sizes = compiled.read_cached(self._spread, fs, keys, pages, envelope, on_filled)
         waiting = [i for i, size in enumerate(sizes) if size == compiled.BLOCKED]
         if waiting:
             for i, size in zip(waiting, blocking(waiting), strict=True):

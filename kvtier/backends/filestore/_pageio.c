@@ -854,6 +854,14 @@ load_regions(Page *page, PyObject *views)
     return 1;
 }
 
+/* Page p's O_DIRECT flag: direct is one flag for every page or a list of one per page
+ * (its length checked by the caller); -1, an exception set, when it has no truth value. */
+static int
+direct_of(PyObject *direct, Py_ssize_t p)
+{
+    return PyObject_IsTrue(PyList_Check(direct) ? PyList_GET_ITEM(direct, p) : direct);
+}
+
 /* Build the page table from the Python arguments: keys and regions of one length, and
  * direct either one flag for every page or a list of one per page. */
 static Page *
@@ -862,10 +870,7 @@ load_pages(const Names *names, PyObject *keys, PyObject *regions, PyObject *dire
 {
     Py_ssize_t count = PyList_Size(regions);
     if (count < 0) return NULL;
-    int each = PyList_Check(direct);
-    int all = each ? 0 : PyObject_IsTrue(direct);
-    if (all < 0) return NULL;
-    if (PyList_Size(keys) != count || (each && PyList_GET_SIZE(direct) != count)) {
+    if (PyList_Size(keys) != count || (PyList_Check(direct) && PyList_GET_SIZE(direct) != count)) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError, "_pageio: the per-page lists differ in length");
         return NULL;
@@ -879,7 +884,7 @@ load_pages(const Names *names, PyObject *keys, PyObject *regions, PyObject *dire
         Page *page = &pages[p];
         if (!load_regions(page, PyList_GET_ITEM(regions, p))) goto fail;
         if (!name_page(page, names, PyList_GET_ITEM(keys, p), p)) goto fail;
-        page->direct = each ? PyObject_IsTrue(PyList_GET_ITEM(direct, p)) : all;
+        page->direct = direct_of(direct, p);
         if (page->direct < 0) goto fail;
     }
     *count_out = count;
@@ -1081,10 +1086,7 @@ open_pages(PyObject *self, PyObject *args)
                           &sizes_obj, &direct))
         return NULL;
     Py_ssize_t count = PyList_GET_SIZE(keys);
-    int each = PyList_Check(direct);
-    int all = each ? 0 : PyObject_IsTrue(direct);
-    if (all < 0) return NULL;
-    if (PyList_GET_SIZE(sizes_obj) != count || (each && PyList_GET_SIZE(direct) != count)) {
+    if (PyList_GET_SIZE(sizes_obj) != count || (PyList_Check(direct) && PyList_GET_SIZE(direct) != count)) {
         PyErr_SetString(PyExc_ValueError, "_pageio: the per-page lists differ in length");
         return NULL;
     }
@@ -1098,7 +1100,7 @@ open_pages(PyObject *self, PyObject *args)
     if (!loaded) PyErr_NoMemory();
     for (Py_ssize_t p = 0; loaded && p < count; p++) {
         sizes[p] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(sizes_obj, p));
-        pages[p].direct = each ? PyObject_IsTrue(PyList_GET_ITEM(direct, p)) : all;
+        pages[p].direct = direct_of(direct, p);
         loaded = !PyErr_Occurred() && pages[p].direct >= 0 &&
                  name_page(&pages[p], &names, PyList_GET_ITEM(keys, p), p);
     }

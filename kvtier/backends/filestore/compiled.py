@@ -21,6 +21,7 @@ from typing import Any
 
 from kvtier.backends.filestore import paths, writes
 from kvtier.backends.filestore.debris import discard
+from kvtier.backends.filestore.slices import copy_threads
 from kvtier.backends.filestore.store import NOT_A_PAGE, FileStore
 from kvtier.core.envelope import BatchEnvelope
 from kvtier.core.storage import PageBuffers
@@ -33,6 +34,7 @@ __all__ = [
     "available",
     "drop_spare",
     "open_pages",
+    "read_cached",
     "read_slice",
     "write_slice",
 ]
@@ -139,6 +141,25 @@ def open_pages(
         if code != _pageio.OK:
             _read_failed(fs, key, paths.page_path_unchecked(fs.path_str, key), code)
     return list(fds)
+
+
+def read_cached(
+    spread: Callable[[Callable[[int, int], list[int]], int, int], list[int]],
+    fs: FileStore,
+    keys: Sequence[str],
+    pages: Sequence[PageBuffers],
+    envelope: BatchEnvelope,
+    on_filled: Callable[[int], object] | None,
+) -> list[int]:
+    """The page-cache pass over a whole batch: :func:`read_slice` with ``nowait`` on the
+    slices ``spread`` hands out, at most :func:`~kvtier.backends.filestore.slices.copy_threads`
+    of them. Pages that would wait for the disk come back :data:`BLOCKED`; the pass has
+    started their readahead, so a blocking read that follows finds the I/O under way."""
+    return spread(
+        lambda lo, hi: read_slice(fs, keys, pages, range(lo, hi), envelope, on_filled, nowait=True),
+        len(keys),
+        copy_threads(pages),
+    )
 
 
 def _direct(fs: FileStore, pages: list[PageBuffers]) -> bool | list[bool]:

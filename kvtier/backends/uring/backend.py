@@ -191,12 +191,8 @@ class UringBackend(StorageBackend):
         """The compiled loop's page-cache pass (on up to one thread per CPU and per MiB
         of the batch, see :func:`~kvtier.backends.filestore.slices.copy_threads`), then
         the ring for the pages it left."""
-        sizes = self._slices.spread(
-            lambda lo, hi: compiled.read_slice(
-                self._fs, keys, pages, range(lo, hi), envelope, on_filled, nowait=True
-            ),
-            len(keys),
-            copy_threads(pages),
+        sizes = compiled.read_cached(
+            self._slices.spread, self._fs, keys, pages, envelope, on_filled
         )
         results = [size > 0 for size in sizes]
         self._fs.record_reads([(keys[i], size) for i, size in enumerate(sizes) if size > 0])
