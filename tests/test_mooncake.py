@@ -459,7 +459,7 @@ def test_capacity_refuses_a_put_that_cannot_fit_and_keeps_leased_pages(
     assert backend.put(["c"], buffers[2:3]) == [False]  # nothing can be removed for it
     stats = backend.stats()
     assert stats["put_failed.CAPACITY"] == 1
-    assert stats["capacity_evict_failed.OBJECT_HAS_LEASE"] == 1
+    assert stats["capacity_evict_failed.OBJECT_HAS_LEASE"] == 2  # a, then b: both tried
     assert backend.exists(["a", "b", "c"]) == [True, True, False]
     _scribble(pool, pages[3:5])
     assert backend.get(["a", "b"], buffers[3:5]) == [True, True]
@@ -469,6 +469,52 @@ def test_capacity_refuses_a_put_that_cannot_fit_and_keeps_leased_pages(
     tiny.attach(pool)
     assert tiny.put(["big"], buffers[:1]) == [False]
     assert tiny.stats()["put_failed.PAGE_LARGER_THAN_CAPACITY"] == 1
+
+
+def test_capacity_skips_a_leased_victim_and_evicts_the_next_one(open_backend: Any) -> None:
+    # another client's get leases k0, this client's least recently used page: the put
+    # must remove the next unleased pages instead of failing
+    pool = _pool(Layout.PAGE_FIRST, pages=8)
+    size = _page_bytes(pool)
+    namespace = f"t-{uuid.uuid4().hex[:12]}"
+    backend = open_backend(namespace=namespace, capacity_bytes=4 * size)
+    reader = open_backend(namespace=namespace)
+    backend.attach(pool)
+    reader.attach(pool)
+    pages = pool.allocate(7)
+    expected = _fill(pool, pages[:6], seed=41)
+    buffers = [pool.page_buffers(p) for p in pages]
+    assert backend.put([f"k{i}" for i in range(4)], buffers[:4]) == [True] * 4
+    assert reader.get(["k0"], buffers[6:7]) == [True]  # leased; still this client's LRU
+    assert backend.put(["k4"], buffers[4:5]) == [True]
+    assert backend.put(["k5"], buffers[5:6]) == [True]
+    assert backend.exists([f"k{i}" for i in range(6)]) == [True, False, False, True, True, True]
+    stats = backend.stats()
+    assert stats["capacity_evictions"] == 2
+    assert stats["capacity_evict_failed.OBJECT_HAS_LEASE"] == 2  # k0 tried for each put
+    assert stats["pages"] == 4 and stats["bytes"] == 4 * size
+    assert not [k for k in stats if k.startswith("put_failed")]
+    _scribble(pool, pages[6:7])
+    assert backend.get(["k5"], buffers[6:7]) == [True]
+    assert _content(pool, pages[6]) == expected[5]
+
+
+def test_a_batch_evicts_past_a_leased_victim_for_every_page(open_backend: Any) -> None:
+    pool = _pool(Layout.PAGE_FIRST, pages=8)
+    size = _page_bytes(pool)
+    namespace = f"t-{uuid.uuid4().hex[:12]}"
+    backend = open_backend(namespace=namespace, capacity_bytes=4 * size)
+    reader = open_backend(namespace=namespace)
+    backend.attach(pool)
+    reader.attach(pool)
+    pages = pool.allocate(7)
+    _fill(pool, pages[:6], seed=43)
+    buffers = [pool.page_buffers(p) for p in pages]
+    assert backend.put([f"k{i}" for i in range(4)], buffers[:4]) == [True] * 4
+    assert reader.get(["k0"], buffers[6:7]) == [True]
+    assert backend.put(["k4", "k5"], buffers[4:6]) == [True, True]
+    assert backend.exists([f"k{i}" for i in range(6)]) == [True, False, False, True, True, True]
+    assert backend.stats()["capacity_evictions"] == 2
 
 
 #: 512 KiB pages, so a 16 MiB segment (Mooncake's minimum) holds about 30 of them

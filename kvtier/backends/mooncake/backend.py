@@ -435,6 +435,29 @@ class MooncakeBackend(StorageBackend):
         self._occupancy.forget(okeys[i] for i in go)  # the old objects are gone
         return go
 
+    def _evict_for(self, incoming: list[tuple[str, int]]) -> None:
+        """Remove this client's LRU pages until ``incoming`` fits or none is removable.
+
+        A victim that Mooncake refuses to remove (a reader's lease, most often) stays and
+        still counts; the next least recently used one is tried instead, so one leased
+        page never fails a put that other pages could make room for.
+        """
+        keep = {key for key, _size in incoming}
+        while excess := self._occupancy.excess(incoming):
+            victims = self._occupancy.victims(excess, keep)
+            if not victims:
+                return
+            codes = self._live_client().batch_remove(victims, False)
+            gone = []
+            for key, code in zip(victims, codes, strict=True):
+                if code >= 0 or code == OBJECT_NOT_FOUND:
+                    gone.append(key)
+                else:  # e.g. a reader's lease: the page stays, and still counts
+                    keep.add(key)
+                    self._record("capacity_evict", code)
+            self._occupancy.forget(gone)
+            self._counters.add("capacity_evictions", len(gone))
+
     def _make_room(self, okeys: list[str], plans: list[_Plan], results: list[bool]) -> list[int]:
         """Under capacity_bytes: remove this client's LRU pages; the pages that now fit."""
         capacity = self._occupancy.capacity_bytes
@@ -446,18 +469,7 @@ class MooncakeBackend(StorageBackend):
             else:
                 idx.append(i)
         incoming = [(okeys[i], plans[i].total) for i in idx]
-        excess = self._occupancy.excess(incoming)
-        victims = self._occupancy.victims(excess, [k for k, _ in incoming]) if excess else []
-        if victims:
-            codes = self._live_client().batch_remove(victims, False)
-            gone = []
-            for key, code in zip(victims, codes, strict=True):
-                if code >= 0 or code == OBJECT_NOT_FOUND:
-                    gone.append(key)
-                else:  # e.g. a reader's lease: the page stays, and still counts
-                    self._record("capacity_evict", code)
-            self._occupancy.forget(gone)
-            self._counters.add("capacity_evictions", len(gone))
+        self._evict_for(incoming)
         admitted: list[int] = []
         fits: list[tuple[str, int]] = []
         for i, pair in zip(idx, incoming, strict=True):

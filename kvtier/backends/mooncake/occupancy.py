@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 __all__ = ["Occupancy"]
 
@@ -49,16 +49,15 @@ class Occupancy:
             self._sizes.clear()
             self._bytes = 0
 
-    def victims(self, needed: int, keep: Sequence[str]) -> list[str]:
+    def victims(self, needed: int, keep: Collection[str]) -> list[str]:
         """Least recently used keys (not in ``keep``) whose removal frees ``needed`` bytes."""
         out: list[str] = []
         freed = 0
-        skip = set(keep)
         with self._lock:
             for key, size in self._sizes.items():
                 if freed >= needed:
                     break
-                if key in skip:
+                if key in keep:
                     continue
                 out.append(key)
                 freed += size
