@@ -899,3 +899,169 @@ def test_the_compiled_envelope_layout_is_the_python_one() -> None:
     assert pageio.STATIC_BYTES == envelope.STATIC_BYTES
     assert pageio.BODY_BYTES == envelope.BODY_BYTES
     assert envelope.HEADER.size == pageio.HEADER_BYTES
+
+
+# --- files kvtier must never write into or publish (found by hostile tests) ----------
+
+#: The ways a store writes over a replaced page: (backend options, uring).
+_RECYCLERS = [({}, False), ({"fsync": "page"}, False), ({}, True)]
+_RECYCLER_IDS = ["file", "file-fsync-page", "uring"]
+
+
+def _spares(setup: Setup) -> list[Path]:
+    return sorted(setup.store_dir.rglob(f".*{fs_paths.TEMP_SUFFIX}"))
+
+
+@pytest.mark.parametrize(("options", "uring"), _RECYCLERS, ids=_RECYCLER_IDS)
+def test_a_hard_linked_page_file_is_never_written_into(
+    make: Callable[..., Setup], tmp_path: Path, options: dict[str, object], uring: bool
+) -> None:
+    # put k0; ln k0's file outside the root; put k0; put k1: the outside name must keep
+    # k0's old bytes (k1 was once written into the linked file, as a recycled spare)
+    setup = make(compiled_io=True, io_threads=1, uring=uring, **options)
+    assert setup.store.put(setup.keys[:1], [0]) == [True]
+    outside = tmp_path / "outside-link"
+    os.link(setup.path(0), outside)
+    old = outside.read_bytes()
+    _overwrite(setup, 0)
+    assert setup.store.put(setup.keys[1:2], [1]) == [True]
+    _overwrite(setup, 2 if uring else 1)
+    assert outside.read_bytes() == old
+    assert os.stat(outside).st_nlink == 1  # the store dropped its own name of it
+    assert setup.backend.stats()["recycle_refused"] == 1
+    assert setup.store.get(setup.keys[:2], [PAGES, PAGES + 1]) == [True, True]
+    assert setup.payload(PAGES) == setup.payload(0)
+    assert setup.payload(PAGES + 1) == setup.payload(1)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+@pytest.mark.parametrize(("options", "uring"), _RECYCLERS, ids=_RECYCLER_IDS)
+def test_a_page_file_of_another_owner_is_never_written_into(
+    make: Callable[..., Setup], options: dict[str, object], uring: bool
+) -> None:
+    setup = make(compiled_io=True, io_threads=1, uring=uring, **options)
+    assert setup.store.put(setup.keys[:1], [0]) == [True]
+    os.chown(setup.path(0), 4242, 4242)
+    held = os.open(setup.path(0), os.O_RDONLY)  # (no lock: the writer must not wait for it)
+    try:
+        old = os.pread(held, 1 << 20, 0)
+        _overwrite(setup, 0)  # neither in place nor kept as a spare
+        assert setup.store.put(setup.keys[1:2], [1]) == [True]
+        assert os.pread(held, 1 << 20, 0) == old
+        assert os.fstat(held).st_ino != os.stat(setup.path(0)).st_ino
+        assert os.fstat(held).st_ino != os.stat(setup.path(1)).st_ino
+    finally:
+        os.close(held)
+    assert setup.backend.stats()["recycle_refused"] == 1
+    assert setup.backend.stats().get("puts_in_place", 0) == 0
+    assert setup.store.get(setup.keys[:2], [PAGES, PAGES + 1]) == [True, True]
+
+
+def test_a_spare_linked_after_it_was_kept_is_never_written_into(
+    make: Callable[..., Setup], tmp_path: Path
+) -> None:
+    setup = make(compiled_io=True, io_threads=1, fsync="page")
+    assert setup.store.put(setup.keys[:1], [0]) == [True]
+    _overwrite(setup, 0)  # k0's old file is the spare now, under a temp name
+    (spare,) = _spares(setup)
+    outside = tmp_path / "outside-link"
+    os.link(spare, outside)
+    old = outside.read_bytes()
+    assert setup.store.put(setup.keys[1:2], [1]) == [True]
+    assert outside.read_bytes() == old
+    assert setup.backend.stats()["recycle_refused"] == 1
+    assert setup.store.get(setup.keys[:2], [PAGES, PAGES + 1]) == [True, True]
+    assert setup.payload(PAGES + 1) == setup.payload(1)
+
+
+def _take_name(path: Path, kind: str, *, aside: bool = False) -> None:
+    """Put another entry of ``kind`` under ``path``, as a stray process or hand might.
+
+    ``aside``: the file that held the name is moved to another name in its directory
+    (still linked once), else unlinked.
+    """
+    if aside:
+        os.rename(path, path.with_name("moved-aside"))
+    else:
+        os.unlink(path)
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "symlink":
+        path.symlink_to("/etc/hostname")
+    else:
+        path.write_bytes(b"a file some other writer left")
+
+
+@pytest.mark.parametrize("aside", [True, False], ids=["moved-aside", "unlinked"])
+@pytest.mark.parametrize("kind", ["directory", "symlink", "file"])
+@pytest.mark.parametrize("variant", ["file-fsync-page", "file-other-writer", "uring-other-writer"])
+def test_a_spare_whose_name_was_taken_is_never_published(
+    make: Callable[..., Setup], kind: str, variant: str, aside: bool
+) -> None:
+    # a put reports True only when its page is what a get then finds: the spare is
+    # dropped (unlinked) or written and refused at its publish (moved aside), and the
+    # page goes into a fresh file
+    uring = variant.startswith("uring")
+    if variant == "file-fsync-page":
+        setup = make(compiled_io=True, io_threads=1, fsync="page")
+        assert setup.store.put(setup.keys[:1], [0]) == [True]
+        _overwrite(setup, 0)
+    else:  # another process wrote the pages, so this one's overwrites exchange
+        setup = make(compiled_io=True, io_threads=1, uring=uring)
+        other = make(compiled_io=True, io_threads=1, uring=uring)
+        assert other.put_all() == [True] * PAGES
+        _overwrite(setup, 0)
+    (spare,) = _spares(setup)
+    _take_name(spare, kind, aside=aside)
+    _overwrite(setup, 1)
+    assert setup.backend.stats().get("put_temp_taken", 0) == (1 if aside else 0)
+    assert setup.backend.stats().get("recycle_refused", 0) == 0
+    assert setup.store.get(setup.keys[:2], [PAGES, PAGES + 1]) == [True, True]
+    assert setup.payload(PAGES + 1) == setup.payload(1)
+    assert Path(setup.path(1)).is_file() and not Path(setup.path(1)).is_symlink()
+
+
+@pytest.mark.parametrize("uring", [False, True], ids=["file-python-loop", "uring-ring"])
+def test_a_temp_name_taken_before_its_rename_publishes_nothing(
+    make: Callable[..., Setup], monkeypatch: pytest.MonkeyPatch, uring: bool
+) -> None:
+    from kvtier.backends.filestore import writes
+
+    setup = make(compiled_io=False, io_threads=1, uring=uring)
+    assert setup.put_all() == [True] * PAGES
+    old = Path(setup.path(0)).read_bytes()
+    write = writes.pwritev_all
+
+    def then_take_the_name(fd: int, views: list[memoryview]) -> int:
+        done = write(fd, views)
+        (tmp,) = _spares(setup)
+        _take_name(tmp, "directory")
+        return done
+
+    monkeypatch.setattr(writes, "pwritev_all", then_take_the_name)
+    for extent in setup.pool.extents(0):
+        extent.view[:] = os.urandom(extent.length)
+    assert setup.store.put(setup.keys[:1], [0]) == [False]  # nothing was published
+    monkeypatch.setattr(writes, "pwritev_all", write)
+    assert setup.backend.stats()["put_temp_taken"] == 1
+    assert Path(setup.path(0)).read_bytes() == old  # the old page, still whole
+    assert setup.store.get(setup.keys[:1], [PAGES]) == [True]
+
+
+def test_publish_undoes_an_exchange_with_an_entry_that_took_the_temp_name(
+    tmp_path: Path,
+) -> None:
+    from kvtier.backends.filestore import writes
+
+    final, tmp = tmp_path / "page.kv", tmp_path / ".page.tmp"
+    final.write_bytes(b"old page")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, b"new page")
+    written = writes.file_id(fd)
+    os.close(fd)
+    os.rename(tmp, tmp_path / "moved")  # (kept: its inode number is not reused)
+    tmp.write_bytes(b"someone else's file")  # a regular file, but not the one written
+    with pytest.raises(writes.TempTaken):
+        writes.publish(tmp, final, written=written)
+    assert final.read_bytes() == b"old page"
+    assert tmp.read_bytes() == b"someone else's file"

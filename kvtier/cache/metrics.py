@@ -139,15 +139,12 @@ def prometheus_collector(
             )
             failures = dict.fromkeys(FAILURE_CAUSES, 0)
             failures.update(s["failures"])
-            yield by_label(
-                counter("kvtier_failures", "Failed pages, by cause.", "cause"), failures
-            )
+            yield by_label(counter("kvtier_failures", "Failed pages, by cause.", "cause"), failures)
             store = s["page_store"]
             yield by_label(
                 counter(
                     "kvtier_page_rejections",
-                    "Stored pages that failed verification and were served as misses, "
-                    "by reason.",
+                    "Stored pages that failed verification and were served as misses, by reason.",
                     "reason",
                 ),
                 {r.value: store.get(f"invalid_{r.value}", 0) for r in Rejection},
@@ -179,8 +176,7 @@ def prometheus_collector(
             yield one(
                 counter(
                     "kvtier_backend_calls_refused",
-                    "Backend calls failed at once because max_abandoned_calls calls "
-                    "were stuck.",
+                    "Backend calls failed at once because max_abandoned_calls calls were stuck.",
                 ),
                 calls["refused"],
             )
@@ -219,9 +215,7 @@ def prometheus_collector(
             yield latency
             pages = dict(s["host"]["pages"])
             pages["used"] = pages["total"] - pages["free"]
-            yield by_label(
-                gauge("kvtier_host_pages", "Host-pool pages, by state.", "state"), pages
-            )
+            yield by_label(gauge("kvtier_host_pages", "Host-pool pages, by state.", "state"), pages)
             page_bytes = s["page_bytes"]
             yield by_label(
                 gauge("kvtier_host_bytes", "Host-pool page bytes, by state.", "state"),

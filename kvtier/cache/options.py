@@ -14,6 +14,7 @@ __all__ = ["CacheOptions", "PrefetchPolicy", "WritePolicy", "cache_options"]
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 
+
 class CacheOptions(BaseModel):
     """How a TieredCache schedules work: write and prefetch policies, workers, bounds."""
 

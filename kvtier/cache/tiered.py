@@ -914,7 +914,6 @@ def _busy(queue: str, size: int) -> KvtierError:
     )
 
 
-
 def _check_device_pool(device_pool: Any, plan: ResolvedPlan) -> None:
     """The engine's device pool must match the configured geometry (before allocation)."""
     geometry = getattr(device_pool, "geometry", None)

@@ -320,9 +320,7 @@ def resolve(
     the geometry, the (IO backend, layout) pair (``auto`` picks the best working one),
     the backend's own ``validate_plan``. Nothing is allocated.
     """
-    backend, backend_config = check_backend(
-        config, backends, io_backends, options_at=options_at
-    )
+    backend, backend_config = check_backend(config, backends, io_backends, options_at=options_at)
     explicit_io: IOBackendSpec | None = None
     if config.io_backend != AUTO:
         explicit_io = _lookup("IO backend", config.io_backend, io_backends)

@@ -82,8 +82,10 @@ def check_device_slots(
             f"got {type(device_slots).__name__}",
             value=device_slots,
         )
-    if device_slots.dtype.is_floating_point or device_slots.dtype.is_complex or (
-        device_slots.dtype == torch.bool
+    if (
+        device_slots.dtype.is_floating_point
+        or device_slots.dtype.is_complex
+        or (device_slots.dtype == torch.bool)
     ):
         raise TransferError(
             f"device_slots must hold integers, got {device_slots.dtype}",

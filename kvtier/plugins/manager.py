@@ -163,8 +163,6 @@ def _make(
     return _Loaded(pm, infos)
 
 
-
-
 def _collect(
     loaded: _Loaded,
     hook_name: str,

@@ -185,9 +185,7 @@ class KitEnv:
         self, attention: AttentionKind, layout: Layout, *, verify: VerifyMode = "full"
     ) -> ResolvedPlan:
         """The plan kvtier resolves for this backend, its options, ``attention`` and ``layout``."""
-        operations = [op for op in _WHOLE_PAGES if op in self.spec.operations] or list(
-            _WHOLE_PAGES
-        )
+        operations = [op for op in _WHOLE_PAGES if op in self.spec.operations] or list(_WHOLE_PAGES)
         config = EngineConfig.from_mapping(
             {
                 "backend": self.spec.name,
@@ -222,9 +220,7 @@ class KitEnv:
         except PluginError as exc:  # a bug in the backend's plugin: it fails the kit
             raise AssertionError(f"backend {self.spec.name!r} fails the kit: {exc}") from exc
         self._opened.append(store.backend)
-        return Harness(
-            store.backend, pool, store, plan.keyer(), plan.geometry, plan.layout, seed
-        )
+        return Harness(store.backend, pool, store, plan.keyer(), plan.geometry, plan.layout, seed)
 
     def close_all(self) -> None:
         for backend in reversed(self._opened):
@@ -627,9 +623,7 @@ class IntegrityTests:
         h = kit.open(attention=attention, layout=declared[0])
         keys, pages = h.keys(2), h.pool.allocate(2)
         assert h.store.put(keys, pages) == [True, True]
-        other = build_host_pool(
-            kit.plan(attention, declared[1]), num_pages=2, pin_memory=False
-        )
+        other = build_host_pool(kit.plan(attention, declared[1]), num_pages=2, pin_memory=False)
         store = PageStore(h.backend, other, fingerprint=h.geometry.fingerprint)
         assert store.get(keys, other.allocate(2)) == [False, False]
         assert store.stats()["invalid"] == 2

@@ -27,6 +27,9 @@ from kvtier.core.storage import BackendContext, PageBuffers, StorageBackend
 __all__ = ["FileBackend"]
 
 log = logging.getLogger(__name__)
+
+#: A page written under its temp name, not yet published: (tmp, final, bytes, its file).
+_Written = tuple[str, str, int, writes.FileId]
 _T = TypeVar("_T")
 
 
@@ -247,21 +250,23 @@ class FileBackend(StorageBackend):
         if envelope is not None and now and self.checks_envelopes:
             return self._put_compiled(keys, pages, before_write, envelope)
 
-        def one(i: int) -> bool | tuple[str, str, int]:
+        def one(i: int) -> bool | _Written:
             return self._put_one(keys[i], pages[i], now, i, before_write)
 
         if now:
             return [r is True for r in self._map(one, len(keys))]
         # batch: write and fsync every temp file, then publish all, then sync each dir once
-        written = self._map(one, len(keys))
+        outcomes = self._map(one, len(keys))
         results: list[bool] = []
         finals: list[str] = []
-        for key, outcome in zip(keys, written, strict=True):
+        for key, outcome in zip(keys, outcomes, strict=True):
             if outcome is False or outcome is True:
                 results.append(False)
                 continue
-            tmp, final, nbytes = outcome
-            results.append(self._fs.publish_page(key, tmp, final, nbytes, sync_dir=False))
+            tmp, final, nbytes, written = outcome
+            results.append(
+                self._fs.publish_page(key, tmp, final, nbytes, sync_dir=False, written=written)
+            )
             finals.append(final)
         self._sync_dirs(finals)
         return results
@@ -324,7 +329,7 @@ class FileBackend(StorageBackend):
         publish_now: bool = True,
         index: int = 0,
         before_write: Callable[[int], object] | None = None,
-    ) -> bool | tuple[str, str, int]:
+    ) -> bool | _Written:
         final = paths.page_path_str(self._store_str, key)
         views = [e.view for e in page]
         nbytes = 0
@@ -344,6 +349,7 @@ class FileBackend(StorageBackend):
                 writes.pwritev_all(fd, views)
                 if self.config.fsync != "none":
                     os.fdatasync(fd)
+                written = writes.file_id(fd)
             finally:
                 os.close(fd)
         except OSError as exc:
@@ -363,8 +369,10 @@ class FileBackend(StorageBackend):
             self.index.release(nbytes)
             raise
         if not publish_now:
-            return tmp, final, nbytes
-        return self._fs.publish_page(key, tmp, final, nbytes, sync_dir=self.config.fsync == "page")
+            return tmp, final, nbytes, written
+        return self._fs.publish_page(
+            key, tmp, final, nbytes, sync_dir=self.config.fsync == "page", written=written
+        )
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
         self._check_open()

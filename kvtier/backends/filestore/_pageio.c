@@ -85,6 +85,10 @@ enum {
     BUSY = 9,         /* get: a writer holds the file (being recycled) twice in a row */
     REPLACED = 10,    /* get: the file was recycled for another page while being opened */
     IN_PLACE = 11,    /* put: published by overwriting the page's own file under its lock */
+    NOT_RECYCLED = 12, /* put: published; the file it replaced (or the spare) had another
+                        * link or owner, so it was neither written into nor kept */
+    TEMP_TAKEN = 13,  /* put: not published; its temp name no longer held the file written
+                        * under it (another entry took the name); nothing is left to undo */
 };
 /* Any other (negative) result is -errno of the step that failed; put removed its temp. */
 
@@ -96,6 +100,7 @@ typedef struct {
     int direct;
     unsigned char key_digest[16]; /* blake2b-128 of the key (envelopes only) */
     int existing;       /* put: the index holds the key (its file may be overwritten) */
+    int refused;        /* put: a file it would have written into was not ours alone */
     long result;
 } Page;
 
@@ -545,6 +550,23 @@ make_shard_dirs(const char *path)
     return 1;
 }
 
+/* Whether kvtier may write into the file info describes: a regular file of this user's
+ * with no other name. A second link (made by hand, or by a tool in the root) would carry
+ * the next page's bytes to a name outside the store. */
+static int
+ours_alone(const struct stat *info)
+{
+    return S_ISREG(info->st_mode) && info->st_nlink == 1 && info->st_uid == geteuid();
+}
+
+/* Whether path (not followed) still names the file info describes. */
+static int
+names_file(const char *path, const struct stat *info)
+{
+    struct stat now;
+    return lstat(path, &now) == 0 && now.st_dev == info->st_dev && now.st_ino == info->st_ino;
+}
+
 /* A replaced page's file, kept (under its temp name, exclusively locked) to be written
  * over in place by the next page of the same size: an overwrite then reuses the file's
  * page cache instead of allocating a new file's worth and freeing the old. */
@@ -555,45 +577,70 @@ typedef struct {
     char path[PATH_MAX];
 } Spare;
 
+/* Close the spare, unlinking its temp name only while that still names the spare's file
+ * (an entry someone put under the name is left to the sweep, never removed blindly). */
 static void
 drop_spare(Spare *spare)
 {
     if (spare->fd < 0) return;
-    unlink(spare->path);
+    struct stat info;
+    if (fstat(spare->fd, &info) == 0 && names_file(spare->path, &info)) unlink(spare->path);
     close(spare->fd);
     spare->fd = -1;
 }
 
 /* Keep the file an exchange just moved to ``path`` as the spare, if no reader holds it
- * (readers take a shared lock, so a reader that has it open keeps the old page whole);
- * otherwise unlink it, as before recycling. */
-static void
+ * (readers take a shared lock, so a reader that has it open keeps the old page whole) and
+ * it is ours alone; otherwise unlink the name, as before recycling. 1 when kept, -1 when
+ * refused for another link or owner (the caller counts it), 0 otherwise. */
+static int
 keep_spare(Spare *spare, const char *path, int direct)
 {
     int flags = O_WRONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | (direct ? O_DIRECT : 0);
     int fd = open(path, flags);
     struct stat info;
     size_t length = strlen(path);
-    if (fd >= 0 && length < sizeof spare->path && flock(fd, LOCK_EX | LOCK_NB) == 0 &&
-        fstat(fd, &info) == 0 && S_ISREG(info.st_mode) && futimens(fd, NULL) == 0) {
+    int kept = 0;
+    if (fd >= 0 && fstat(fd, &info) == 0 && !ours_alone(&info)) {
+        kept = -1;
+    } else if (fd >= 0 && length < sizeof spare->path && flock(fd, LOCK_EX | LOCK_NB) == 0 &&
+               futimens(fd, NULL) == 0) {
         /* (its time is now's: a sweep must not take a live spare for a stale temp file) */
         drop_spare(spare);
         spare->fd = fd;
         spare->direct = direct;
         spare->size = (uint64_t)info.st_size;
         memcpy(spare->path, path, length + 1);
-        return;
+        return 1;
     }
     if (fd >= 0) close(fd);
     unlink(path);
+    return kept;
+}
+
+/* The spare, if the next page may be written into it: of the page's size and kind, and
+ * still ours alone (no link made since it was kept). A spare that is not is dropped:
+ * page->refused set for another link or owner, nothing for a name that was removed.
+ * Fills info on success. (Whether its temp name still names it is checked when it is
+ * published.) */
+static int
+take_spare(Spare *spare, Page *page, uint64_t total, struct stat *info)
+{
+    if (spare->fd < 0 || spare->size != total || spare->direct != page->direct) return 0;
+    int known = fstat(spare->fd, info) == 0;
+    if (known && ours_alone(info)) return 1;
+    if (known && info->st_nlink != 0) page->refused = 1;
+    drop_spare(spare);
+    return 0;
 }
 
 /* Overwrite a page's own file in place, without fsync: exclusively locked, so no reader
  * (readers take a shared lock first) sees a mix of the old and the new page, and with
  * its header first invalidated and written last, so a writer killed half-way leaves a
  * page every reader refuses, never a torn one that looks whole. IN_PLACE, or ABSENT when
- * there is no file of this size to overwrite or someone holds it (the caller then
- * publishes a new file, which leaves a reader its old one); -errno on a failed write. */
+ * there is no file of this size that is ours alone to overwrite or someone holds it (the
+ * caller then publishes a new file, which leaves a reader its old one); -errno on a
+ * failed write. */
 static long
 overwrite_in_place(Page *page, XXH3_state_t *state, const unsigned char *static_fields,
                    uint64_t total)
@@ -602,8 +649,12 @@ overwrite_in_place(Page *page, XXH3_state_t *state, const unsigned char *static_
     if (fd < 0) return ABSENT;
     struct stat info;
     static const unsigned char invalid[8] = {0}; /* no magic: refused by every reader */
-    if (flock(fd, LOCK_EX | LOCK_NB) != 0 || fstat(fd, &info) != 0 || !S_ISREG(info.st_mode) ||
-        (uint64_t)info.st_size != total || info.st_nlink != 1) {
+    if (fstat(fd, &info) != 0) {
+        close(fd);
+        return ABSENT;
+    }
+    if (!ours_alone(&info) || flock(fd, LOCK_EX | LOCK_NB) != 0 || (uint64_t)info.st_size != total) {
+        if (S_ISREG(info.st_mode) && !ours_alone(&info)) page->refused = 1;
         close(fd);
         return ABSENT;
     }
@@ -614,6 +665,54 @@ overwrite_in_place(Page *page, XXH3_state_t *state, const unsigned char *static_
     }
     if (close(fd) != 0 && result == OK) result = -errno;
     return result == OK ? IN_PLACE : result;
+}
+
+/* Whether something other than a regular file holds path (no writer of pages puts one
+ * there: after a rename of ours, it means another entry took our temp name). */
+static int
+not_a_file(const char *path)
+{
+    struct stat info;
+    return lstat(path, &info) == 0 && !S_ISREG(info.st_mode);
+}
+
+/* Move the complete page under ``at`` (the file ``mine`` describes) to its final name:
+ * by exchange where a page is there (the replaced file then becomes the spare), else by
+ * rename. Only ``mine`` is published: TEMP_TAKEN, with nothing published, when another
+ * entry holds the temp name before the move, or (taken in the moment between) when a
+ * non-file holds the final name after it (an exchange is then undone). A regular file
+ * slipped in within that moment would be published, and refused by its envelope. (After
+ * the move the final name may hold another writer's newer page: that is no failure.) */
+static long
+publish_page(Page *page, const char *at, const struct stat *mine, int exchange, Spare *spare)
+{
+    if (!names_file(at, mine)) return TEMP_TAKEN;
+    if (exchange &&
+        syscall(SYS_renameat2, AT_FDCWD, at, AT_FDCWD, page->final, 2 /* RENAME_EXCHANGE */) == 0) {
+        if (not_a_file(page->final)) { /* taken between the check and the exchange: undo */
+            syscall(SYS_renameat2, AT_FDCWD, at, AT_FDCWD, page->final, 2);
+            return TEMP_TAKEN;
+        }
+        struct stat old;
+        if (lstat(at, &old) != 0) return OK;
+        if (!S_ISREG(old.st_mode)) {
+            if (at != page->path && rename(at, page->path) != 0) return OK; /* left as a temp */
+            return REPLACED_DEBRIS;
+        }
+        if (keep_spare(spare, at, page->direct) < 0) page->refused = 1; /* the replaced file */
+        return OK;
+    }
+    if (!exchange || errno == ENOENT) {
+        struct stat there;
+        if (!(lstat(page->final, &there) == 0 && !S_ISREG(there.st_mode)) && rename(at, page->final) == 0)
+            return not_a_file(page->final) ? TEMP_TAKEN : OK;
+    }
+    /* not published: the bytes go to the page's own temp name, for Python's path */
+    if (at != page->path && rename(at, page->path) != 0) {
+        unlink(at);
+        return -EIO;
+    }
+    return UNPUBLISHED;
 }
 
 static long
@@ -629,7 +728,8 @@ put_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int
     if (static_fields != NULL && !streamed) write_header(page, state, static_fields);
     int fd;
     const char *at; /* where the bytes are written: the spare, or a fresh temp file */
-    int recycled = spare->fd >= 0 && spare->size == total && spare->direct == page->direct;
+    struct stat mine; /* the file written: only it may be published */
+    int recycled = take_spare(spare, page, total, &mine);
     char spare_path[PATH_MAX];
     if (recycled) {
         fd = spare->fd; /* exclusively locked: no reader can be reading it */
@@ -642,6 +742,12 @@ put_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int
         fd = open(page->path, flags, 0600);
         if (fd < 0 && errno == ENOENT && make_shard_dirs(page->path)) fd = open(page->path, flags, 0600);
         if (fd < 0) return -errno;
+        if (fstat(fd, &mine) != 0) {
+            long failed = -errno;
+            close(fd);
+            unlink(page->path);
+            return failed;
+        }
         at = page->path;
     }
     long wrote = streamed ? write_streamed(fd, page, state, static_fields)
@@ -650,36 +756,15 @@ put_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int
     if (failed == 0 && datasync && fdatasync(fd) != 0) failed = -errno;
     if (!recycled && close(fd) != 0 && failed == 0) failed = -errno;
     if (failed != 0) {
-        unlink(at);
+        if (names_file(at, &mine)) unlink(at);
         if (recycled) close(fd);
         return failed;
     }
     /* From here the bytes are complete under ``at``; a recycled file is published while
      * still locked, and unlocked (closed) once its name is the page's. */
-    long result = UNPUBLISHED;
-    if (exchange &&
-        syscall(SYS_renameat2, AT_FDCWD, at, AT_FDCWD, page->final, 2 /* RENAME_EXCHANGE */) == 0) {
-        if (recycled) close(fd);
-        struct stat old;
-        if (lstat(at, &old) != 0) return OK;
-        if (!S_ISREG(old.st_mode)) {
-            if (at != page->path && rename(at, page->path) != 0) return OK; /* left as a temp */
-            return REPLACED_DEBRIS;
-        }
-        keep_spare(spare, at, page->direct); /* the replaced page's file */
-        return OK;
-    }
-    if (!exchange || errno == ENOENT) {
-        struct stat there;
-        if (!(lstat(page->final, &there) == 0 && !S_ISREG(there.st_mode)) && rename(at, page->final) == 0)
-            result = OK;
-    }
+    long result = publish_page(page, at, &mine, exchange, spare);
     if (recycled) close(fd);
-    /* not published: the bytes go to the page's own temp name, for Python's path */
-    if (result != OK && at != page->path && rename(at, page->path) != 0) {
-        unlink(at);
-        return -EIO;
-    }
+    if (result == OK && page->refused) return NOT_RECYCLED;
     return result;
 }
 
@@ -1202,6 +1287,7 @@ PyInit__pageio(void)
         {"UNVERIFIED", UNVERIFIED}, {"UNPUBLISHED", UNPUBLISHED},
         {"REPLACED_DEBRIS", REPLACED_DEBRIS}, {"WOULD_BLOCK", WOULD_BLOCK},
         {"BUSY", BUSY}, {"REPLACED", REPLACED}, {"IN_PLACE", IN_PLACE},
+        {"NOT_RECYCLED", NOT_RECYCLED}, {"TEMP_TAKEN", TEMP_TAKEN},
         {"STATIC_BYTES", STATIC_BYTES},
         {"BODY_BYTES", BODY_BYTES}, {"HEADER_BYTES", HEADER_BYTES}, {"PIECE", PIECE},
         {"MAX_KEY_LENGTH", MAX_KEY_LENGTH}, {"WRITER_WAIT_NS", WRITER_WAIT_NS},

@@ -59,6 +59,12 @@ else:
         MISSING = "no loaded xxHash library exports the XXH3 functions"
 
 
+#: ``write_pages`` codes of a page it published itself.
+_PUBLISHED = (
+    frozenset() if _pageio is None else {_pageio.OK, _pageio.IN_PLACE, _pageio.NOT_RECYCLED}
+)
+
+
 def available() -> bool:
     """Whether the compiled per-page loop was built and loads."""
     return _pageio is not None
@@ -262,18 +268,21 @@ def write_slice(
         drop_spare(spare)
         raise
     spares.keep(spare)
-    in_place = 0
+    in_place = not_recycled = 0
     published: list[tuple[str, int]] = []
     rest: list[int] = []  # pages the compiled loop did not publish itself
     for j, code in enumerate(codes):
-        if code == _pageio.OK or code == _pageio.IN_PLACE:
+        if code in _PUBLISHED:
             in_place += code == _pageio.IN_PLACE
+            not_recycled += code == _pageio.NOT_RECYCLED
             published.append((keys[todo[j]], sizes[j]))
             results[todo[j] - lo] = True
         else:
             rest.append(j)
     index.commit_many(published)
     fs.counters.add("puts_in_place", in_place)
+    if not_recycled:
+        fs.counters.add("recycle_refused", not_recycled)
     fs.counters.add("puts", len(published))
     fs.counters.add("bytes_written", sum(nbytes for _key, nbytes in published))
     for j in rest:
@@ -289,6 +298,8 @@ def write_slice(
         elif code == _pageio.UNPUBLISHED:
             results[i - lo] = publish(i, tmp, final, nbytes)
         else:  # nothing was published and the temp file is gone: the Python loop retries
+            if code == _pageio.TEMP_TAKEN:  # another entry took the temp name (debris)
+                fs.counters.add("put_temp_taken")
             index.release(nbytes)
             results[i - lo] = fallback(i)
     return results

@@ -261,17 +261,36 @@ class FileStore:
             return True
         return False
 
-    def publish(self, tmp: Path | str, final: Path | str, *, sync_dir: bool = False) -> None:
+    def publish(
+        self,
+        tmp: Path | str,
+        final: Path | str,
+        *,
+        sync_dir: bool = False,
+        written: writes.FileId | None = None,
+    ) -> None:
         """:func:`writes.publish` with this store's debris counters."""
-        writes.publish(tmp, final, sync_dir=sync_dir, debris=self.debris)
+        writes.publish(tmp, final, sync_dir=sync_dir, debris=self.debris, written=written)
 
     def publish_page(
-        self, key: str, tmp: str, final: str, nbytes: int, *, sync_dir: bool = False
+        self,
+        key: str,
+        tmp: str,
+        final: str,
+        nbytes: int,
+        *,
+        sync_dir: bool = False,
+        written: writes.FileId | None = None,
     ) -> bool:
         """Publish ``key``'s written temp file and commit it to the index; False (counted,
-        the temp file removed, the reservation released) when the rename fails."""
+        the temp file removed, the reservation released) when the rename fails, and
+        False (counted ``put_temp_taken``) when another entry took the temp name."""
         try:
-            self.publish(tmp, final)
+            self.publish(tmp, final, written=written)
+        except writes.TempTaken:  # what holds the name is not ours: left to the sweep
+            self.index.release(nbytes)
+            self.counters.add("put_temp_taken")
+            return False
         except OSError as exc:  # nothing was published: the temp file is still ours
             writes.unlink_quietly([tmp])
             self.index.release(nbytes)

@@ -24,12 +24,17 @@ from kvtier.core.storage import PageBuffers
 
 __all__ = [
     "IOV_MAX",
+    "FileId",
+    "TempTaken",
     "advance_views",
     "clear_name",
     "direct_aligned",
     "exchange_supported",
+    "file_id",
     "fsync_dir",
+    "holds",
     "is_no_space",
+    "not_a_file",
     "pieces",
     "probe_o_direct",
     "publish",
@@ -187,6 +192,53 @@ def replace(
         os.replace(tmp, final)
 
 
+#: A file's identity, ``(st_dev, st_ino)``: what a temp name must still hold to be published.
+FileId = tuple[int, int]
+
+
+def file_id(fd: int) -> FileId:
+    """The identity of the open file ``fd`` (taken before it is closed, to publish it)."""
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
+
+
+class TempTaken(OSError):
+    """A temp name no longer held the file written under it: nothing was published.
+
+    Another entry (a directory, a symlink, another file) took the name between the write
+    and the rename; publishing it would report a page that no reader can find.
+    """
+
+
+def holds(path: Path | str, written: FileId | None) -> bool:
+    """Whether ``path`` (not followed) is a regular file, the one ``written`` names if given."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISREG(info.st_mode):
+        return False
+    return written is None or (info.st_dev, info.st_ino) == written
+
+
+def not_a_file(path: Path | str) -> bool:
+    """Whether something other than a regular file holds ``path`` (not followed).
+
+    No writer of pages puts one under a page's name: right after a rename of ours, it
+    means another entry took our temp name in the moment before.
+    """
+    try:
+        return not stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _taken(tmp: Path | str) -> TempTaken:
+    return TempTaken(
+        errno.ESTALE, "the temp name no longer holds the page written under it", str(tmp)
+    )
+
+
 def _drop_replaced(tmp: Path | str, debris: Debris) -> None:
     """Remove what an exchange moved under the temp name: the old page, or debris."""
     try:
@@ -206,6 +258,7 @@ def publish(
     *,
     sync_dir: bool = False,
     debris: Debris | None = None,
+    written: FileId | None = None,
 ) -> None:
     """Atomically replace ``final`` with the fully written ``tmp`` (same directory).
 
@@ -218,12 +271,26 @@ def publish(
     Whatever held ``final`` before (a directory, a symlink...) is removed as debris and
     counted in ``debris``. Once the page is published nothing here raises (except the
     directory fsync of ``sync_dir``), so a caller never reports a published page as failed.
+
+    Only the page written is published: ``tmp`` must be a regular file (the file
+    ``written`` names, where the caller knows it) before the rename, and no non-file may
+    hold ``final`` after it (another entry took the temp name in the moment between).
+    Otherwise :class:`TempTaken` is raised and nothing counts as published: an exchange
+    is undone (the old page is back under ``final``). After the rename ``final`` may
+    hold another writer's newer page: that is no failure.
     """
+    if not holds(tmp, written):
+        raise _taken(tmp)
     exchanged = _exchange(tmp, final)
     if exchanged:
+        if not_a_file(final):  # taken between the check and the exchange: undo
+            _exchange(tmp, final)
+            raise _taken(tmp)
         _drop_replaced(tmp, debris or _UNTRACKED)
     else:
         replace(tmp, final, debris, vacant=exchanged is None)
+        if not_a_file(final):
+            raise _taken(tmp)
     if sync_dir:
         fsync_dir(os.path.dirname(os.fspath(final)))
 

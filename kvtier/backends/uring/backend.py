@@ -55,6 +55,7 @@ class _Put:
     direct: bool = False
     retried: bool = False  # a failed create was cured once (shard dirs, stale name)
     dir_fd: int = -1
+    written: writes.FileId | None = None  # the temp file, once written (only it is published)
     published: bool = False
     finished: bool = False  # committed or failed: nothing left to clean up
 
@@ -423,8 +424,11 @@ class UringBackend(StorageBackend):
             if request.op == Op.WRITE and request.ok and durability != "none":
                 return IORequest(Op.FDATASYNC, put.fd, tag=put)
             if request.op in (Op.WRITE, Op.FDATASYNC):
-                os.close(put.fd)
-                put.fd = -1
+                try:
+                    put.written = writes.file_id(put.fd)
+                finally:
+                    os.close(put.fd)
+                    put.fd = -1
                 if not request.ok:
                     del live[put.index]
                     self._fail_put(put, request.error or errno.EIO)
@@ -439,7 +443,11 @@ class UringBackend(StorageBackend):
                 # RENAME does) makes ext4 start writeback of the new file, measured at
                 # 0.02-0.05 x a raw in-place overwrite on 16-128 KiB pages.
                 try:
-                    self._fs.publish(put.tmp, put.final)
+                    self._fs.publish(put.tmp, put.final, written=put.written)
+                except writes.TempTaken:
+                    del live[put.index]
+                    self._temp_taken(put)
+                    return None
                 except OSError as exc:
                     del live[put.index]
                     self._fail_put(put, exc.errno or errno.EIO)
@@ -479,6 +487,8 @@ class UringBackend(StorageBackend):
             put: _Put = request.tag
             if request.error and not self._rename_again(put, request.error):
                 self._fail_put(put, request.error)
+            elif writes.not_a_file(put.final):  # another entry took the temp name
+                self._temp_taken(put)
             else:
                 put.published = True
                 self._committed(put, results)
@@ -486,7 +496,8 @@ class UringBackend(StorageBackend):
         try:
             self._rings.run(requests(), on_done)
             if to_publish:
-                self._rings.run([self._rename(put) for put in to_publish], finish_batch)
+                ready = [put for put in to_publish if self._still_written(put)]
+                self._rings.run([self._rename(put) for put in ready], finish_batch)
                 for directory in {put.final.parent for put in to_publish if put.published}:
                     try:
                         writes.fsync_dir(directory)
@@ -533,6 +544,19 @@ class UringBackend(StorageBackend):
         except OSError:
             return False
         return True
+
+    def _still_written(self, put: _Put) -> bool:
+        """Whether ``put``'s temp name still holds the file written (else: not published)."""
+        if writes.holds(put.tmp, put.written):
+            return True
+        self._temp_taken(put)
+        return False
+
+    def _temp_taken(self, put: _Put) -> None:
+        """Nothing published: another entry took ``put``'s temp name (left to the sweep)."""
+        put.finished = True
+        self.index.release(put.nbytes)
+        self._counters.add("put_temp_taken")
 
     def _committed(self, put: _Put, results: list[bool]) -> None:
         put.finished = True

@@ -384,7 +384,6 @@ class SlotPages(_InPlacePages):
         return list(cached)
 
 
-
 def in_place_refusal(pool: Any, page_bytes: int) -> str | None:
     """Why a state pool cannot be served in place (:class:`SlotPages`), or None if it can."""
     for method in ("get_page_buffer_meta", "get_hybrid_pool_buffer"):
