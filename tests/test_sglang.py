@@ -338,6 +338,34 @@ def test_clear_removes_only_this_model(attach: Any, tmp_path: Path) -> None:
     assert b.hit_query(hashes) == hashes
 
 
+def test_weights_changed_in_place_never_hit_the_old_pages(attach: Any, tmp_path: Path) -> None:
+    # SGLang names the model by its path; weights retrained under that path are other KV
+    model = tmp_path / "model"
+    model.mkdir()
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"weights v1")
+    root = tmp_path / "shared"
+    pool = MHAHostPool()
+    before = attach("file", pool, root=root, model_name=str(model))
+    hashes = _hashes(2, 16)
+    assert before.backup(hashes, _fill(pool, 2)[0]) == 32
+    assert (
+        attach("file", MHAHostPool(), root=root, model_name=str(model)).hit_query(hashes) == hashes
+    )
+    weights.write_bytes(b"weights v2, retrained")
+    after = attach("file", MHAHostPool(), root=root, model_name=str(model))
+    assert after.hit_query(hashes) == []
+    # a declared kvtier.model is the operator's name for the weights: it is kept as given
+    declared = extra_config("file", root, model="llama@v1")
+    first = attach("file", pool, extra=declared, model_name=str(model))
+    assert first.backup(hashes, _fill(pool, 2)[0]) == 32
+    weights.write_bytes(b"weights v3")
+    assert (
+        attach("file", MHAHostPool(), extra=declared, model_name=str(model)).hit_query(hashes)
+        == hashes
+    )
+
+
 def test_generic_path_interoperates_with_v1(
     backend: str, attach: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

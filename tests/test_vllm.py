@@ -545,7 +545,9 @@ def _vllm_config(tp: int = 1, **changes: Any) -> Any:
         kv_transfer_config=SimpleNamespace(
             kv_load_failure_policy=changes.get("policy", "recompute")
         ),
-        model_config=SimpleNamespace(use_mla=changes.get("mla", False), model="tiny"),
+        model_config=SimpleNamespace(
+            use_mla=changes.get("mla", False), model="tiny", revision="r1"
+        ),
         parallel_config=SimpleNamespace(
             tensor_parallel_size=tp, pipeline_parallel_size=changes.get("pp", 1)
         ),

@@ -56,7 +56,7 @@ class FullAttentionSpec:
 def _vllm_config(device: str) -> Any:
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute"),
-        model_config=SimpleNamespace(use_mla=False, model="tiny"),
+        model_config=SimpleNamespace(use_mla=False, model="tiny", revision="r1"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         device_config=SimpleNamespace(device_type=device),
     )

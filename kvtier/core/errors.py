@@ -240,6 +240,14 @@ class InvalidKeyError(KvtierError, ValueError):
     """
 
 
+class UnkeyableInputError(InvalidKeyError):
+    """A request carries an input that changes its KV but cannot go into its page keys.
+
+    Raised where such a request would otherwise share pages with requests whose KV
+    differs (a wrong hit); the adapter then keeps the request away from kvtier.
+    """
+
+
 class InjectedFault(StorageError):
     """Raised on purpose by the testing kit's ``FaultyBackend`` when its ``error_rate`` fires."""
 

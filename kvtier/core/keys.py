@@ -313,18 +313,40 @@ class PageKeyer:
         self._iv = iv.digest()
 
     def keys(
-        self, tokens: Sequence[int] | torch.Tensor | Any, *, parent: str | None = None
+        self,
+        tokens: Sequence[int] | torch.Tensor | Any,
+        *,
+        parent: str | None = None,
+        extras: Sequence[bytes | None] | None = None,
     ) -> list[str]:
-        """Keys of every full page of ``tokens``; ``parent`` continues from a known page key."""
+        """Keys of every full page of ``tokens``; ``parent`` continues from a known page key.
+
+        ``extras`` (one entry per full page) carries what else changes a page's KV besides
+        its tokens, such as the multimodal inputs whose placeholders it holds: a non-empty
+        entry is folded into that page's hash, length-prefixed after its fixed-size token
+        bytes; ``None`` or ``b""`` leaves the key exactly what the tokens alone give.
+        """
         data = memoryview(token_bytes(tokens))
         prev = self._iv if parent is None else self._chain_state(parent)
         step = self.page_size * _TOKEN_ITEMSIZE
+        pages = len(data) // step
+        if extras is not None and len(extras) != pages:
+            raise InvalidKeyError(
+                f"extras has {len(extras)} entries for {pages} full pages of tokens; give "
+                "one (bytes or None) per full page",
+                value=len(extras),
+            )
         base, prefix, suffix = self._hasher, self._prefix, self.rank_suffix
         out: list[str] = []
-        for start in range(0, len(data) - step + 1, step):
+        for page in range(pages):
+            start = page * step
             h = base.copy()
             h.update(prev)
             h.update(data[start : start + step])
+            extra = extras[page] if extras is not None else None
+            if extra:
+                h.update(len(extra).to_bytes(8, "little"))
+                h.update(extra)
             prev = h.digest()
             out.append(prefix + prev.hex() + suffix)
         return out

@@ -8,7 +8,9 @@ through the backend itself). The result holds, per phase, every prompt's output 
 vLLM's own count of tokens it did not compute (``num_cached_tokens``) and the wall time,
 and, for kvtier, the scheduler's and the worker's cumulative counters. With
 ``"log_stats": true`` vLLM logs its stats after each phase (kvtier's counters among them,
-as "KV Transfer metrics: ...", on stdout, where vLLM's logger writes).
+as "KV Transfer metrics: ...", on stdout, where vLLM's logger writes). With
+``"lora": {"max_rank": R}`` the engine serves LoRA adapters, and a phase's
+``"lora": {"name", "id", "path"}`` runs its prompts under that adapter.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, unless the
 job says ``"spawn": true``), so the connectors can be read after each phase. A start-up
@@ -86,6 +88,23 @@ def _flush(worker: Any) -> None:
         worker.worker.flush()
 
 
+def _lora_options(job: dict[str, Any]) -> dict[str, Any]:
+    """The engine's LoRA settings when the job serves adapters (``"lora": {"max_rank": R}``)."""
+    if "lora" not in job:
+        return {}
+    return {"enable_lora": True, "max_lora_rank": job["lora"]["max_rank"], "max_loras": 2}
+
+
+def _lora_request(phase: dict[str, Any]) -> Any:
+    """The phase's adapter (``"lora": {"name", "id", "path"}``), or None for the base model."""
+    adapter = phase.get("lora")
+    if adapter is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter["name"], adapter["id"], adapter["path"])
+
+
 def run(job: dict[str, Any]) -> dict[str, Any]:
     """Start the engine, run the phases, return the result (see the module docstring)."""
     global _LLM
@@ -106,6 +125,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             block_size=job.get("block_size", 32),
             max_model_len=job.get("max_model_len", 1024),
             enable_prefix_caching=bool(job.get("prefix_caching", False)),
+            **_lora_options(job),
             disable_log_stats=not job.get("log_stats", False),
             seed=0,
             **kwargs,
@@ -137,7 +157,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             ([p] for p in phase["prompts"]) if phase.get("one_by_one") else [phase["prompts"]]
         ):
             prompts = [TokensPrompt(prompt_token_ids=p) for p in batch]
-            outputs += _LLM.generate(prompts, params, use_tqdm=False)
+            outputs += _LLM.generate(
+                prompts, params, use_tqdm=False, lora_request=_lora_request(phase)
+            )
             if phase.get("one_by_one"):
                 _flush(worker)
         entry["seconds"] = time.perf_counter() - t0

@@ -75,6 +75,7 @@ from kvtier.core.geometry import AttentionKind, dtype_from_name, dtype_name
 from kvtier.core.keys import external_key
 from kvtier.core.pagestore import PageStore
 from kvtier.core.storage import Counters
+from kvtier.integrations.identity import weights_digest
 from kvtier.integrations.section import OPTIONS_AT, SECTION, EngineSection, find_section
 from kvtier.integrations.sglang.pages import (
     SGLangPages,
@@ -295,7 +296,12 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         )
 
     def _model_id_for(self, config: HiCacheStorageConfig) -> str:
+        """The model's part of the namespace: the declared ``kvtier.model``, else SGLang's
+        model name with a digest of its weight files where it names a local path."""
         parts = [self.settings.model or config.model_name or "default"]
+        weights = None if self.settings.model else weights_digest(config.model_name or "")
+        if weights is not None:
+            parts[0] = f"{parts[0]}#{weights}"
         if getattr(config, "pp_size", 1) > 1:
             parts.append(f"pp{config.pp_rank}of{config.pp_size}")
         if getattr(config, "attn_cp_size", 1) > 1:

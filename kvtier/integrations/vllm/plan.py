@@ -18,6 +18,7 @@ from kvtier.core.errors import KvtierError, UnsupportedCombinationError
 from kvtier.core.geometry import AttentionKind, dtype_name
 from kvtier.core.layout import Layout
 from kvtier.integrations.vllm.blocks import SUPPORTED
+from kvtier.integrations.vllm.inputs import model_identity
 from kvtier.integrations.vllm.paged import Strategy
 from kvtier.integrations.vllm.settings import LABEL, OPTIONS_AT, VLLMSection
 from kvtier.plugins.registry import Registry
@@ -176,7 +177,7 @@ def resolve_plan(
             "extra_config": settings.extra_config,
             "attention": AttentionKind.MHA.value,
             "layout": LAYOUT.value,
-            "model": f"{settings.model or vllm_config.model_config.model}|{tag}",
+            "model": f"{model_identity(vllm_config.model_config, settings.model)}|{tag}",
             "tenant": settings.tenant,
             "verify": settings.verify,
             "tp_rank": tp_rank,

@@ -4,31 +4,38 @@
 token ids, in the request's tenant namespace), counts how many blocks beyond vLLM's own
 hit are stored, plans their loads into the blocks vLLM allocates, plans the store of every
 newly computed full block, and learns from the workers' reports which pages are stored
-and which failed to load. It reads a request through four attributes vLLM's ``Request``
-has (``request_id``, ``all_token_ids``, ``num_computed_tokens``, ``cache_salt``) and
-imports nothing from vLLM, so it is tested without an engine too.
+and which failed to load. It reads a request through the attributes vLLM's ``Request``
+has (``request_id``, ``all_token_ids``, ``num_computed_tokens``, ``cache_salt``, and what
+else changes its KV: ``lora_request``, ``mm_features``, ``prompt_embeds``, see
+:mod:`.inputs`) and imports nothing from vLLM, so it is tested without an engine too.
+A request with an input that cannot be keyed is kept away from kvtier: no hit, no store.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from kvtier.core.capabilities import ResolvedPlan
-from kvtier.core.errors import StorageError
+from kvtier.core.errors import StorageError, UnkeyableInputError
 from kvtier.core.extents import Extent
 from kvtier.core.keys import PageKeyer, layout_namespace, rank_suffix
 from kvtier.core.layout import Layout
 from kvtier.core.pagestore import PageStore
 from kvtier.core.storage import Counters
+from kvtier.integrations.vllm.inputs import AdapterIdentities, page_extras
 from kvtier.integrations.vllm.messages import PageOp, Report, StepWork
 from kvtier.integrations.vllm.settings import VLLMSection, tenant_of
 
 __all__ = ["SCHEDULER_COUNTERS", "NoPages", "RequestLike", "SchedulerSide", "TenantKeyers"]
 
+log = logging.getLogger("kvtier.vllm")
+
 #: The scheduler side's counters, reported as 0 until they move.
 SCHEDULER_COUNTERS = (
+    "requests_unkeyed",
     "lookup_requests",
     "lookup_pages",
     "lookup_hit_pages",
@@ -72,7 +79,8 @@ class RequestLike(Protocol):
 
 
 class TenantKeyers:
-    """The plan's page keyer per tenant: the section's tenant plus a request's cache salt.
+    """The plan's page keyer per tenant and adapter: the section's tenant plus a request's
+    cache salt, and the request's LoRA adapter identity (see :mod:`.inputs`).
 
     Keys are base keys (no rank suffix); each worker appends its own rank's suffix.
     """
@@ -80,21 +88,24 @@ class TenantKeyers:
     def __init__(self, plan: ResolvedPlan, tenant: str | None) -> None:
         self._plan = plan
         self._tenant = tenant
-        self._keyers: dict[str | None, PageKeyer] = {}
+        self._keyers: dict[tuple[str | None, str | None], PageKeyer] = {}
 
-    def __call__(self, cache_salt: str | None) -> PageKeyer:
-        keyer = self._keyers.get(cache_salt)
+    def __call__(self, cache_salt: str | None, adapter: str | None = None) -> PageKeyer:
+        keyer = self._keyers.get((cache_salt, adapter))
         if keyer is None:
             plan = self._plan
             namespace = plan.namespace
-            if cache_salt is not None:
+            if cache_salt is not None or adapter is not None:
+                model = plan.config.model
+                if adapter is not None:
+                    model = f"{model}|lora={adapter}"
                 namespace = layout_namespace(
-                    plan.config.model,
+                    model,
                     plan.layout,
                     plan.geometry.fingerprint,
                     tenant_of(self._tenant, cache_salt),
                 )
-            keyer = self._keyers[cache_salt] = PageKeyer(
+            keyer = self._keyers[(cache_salt, adapter)] = PageKeyer(
                 namespace, plan.geometry.page_size, plan.geometry.attention
             )
         return keyer
@@ -129,7 +140,12 @@ class SchedulerSide:
         self._bad: set[str] = set()
         self._suffix0 = rank_suffix(plan.geometry.attention, 0, self._ranks)
         self.counters = Counters()
+        self._adapters = AdapterIdentities()
         self._requests: dict[str, RequestLike] = {}
+        self._keyer_of: dict[str, PageKeyer] = {}
+        #: Requests with an input that cannot be keyed: never loaded or stored.
+        self._unkeyed: set[str] = set()
+        self._warned: set[str] = set()
         self._keys: dict[str, list[str]] = {}
         self._matched: dict[str, tuple[int, int]] = {}
         self._tables: dict[str, list[int]] = {}
@@ -140,14 +156,50 @@ class SchedulerSide:
     # --- keys and hits ------------------------------------------------------------------
 
     def request_keys(self, request: RequestLike, pages: int) -> list[str]:
-        """The base keys of ``request``'s first ``pages`` full pages (cached, extended)."""
+        """The base keys of ``request``'s first ``pages`` full pages (cached, extended).
+
+        Raises :class:`UnkeyableInputError` for a request with an input that changes its
+        KV but cannot be keyed (an adapter without local files, say).
+        """
         keys = self._keys.setdefault(request.request_id, [])
         if len(keys) < pages:
             ps = self._page_size
-            tokens = list(request.all_token_ids[len(keys) * ps : pages * ps])
-            keyer = self.keyers(getattr(request, "cache_salt", None))
-            keys.extend(keyer.keys(tokens, parent=keys[-1] if keys else None))
+            first = len(keys)
+            tokens = list(request.all_token_ids[first * ps : pages * ps])
+            extras = page_extras(request, first, pages, ps)
+            keys.extend(
+                self._keyer(request).keys(tokens, parent=keys[-1] if keys else None, extras=extras)
+            )
         return keys[:pages]
+
+    def _keyer(self, request: RequestLike) -> PageKeyer:
+        """The keyer of ``request``'s namespace: its cache salt and adapter (kept)."""
+        keyer = self._keyer_of.get(request.request_id)
+        if keyer is None:
+            adapter = self._adapters(getattr(request, "lora_request", None))
+            keyer = self.keyers(getattr(request, "cache_salt", None), adapter)
+            self._keyer_of[request.request_id] = keyer
+        return keyer
+
+    def _keyed(self, request: RequestLike, pages: int) -> list[str] | None:
+        """:meth:`request_keys`, or None (the request refused, counted, logged once per
+        reason) when an input of it cannot be keyed."""
+        if request.request_id in self._unkeyed:
+            return None
+        try:
+            return self.request_keys(request, pages)
+        except UnkeyableInputError as exc:
+            self._unkeyed.add(request.request_id)
+            self.counters.add("requests_unkeyed")
+            if str(exc) not in self._warned:
+                self._warned.add(str(exc))
+                log.warning(
+                    "kvtier: requests like %s are served without kvtier (counted as "
+                    "requests_unkeyed): %s",
+                    request.request_id,
+                    exc,
+                )
+            return None
 
     def stored_prefix(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` are stored: known from the workers, else the backend."""
@@ -177,7 +229,10 @@ class SchedulerSide:
         if not self._loads_on or usable <= start:
             self._matched[request.request_id] = (start, 0)
             return 0
-        keys = self.request_keys(request, usable)
+        keys = self._keyed(request, usable)
+        if keys is None:
+            self._matched[request.request_id] = (start, 0)
+            return 0
         hits = self.stored_prefix(keys[start:])
         self._matched[request.request_id] = (start, hits)
         self.counters.add("lookup_requests")
@@ -240,7 +295,9 @@ class SchedulerSide:
         done = self._done.get(req_id, 0)
         if full <= done:
             return
-        keys = self.request_keys(request, full)
+        keys = self._keyed(request, full)
+        if keys is None:
+            return
         self._done[req_id] = full
         todo = zip(keys[done:full], table[done:full], strict=True)
         pairs = [(k, b) for k, b in todo if k not in self._known]
@@ -272,8 +329,16 @@ class SchedulerSide:
 
     def finished(self, req_id: str) -> bool:
         """Forget a finished request; True if its blocks must wait for its stores."""
-        for table in (self._requests, self._keys, self._matched, self._tables, self._done):
+        for table in (
+            self._requests,
+            self._keyer_of,
+            self._keys,
+            self._matched,
+            self._tables,
+            self._done,
+        ):
             table.pop(req_id, None)
+        self._unkeyed.discard(req_id)
         delay = req_id in self._has_saves
         self._has_saves.discard(req_id)
         return delay

@@ -31,7 +31,10 @@ class VLLMSection(EngineSection):
         description="Tenant salt for the key namespace; a request's cache_salt is added to it.",
     )
     model: str | None = Field(
-        None, min_length=1, description="Model id for the key namespace; default: vLLM's model."
+        None,
+        min_length=1,
+        description="Model id for the key namespace, declared by the operator: it replaces "
+        "vLLM's model name, revision and weight-file digest (see docs/vllm.md, keys).",
     )
     checksum_workers: int = Field(
         1,

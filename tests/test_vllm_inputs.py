@@ -1,0 +1,297 @@
+"""Every request input that changes a vLLM page's KV is in its key (``integrations/vllm/inputs``).
+
+These run without vLLM, on request objects with vLLM's attribute names; the same checks
+on vLLM's own ``Request``, ``LoRARequest`` and ``MultiModalFeatureSpec`` run in the vLLM
+environment (``test_keys_of_real_vllm_requests``), and the LoRA case in a real engine
+(``tests/test_vllm_lora.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier.core.errors import InvalidKeyError, UnkeyableInputError
+from kvtier.core.keys import Namespace, PageKeyer
+from kvtier.integrations.vllm import VLLMSection
+from kvtier.integrations.vllm.inputs import AdapterIdentities, model_identity, page_extras
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = 32
+TOKENS = list(range(1, 4 * PAGE + 2))  # four full pages and one token
+
+
+@dataclass
+class _Request:
+    request_id: str
+    all_token_ids: list[int] = field(default_factory=lambda: list(TOKENS))
+    num_computed_tokens: int = 0
+    cache_salt: str | None = None
+    lora_request: Any = None
+    mm_features: list[Any] = field(default_factory=list)
+    prompt_embeds: torch.Tensor | None = None
+    prompt_is_token_ids: list[bool] | None = None
+
+
+def _image(identifier: str, offset: int, length: int = 40) -> Any:
+    return SimpleNamespace(
+        modality="image",
+        identifier=identifier,
+        mm_position=SimpleNamespace(offset=offset, length=length),
+    )
+
+
+def _adapter(tmp_path: Path, name: str, seed: int) -> Path:
+    directory = tmp_path / name
+    directory.mkdir()
+    (directory / "adapter_config.json").write_text(json.dumps({"r": 8, "peft_type": "LORA"}))
+    generator = torch.Generator().manual_seed(seed)
+    (directory / "adapter_model.safetensors").write_bytes(
+        torch.rand(256, generator=generator).numpy().tobytes()
+    )
+    return directory
+
+
+def _lora(name: str, path: Path, int_id: int = 1) -> Any:
+    return SimpleNamespace(lora_name=name, lora_int_id=int_id, lora_path=str(path))
+
+
+class _Store:
+    def exists(self, keys: list[str]) -> list[bool]:
+        return [True] * len(keys)
+
+
+def _scheduler() -> Any:
+    from test_vllm import _plan
+
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+
+    return SchedulerSide(_plan(), VLLMSection(backend="memory"), _Store())
+
+
+def _keys(request: _Request) -> list[str]:
+    return list(_scheduler().request_keys(request, 4))
+
+
+# --- the key chain takes per-page extras --------------------------------------------------
+
+
+def test_extras_change_their_page_and_every_page_after_it() -> None:
+    keyer = PageKeyer(Namespace("m", "fp"), PAGE)
+    plain = keyer.keys(TOKENS)
+    assert keyer.keys(TOKENS, extras=[None, None, None, None]) == plain
+    assert keyer.keys(TOKENS, extras=[None, b"", None, None]) == plain
+    marked = keyer.keys(TOKENS, extras=[None, b"image-a", None, None])
+    assert marked[0] == plain[0]
+    assert all(a != b for a, b in zip(marked[1:], plain[1:], strict=True))
+    other = keyer.keys(TOKENS, extras=[None, b"image-b", None, None])
+    assert other[0] == plain[0] and other[1] != marked[1]
+    with pytest.raises(InvalidKeyError, match="3 entries for 4 full pages"):
+        keyer.keys(TOKENS, extras=[None, None, None])
+
+
+def test_extras_continue_from_a_parent_as_from_the_start() -> None:
+    keyer = PageKeyer(Namespace("m", "fp"), PAGE)
+    extras = [None, b"x", b"y", None]
+    whole = keyer.keys(TOKENS, extras=extras)
+    head = keyer.keys(TOKENS[: 2 * PAGE], extras=extras[:2])
+    tail = keyer.keys(TOKENS[2 * PAGE : 4 * PAGE], parent=head[-1], extras=extras[2:])
+    assert head + tail == whole
+
+
+# --- LoRA adapters --------------------------------------------------------------------------
+
+
+def test_each_adapter_and_the_base_model_key_their_own_pages(tmp_path: Path) -> None:
+    a, b = _adapter(tmp_path, "a", 1), _adapter(tmp_path, "b", 2)
+    base = _keys(_Request("base"))
+    with_a = _keys(_Request("ra", lora_request=_lora("a", a)))
+    with_b = _keys(_Request("rb", lora_request=_lora("b", b, int_id=2)))
+    assert len({*base, *with_a, *with_b}) == 12  # no page shared by two of them
+    assert _keys(_Request("ra2", lora_request=_lora("a", a, int_id=7))) == with_a  # id is no key
+
+
+def test_an_adapter_is_keyed_by_its_contents_not_its_name_or_id(tmp_path: Path) -> None:
+    # another deployment gives the same name and id to another adapter: no shared page
+    a = _adapter(tmp_path, "a", 1)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    same_name = _adapter(elsewhere, "a", 9)
+    first = _keys(_Request("r1", lora_request=_lora("a", a)))
+    second = _keys(_Request("r2", lora_request=_lora("a", same_name)))
+    assert not set(first) & set(second)
+    # the same files under another path share pages; under another name they do not
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for file in a.iterdir():
+        (copy / file.name).write_bytes(file.read_bytes())
+    assert _keys(_Request("r3", lora_request=_lora("a", copy))) == first
+    assert not set(_keys(_Request("r4", lora_request=_lora("renamed", copy)))) & set(first)
+
+
+def test_an_adapter_rewritten_in_place_is_hashed_again(tmp_path: Path) -> None:
+    identities = AdapterIdentities()
+    a = _adapter(tmp_path, "a", 1)
+    before = identities(_lora("a", a))
+    weights = a / "adapter_model.safetensors"
+    weights.write_bytes(b"\x01" + weights.read_bytes()[1:] + b"\x00")
+    assert identities(_lora("a", a)) != before
+
+
+def test_an_adapter_without_local_files_is_never_cached(tmp_path: Path) -> None:
+    side = _scheduler()
+    request = _Request("remote", lora_request=_lora("hub", tmp_path / "not-downloaded"))
+    with pytest.raises(UnkeyableInputError, match="no local files"):
+        side.request_keys(request, 4)
+    side.add_request(request)
+    assert side.matched_tokens(request, 0) == 0  # served without kvtier: no hit
+    work = side.step(
+        new=[("remote", list(range(8)), 0)], cached=[], scheduled={"remote": 129}, preempted=[]
+    )
+    assert work.saves == []  # and nothing of it is stored
+    assert side.stats()["requests_unkeyed"] == 1
+
+
+# --- multimodal inputs and prompt embeddings -----------------------------------------------
+
+
+def test_an_image_keys_the_pages_from_its_placeholders_on() -> None:
+    # the image's placeholders take tokens 40..79: pages 1 and 2
+    text = _keys(_Request("text"))
+    cat = _keys(_Request("cat", mm_features=[_image("cat", 40)]))
+    dog = _keys(_Request("dog", mm_features=[_image("dog", 40)]))
+    assert cat[0] == dog[0] == text[0]  # the text before the image is still shared
+    assert all(len({t, c, d}) == 3 for t, c, d in zip(text[1:], cat[1:], dog[1:], strict=True))
+    assert _keys(_Request("cat2", mm_features=[_image("cat", 40)])) == cat
+    moved = _keys(_Request("moved", mm_features=[_image("cat", 41)]))  # same image, shifted
+    assert moved[0] == cat[0] and moved[1] != cat[1]
+
+
+def test_page_extras_name_each_item_with_its_place_in_the_page() -> None:
+    request = _Request("r", mm_features=[_image("cat", 40), _image("dog", 90, 10)])
+    extras = page_extras(request, 0, 4, PAGE)
+    assert extras is not None and extras[0] is None
+    assert json.loads(extras[1] or b"") == [["mm", "cat", 8, 40]]
+    assert json.loads(extras[2] or b"") == [["mm", "cat", -24, 40], ["mm", "dog", 26, 10]]
+    assert json.loads(extras[3] or b"") == [["mm", "dog", -6, 10]]  # 96..99 of its 90..99
+    assert page_extras(request, 3, 4, PAGE) == extras[3:]
+    assert page_extras(_Request("plain"), 0, 4, PAGE) is None
+
+
+def test_prompt_embeddings_key_their_pages() -> None:
+    embeds = torch.randn(len(TOKENS), 16, dtype=torch.bfloat16)
+    changed = embeds.clone()
+    changed[2 * PAGE + 5, 3] += 1
+    zeros = [0] * len(TOKENS)  # vLLM's token ids for an embeddings prompt
+    first = _keys(_Request("e1", all_token_ids=zeros, prompt_embeds=embeds))
+    again = _keys(_Request("e2", all_token_ids=zeros, prompt_embeds=embeds.clone()))
+    other = _keys(_Request("e3", all_token_ids=zeros, prompt_embeds=changed))
+    assert first == again
+    assert first[:2] == other[:2] and first[2] != other[2] and first[3] != other[3]
+    assert not set(first) & set(_keys(_Request("z", all_token_ids=zeros)))
+
+
+def test_a_multimodal_input_without_a_content_hash_is_refused() -> None:
+    request = _Request("r", mm_features=[_image("", 40)])
+    with pytest.raises(UnkeyableInputError, match="no content hash"):
+        page_extras(request, 0, 4, PAGE)
+
+
+# --- the model ------------------------------------------------------------------------------
+
+
+def _model_config(model: str, **changes: Any) -> Any:
+    config = {"hidden_size": 128, "_name_or_path": model, "transformers_version": "5"}
+    config.update(changes.pop("config", {}))
+    return SimpleNamespace(
+        model=model,
+        revision=changes.get("revision"),
+        dtype=changes.get("dtype", "bfloat16"),
+        quantization=changes.get("quantization"),
+        hf_config=SimpleNamespace(to_dict=lambda: dict(config)),
+    )
+
+
+def test_the_model_is_keyed_by_its_weights_not_only_its_name(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"weights v1")
+    first = model_identity(_model_config(str(model)))
+    assert first.startswith(f"{model}#")
+    assert model_identity(_model_config(str(model))) == first
+    weights.write_bytes(b"weights v2, retrained in place")
+    assert model_identity(_model_config(str(model))) != first
+    # what changes its KV besides weights: config, dtype, quantization, revision
+    hub = model_identity(_model_config("org/model", revision="abc"))
+    assert model_identity(_model_config("org/model", revision="def")) != hub
+    assert model_identity(_model_config("org/model", revision="abc", dtype="float16")) != hub
+    assert model_identity(_model_config("org/model", revision="abc", quantization="awq")) != hub
+    rope = {"rope_scaling": {"type": "linear", "factor": 2.0}}
+    assert model_identity(_model_config("org/model", revision="abc", config=rope)) != hub
+
+
+def test_a_declared_model_id_is_shared_across_paths_and_weights(tmp_path: Path) -> None:
+    # kvtier.model: the operator names the weights, so engines whose paths differ share
+    here, there = tmp_path / "a", tmp_path / "b"
+    for path, data in ((here, b"one copy"), (there, b"another copy")):
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(data)
+    one = model_identity(_model_config(str(here)), "llama-3-8b@v2")
+    assert one == model_identity(_model_config(str(there)), "llama-3-8b@v2")
+    assert one.startswith("llama-3-8b@v2#")
+    # the config still counts: another architecture never shares a declared id's pages
+    other = _model_config(str(there), config={"hidden_size": 256})
+    assert model_identity(other, "llama-3-8b@v2") != one
+
+
+def test_hub_blobs_are_keyed_by_their_content_hash(tmp_path: Path) -> None:
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    blob = blobs / ("ab" * 32)
+    blob.write_bytes(b"weights")
+    snapshots = [tmp_path / "snap1", tmp_path / "snap2"]
+    for snapshot in snapshots:
+        snapshot.mkdir()
+        (snapshot / "model.safetensors").symlink_to(blob)
+    os.utime(blob, ns=(1, 1))
+    first = model_identity(_model_config(str(snapshots[0])), None)
+    second = model_identity(_model_config(str(snapshots[1])), None)
+    assert first.split("#")[1] == second.split("#")[1]  # the same blob: the same digest
+
+
+# --- vLLM's own request objects -------------------------------------------------------------
+
+
+def test_keys_of_real_vllm_requests(tmp_path: Path) -> None:
+    from test_vllm import _vllm_python
+
+    python = _vllm_python()
+    a, b = _adapter(tmp_path, "a", 1), _adapter(tmp_path, "b", 2)
+    script = ROOT / "tests" / "vllm_engine" / "request_keys.py"
+    out = subprocess.run(
+        [str(python), str(script), str(a), str(b)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    keys: dict[str, list[str]] = json.loads(out.stdout.strip().splitlines()[-1])
+    text, cat, dog = keys["text"], keys["cat"], keys["dog"]
+    assert cat[0] == dog[0] == text[0]
+    assert all(len({t, c, d}) == 3 for t, c, d in zip(text[1:], cat[1:], dog[1:], strict=True))
+    assert keys["cat_again"] == cat
+    assert keys["cat_moved"][1] != cat[1]
+    assert len({*text, *keys["lora_a"], *keys["lora_b"]}) == 3 * len(text)
+    assert keys["lora_a_other_id"] == keys["lora_a"]
+    assert keys["embeds"] == keys["embeds_again"] != keys["embeds_changed"]
+    assert keys["embeds"][0] == keys["embeds_changed"][0]
