@@ -13,6 +13,7 @@ import fcntl
 import os
 import random
 import shutil
+import signal
 import string
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from kvtier.core.geometry import KVGeometry
 from kvtier.core.host_pool import HostPool
 from kvtier.core.keys import MAX_KEY_LENGTH, Namespace, PageKeyer
 from kvtier.core.pagestore import PageStore
+from kvtier.testing import require
 
 GEOMETRY = KVGeometry.mha(num_layers=2, num_kv_heads=2, head_dim=64, page_size=4)
 #: Pages big enough to take the piece-by-piece read (more than 2 x 256 KiB).
@@ -44,20 +46,13 @@ PAGES = 8
 def _require_uring() -> None:
     from kvtier.backends.uring import probe_io_uring
 
-    reason = probe_io_uring()
-    if reason is not None:
-        if os.environ.get("KVTIER_REQUIRE_URING"):
-            pytest.fail(f"io_uring required but unavailable: {reason}")
-        pytest.skip(reason)
+    require("uring", probe_io_uring())
 
 
 @pytest.fixture(autouse=True)
 def _compiled_loop_built() -> None:
-    if compiled.available():
-        return
-    if os.environ.get("KVTIER_REQUIRE_COMPILED") == "1":
-        pytest.fail(f"the compiled page loop is required but missing: {compiled.MISSING}")
-    pytest.skip(f"the compiled page loop is not built: {compiled.MISSING}")
+    missing = None if compiled.available() else f"it is not built: {compiled.MISSING}"
+    require("compiled", missing)
 
 
 class Setup:
@@ -185,13 +180,9 @@ def test_each_loop_reads_what_the_other_wrote(
 def test_the_uring_backend_reads_what_the_compiled_loop_wrote(
     make: Callable[..., Setup],
 ) -> None:
-    from kvtier.backends.uring import UringConfig, probe_io_uring
+    from kvtier.backends.uring import UringConfig
 
-    reason = probe_io_uring()
-    if reason is not None:
-        if os.environ.get("KVTIER_REQUIRE_URING"):
-            pytest.fail(f"io_uring required but unavailable: {reason}")
-        pytest.skip(reason)
+    _require_uring()
     from kvtier.backends.uring.backend import UringBackend
 
     setup = make(compiled_io=True)
@@ -389,7 +380,8 @@ def test_header_only_readers_never_see_a_page_mid_overwrite(make: Callable[..., 
     assert header.stats()["invalid"] == 0
 
 
-_OVERWRITER = """
+_WRITER = """
+import os
 import sys
 from pathlib import Path
 
@@ -402,63 +394,137 @@ from kvtier.core.host_pool import HostPool
 from kvtier.core.keys import Namespace, PageKeyer
 from kvtier.core.pagestore import PageStore
 
+root, kind, compiled_io, fsync = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[4]
 geometry = KVGeometry.mha(num_layers=32, num_kv_heads=8, head_dim=128, page_size=64)
-pool = HostPool(geometry, "page_first", num_pages=2, pin_memory=False)
-for page, fill in ((0, 1), (1, 2)):
-    for extent in pool.extents(page):
-        torch.frombuffer(extent.view, dtype=torch.uint8).fill_(fill)
-config = FileConfig(root=Path(sys.argv[1]), min_free_bytes=0, io_threads=1)
-store = PageStore(FileBackend(config), pool, fingerprint=geometry.fingerprint)
-namespace = Namespace("killed", geometry.fingerprint)
-key = PageKeyer(namespace, geometry.page_size).keys(list(range(geometry.page_size)))[0]
-if sys.argv[2] == "seed":
-    assert store.put([key], [0]) == [True]
-    print(key, flush=True)
-    sys.exit(0)
-print("writing", flush=True)
-for round_ in range(1_000_000):  # in place, one 16 MiB page after the other
-    assert store.put([key], [(round_ + 1) % 2]) == [True]
+key = PageKeyer(Namespace("killed", geometry.fingerprint), geometry.page_size).keys(
+    list(range(geometry.page_size))
+)[0]
+
+
+def open_store():
+    pool = HostPool(geometry, "page_first", num_pages=2, pin_memory=False)
+    for page, fill in ((0, 1), (1, 2)):
+        for extent in pool.extents(page):
+            torch.frombuffer(extent.view, dtype=torch.uint8).fill_(fill)
+    options = dict(root=root, min_free_bytes=0, compiled_io=compiled_io, fsync=fsync)
+    if kind == "uring":
+        from kvtier.backends.uring import UringConfig
+        from kvtier.backends.uring.backend import UringBackend
+
+        backend = UringBackend(UringConfig(**options))
+    else:
+        backend = FileBackend(FileConfig(io_threads=1, **options))
+    return PageStore(backend, pool, fingerprint=geometry.fingerprint)
+
+
+print(key, flush=True)
+for command in sys.stdin:  # each writer is a child of this one: a kill costs no start-up
+    child = os.fork()
+    if child == 0:
+        code = 3
+        try:
+            store = open_store()
+            if command.strip() == "seed":
+                code = 0 if store.put([key], [0]) == [True] else 4
+            else:
+                print(f"writing {os.getpid()}", flush=True)
+                for round_ in range(1_000_000):  # one 16 MiB page after the other
+                    assert store.put([key], [(round_ + 1) % 2]) == [True]
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    print(f"ended {os.waitstatus_to_exitcode(status)}", flush=True)
 """
 
+#: Every way a page is written, as (backend, compiled_io, fsync): the file backend's
+#: Python and compiled loops, the ring, and uring's compiled loop (which writes only
+#: without fsync); "none" overwrites with the compiled loop go in place.
+_WRITERS = [
+    ("file", False, "none"),
+    ("file", False, "page"),
+    ("file", True, "none"),
+    ("file", True, "page"),
+    ("uring", False, "none"),
+    ("uring", False, "page"),
+    ("uring", True, "none"),
+]
+_WRITER_IDS = [
+    f"{kind}-{('compiled' if compiled_io else 'ring' if kind == 'uring' else 'python')}-{fsync}"
+    for kind, compiled_io, fsync in _WRITERS
+]
 
-def test_a_writer_killed_mid_overwrite_leaves_no_torn_page(tmp_path: Path) -> None:
-    # SIGKILL stops a buffered write between two 4 KiB pages of the file: the invalidated
-    # header makes such a page a miss, under header-only verification too
-    def run(*args: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            [sys.executable, "-c", _OVERWRITER, str(tmp_path), *args],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
 
-    with run("seed") as seeder:
-        assert seeder.stdout is not None
-        key = seeder.stdout.readline().strip()
-    assert seeder.returncode == 0
+@pytest.mark.parametrize(("kind", "compiled_io", "fsync"), _WRITERS, ids=_WRITER_IDS)
+def test_a_writer_killed_mid_overwrite_leaves_no_torn_page(
+    tmp_path: Path, kind: str, compiled_io: bool, fsync: str
+) -> None:
+    # SIGKILL stops a writer at a random moment of a put. A page published by exchange or
+    # rename is whole, the old one or the new one. One overwritten in place (the compiled
+    # loop without fsync) may stop between two 4 KiB pages of the file: its invalidated
+    # header then makes it a miss, under header-only verification too
+    if kind == "uring":
+        _require_uring()
+    in_place = compiled_io and fsync == "none"
+
+    def open_backend() -> Any:
+        if kind == "uring":
+            from kvtier.backends.uring import UringConfig
+            from kvtier.backends.uring.backend import UringBackend
+
+            return UringBackend(
+                UringConfig(root=tmp_path, min_free_bytes=0, compiled_io=compiled_io)
+            )
+        config = FileConfig(root=tmp_path, min_free_bytes=0, compiled_io=compiled_io, io_threads=1)
+        return FileBackend(config)
+
     geometry = KVGeometry.mha(num_layers=32, num_kv_heads=8, head_dim=128, page_size=64)
     pool = HostPool(geometry, "page_first", num_pages=1, pin_memory=False)
-    backend = FileBackend(FileConfig(root=tmp_path, min_free_bytes=0, io_threads=1))
-    reader = PageStore(backend, pool, fingerprint=geometry.fingerprint, verify="header")
-    path = fs_paths.page_path_str(os.fspath(backend.store), key)
-    inode = os.stat(path).st_ino
     whole = {bytes([fill]) * (pool.page_bytes) for fill in (1, 2)}
     rng = random.Random(3)
-    refused = 0
-    try:
-        for _ in range(6):
-            with run("overwrite") as writer:
-                assert writer.stdout is not None
-                assert writer.stdout.readline().strip() == "writing"
+    refused = invalid = 0
+    command = [sys.executable, "-c", _WRITER, str(tmp_path), kind, str(int(compiled_io)), fsync]
+    with subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as server:
+        assert server.stdin is not None and server.stdout is not None
+        stdin, stdout = server.stdin, server.stdout
+
+        def ask(command: str) -> str:
+            stdin.write(command + "\n")
+            stdin.flush()
+            return stdout.readline().strip()
+
+        key = stdout.readline().strip()
+        assert ask("seed") == "ended 0"
+        backend = open_backend()
+        reader = PageStore(backend, pool, fingerprint=geometry.fingerprint, verify="header")
+        try:
+            path = fs_paths.page_path_str(os.fspath(backend.store), key)
+            inode = os.stat(path).st_ino
+            for _ in range(6):
+                writing = ask("write")
+                assert writing.startswith("writing "), writing
                 time.sleep(0.05 + rng.random() * 0.05)
-                writer.kill()
-            assert os.stat(path).st_ino == inode  # written in place, never replaced
-            if reader.get([key], [0]) == [True]:
-                assert b"".join(bytes(e.view) for e in pool.extents(0)) in whole, "torn"
-            else:
-                refused += 1
-    finally:
-        backend.close()
-    assert reader.stats()["invalid"] == refused  # each miss: a header without its magic
+                os.kill(int(writing.split()[1]), signal.SIGKILL)
+                assert stdout.readline().strip() == f"ended {-signal.SIGKILL}"
+                if in_place:
+                    assert os.stat(path).st_ino == inode  # written in place, never replaced
+                if reader.get([key], [0]) == [True]:
+                    assert b"".join(bytes(e.view) for e in pool.extents(0)) in whole, "torn"
+                else:
+                    assert in_place, "a page published by exchange or rename went missing"
+                    refused += 1
+            invalid = reader.stats()["invalid"]
+        finally:
+            stdin.close()
+            server.wait(timeout=60)
+            reader.close()
+            backend.close()
+    assert server.returncode == 0
+    assert invalid == refused  # each miss: a header without its magic
+    again = open_backend()  # start-up removes what the killed writers left under temp names
+    again.close()
+    assert list(tmp_path.rglob(f".*{fs_paths.TEMP_SUFFIX}")) == []
 
 
 def test_a_file_of_another_size_is_replaced_not_patched(make: Callable[..., Setup]) -> None:
@@ -770,7 +836,7 @@ def test_warm_copies_run_on_one_thread_per_cpu_and_mib(
     assert setup.backend.stats()["puts_in_place"] == PAGES
     threads.clear()
     assert setup.store.get(setup.keys[:1], [PAGES]) == [True]  # one page: no hand-off
-    assert threads == {threading.get_ident()}
+    assert len(threads) == 1  # (the thread that called the backend)
 
 
 def test_open_pages_opens_what_the_ring_reads_and_counts_the_rest(
@@ -811,12 +877,17 @@ def test_open_pages_opens_what_the_ring_reads_and_counts_the_rest(
 
 
 def test_the_built_loop_is_not_older_than_its_source() -> None:
-    source = Path(compiled.__file__).with_name("_pageio.c")
+    # every C file and the header they share (hatch_build.py compiles them all into one)
+    home = Path(compiled.__file__).with_name("_pageio_src")
     built = Path(compiled._pageio.__file__)
-    if built.parent != source.parent:  # an installed wheel: built from its own source
+    if built.parent != home.parent:  # an installed wheel: built from its own source
         pytest.skip(f"the loop was installed from a wheel ({built})")
-    assert built.stat().st_mtime >= source.stat().st_mtime, (
-        f"{built.name} is older than {source.name}: rebuild it with `pip install --no-deps -e .`"
+    sources = sorted(home.glob("*.[ch]"))
+    assert {"module.c", "pageio.h", "publish.c"} <= {source.name for source in sources}
+    newer = [source.name for source in sources if source.stat().st_mtime > built.stat().st_mtime]
+    assert not newer, (
+        f"{built.name} is older than {', '.join(newer)}: rebuild it with "
+        "`pip install --no-deps -e .`"
     )
 
 
@@ -825,16 +896,17 @@ def test_a_forked_child_never_writes_into_its_parents_spare(
 ) -> None:
     setup = make(compiled_io=True, io_threads=1, fsync="page")
     assert setup.put_all() == [True] * PAGES
-    _overwrite(setup, 0)  # this thread now holds a spare
+    _overwrite(setup, 0)  # the thread that wrote it now holds a spare
     spares = setup.backend._spares
-    held = spares._by_thread[threading.get_ident()]
+    ((writer, held),) = spares._by_thread.items()
     pid = os.fork()
-    if pid == 0:  # the child: same thread ident, inherited descriptors and locks
+    if pid == 0:  # the child: the writer's thread ident, inherited descriptors and locks
+        threading.get_ident = lambda: writer
         code = 0 if spares.take() is None else 3
         os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert spares._by_thread[threading.get_ident()] == held  # the parent's, untouched
+    assert spares._by_thread[writer] == held  # the parent's, untouched
     assert Path(os.fsdecode(held[1])).exists()
 
 
@@ -1051,17 +1123,17 @@ def test_a_temp_name_taken_before_its_rename_publishes_nothing(
 def test_publish_undoes_an_exchange_with_an_entry_that_took_the_temp_name(
     tmp_path: Path,
 ) -> None:
-    from kvtier.backends.filestore import writes
+    from kvtier.backends.filestore import publish
 
     final, tmp = tmp_path / "page.kv", tmp_path / ".page.tmp"
     final.write_bytes(b"old page")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, b"new page")
-    written = writes.file_id(fd)
+    written = publish.file_id(fd)
     os.close(fd)
     os.rename(tmp, tmp_path / "moved")  # (kept: its inode number is not reused)
     tmp.write_bytes(b"someone else's file")  # a regular file, but not the one written
-    with pytest.raises(writes.TempTaken):
-        writes.publish(tmp, final, written=written)
+    with pytest.raises(publish.TempTaken):
+        publish.publish(tmp, final, written=written)
     assert final.read_bytes() == b"old page"
     assert tmp.read_bytes() == b"someone else's file"

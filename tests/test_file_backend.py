@@ -25,6 +25,7 @@ from pydantic import ByteSize
 from kvtier.backends.file import FILE_SPEC, FileConfig, validate_file_plan
 from kvtier.backends.file.backend import FileBackend
 from kvtier.backends.filestore import paths as fs_paths
+from kvtier.backends.filestore import publish as fs_publish
 from kvtier.backends.filestore import startup as fs_startup
 from kvtier.backends.filestore import writes as fs_writes
 from kvtier.backends.filestore.debris import Debris
@@ -510,9 +511,9 @@ CHILD = textwrap.dedent(
     from kvtier.core.extents import extent_of_view
 
     root, mode, key = sys.argv[1:4]
-    fill, count = int(sys.argv[4]), int(sys.argv[5])
+    fill, count, fsync = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
     size = 256 * 1024
-    b = FileBackend(FileConfig(root=Path(root), min_free_bytes=0, io_threads=1))
+    b = FileBackend(FileConfig(root=Path(root), min_free_bytes=0, io_threads=1, fsync=fsync))
     page = [extent_of_view(memoryview(bytearray([fill]) * size)) for _ in range(4)]
     if mode == "hang":
         real = os.pwritev
@@ -531,17 +532,19 @@ CHILD = textwrap.dedent(
 PAGE_SIZE = 4 * 256 * 1024
 
 
-def spawn(root: Path, mode: str, key: str, fill: int, count: int) -> subprocess.Popen[str]:
+def spawn(
+    root: Path, mode: str, key: str, fill: int, count: int, fsync: str = "none"
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(root), mode, key, str(fill), str(count)],
+        [sys.executable, "-c", CHILD, str(root), mode, key, str(fill), str(count), fsync],
         stdout=subprocess.PIPE,
         text=True,
     )
 
 
-def kill_when_half_written(root: Path, key: str) -> None:
+def kill_when_half_written(root: Path, key: str, fsync: str) -> None:
     """Start a writer of ``key``, wait until half its page is written, SIGKILL it."""
-    with spawn(root, "hang", key, 2, 1) as child:
+    with spawn(root, "hang", key, 2, 1, fsync) as child:
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "start"
         assert child.stdout.readline().strip() == "ready"
@@ -551,10 +554,13 @@ def kill_when_half_written(root: Path, key: str) -> None:
         child.wait()
 
 
-def test_writer_killed_mid_put_leaves_old_page_whole(root: Path) -> None:
+# (the Python loop, stopped at a known point; tests/test_compiled_loop.py kills every loop,
+# the compiled one and the io_uring ring included, at random points)
+@pytest.mark.parametrize("fsync", ["none", "page"])
+def test_writer_killed_mid_put_leaves_old_page_whole(root: Path, fsync: str) -> None:
     b = backend(root)
     b.put(["victim"], [make_page(1, regions=4, size=256 * 1024)])
-    kill_when_half_written(root, "victim")
+    kill_when_half_written(root, "victim", fsync)
     out = make_page(0, regions=4, size=256 * 1024)
     assert b.get(["victim"], [out]) == [True]
     assert page_bytes(out) == b"\x01" * PAGE_SIZE  # the old page, whole
@@ -562,9 +568,10 @@ def test_writer_killed_mid_put_leaves_old_page_whole(root: Path) -> None:
     assert list(root.rglob(".*.tmp")) == []
 
 
-def test_writer_killed_before_first_publish_leaves_a_miss(root: Path) -> None:
+@pytest.mark.parametrize("fsync", ["none", "page"])
+def test_writer_killed_before_first_publish_leaves_a_miss(root: Path, fsync: str) -> None:
     b = backend(root)
-    kill_when_half_written(root, "fresh")
+    kill_when_half_written(root, "fresh", fsync)
     assert b.exists(["fresh"]) == [False]
     assert b.get(["fresh"], [make_page(0, regions=4, size=256 * 1024)]) == [False]
 
@@ -635,7 +642,7 @@ def test_publish_exchanges_over_an_existing_page(tmp_path: Path) -> None:
         fd, tmp = fs_paths.open_temp(final)
         os.write(fd, content)
         os.close(fd)
-        fs_writes.publish(tmp, final)
+        fs_publish.publish(tmp, final)
         assert final.read_bytes() == content
         assert sorted(p.name for p in tmp_path.iterdir()) == ["page.kv"]
 
@@ -650,15 +657,15 @@ def test_publish_falls_back_to_rename_without_exchange(
         ctypes.set_errno(errno.EINVAL)
         return -1
 
-    monkeypatch.setattr(fs_writes, "_renameat2", no_exchange)
+    monkeypatch.setattr(fs_publish, "_renameat2", no_exchange)
     final = tmp_path / "page.kv"
     final.write_bytes(b"old")
     fd, tmp = fs_paths.open_temp(final)
     os.write(fd, b"new")
     os.close(fd)
-    fs_writes.publish(tmp, final)
+    fs_publish.publish(tmp, final)
     assert final.read_bytes() == b"new" and calls == [1]
-    assert fs_writes._renameat2 is None  # not tried again
+    assert fs_publish._renameat2 is None  # not tried again
     assert sorted(p.name for p in tmp_path.iterdir()) == ["page.kv"]
 
 

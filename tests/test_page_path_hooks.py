@@ -24,6 +24,7 @@ from kvtier.core.host_pool import HostPool
 from kvtier.core.keys import Namespace, PageKeyer
 from kvtier.core.pagestore import PageStore, PerPageHooks
 from kvtier.core.storage import StorageBackend
+from kvtier.testing import require
 
 GEOMETRY = KVGeometry.mha(num_layers=2, num_kv_heads=2, head_dim=64, page_size=4)
 PAGES = 8
@@ -32,11 +33,7 @@ PAGES = 8
 def _uring(root: Path) -> StorageBackend:
     from kvtier.backends.uring import UringConfig, probe_io_uring
 
-    reason = probe_io_uring()
-    if reason is not None:
-        if os.environ.get("KVTIER_REQUIRE_URING"):
-            pytest.fail(f"io_uring required but unavailable: {reason}")
-        pytest.skip(reason)
+    require("uring", probe_io_uring())
     from kvtier.backends.uring.backend import UringBackend
 
     return UringBackend(UringConfig(root=root, min_free_bytes=0, queue_depth=4))
@@ -138,11 +135,12 @@ def test_file_backend_checksums_in_its_io_threads(
     monkeypatch.setattr(EnvelopeFormat, "verify", verify)
     assert store.put(keys, pages) == [True] * PAGES
     assert store.get(keys, [PAGES + p for p in pages]) == [True] * PAGES
-    me = threading.current_thread().name
     for what, names in threads.items():
-        # the caller works the first slice, the pool's threads (reused when idle) the rest
-        assert me in names and any(n.startswith("kvtier-file") for n in names), (what, names)
-    backend.close()
+        # the thread calling the backend (the page store's bounded call thread) works the
+        # first slice, the pool's threads (reused when idle) the rest
+        caller = any(n.startswith("kvtier-backend-call") for n in names)
+        assert caller and any(n.startswith("kvtier-file") for n in names), (what, names)
+    store.close()
 
 
 def test_file_backend_hands_off_once_per_thread(tmp_path: Path) -> None:

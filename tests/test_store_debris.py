@@ -30,22 +30,18 @@ from kvtier.backends.file import FileConfig
 from kvtier.backends.file.backend import FileBackend
 from kvtier.backends.filestore import debris as fs_debris
 from kvtier.backends.filestore import paths as fs_paths
-from kvtier.backends.filestore import writes as fs_writes
+from kvtier.backends.filestore import publish as fs_publish
 from kvtier.backends.filestore.debris import KINDS
 from kvtier.backends.uring import URING_SPEC, UringConfig
 from kvtier.core.extents import Extent, extent_of_view
 from kvtier.core.storage import StorageBackend
+from kvtier.testing import require
 
 BACKENDS = ["file", "uring"]
 
 
 def _require_uring() -> None:
-    reason = URING_SPEC.unavailable_reason()
-    if reason is None:
-        return
-    if os.environ.get("KVTIER_REQUIRE_URING") == "1":
-        pytest.fail(f"KVTIER_REQUIRE_URING=1 but the uring backend is unavailable: {reason}")
-    pytest.skip(f"uring backend unavailable here: {reason}")
+    require("uring", URING_SPEC.unavailable_reason())
 
 
 Opener = Callable[..., StorageBackend]
@@ -728,7 +724,7 @@ def test_a_failed_exchange_reports_false_and_publishes_nothing(
         ctypes.set_errno(errno.EBUSY)
         return -1
 
-    monkeypatch.setattr(fs_writes, "_renameat2", busy)
+    monkeypatch.setattr(fs_publish, "_renameat2", busy)
     assert backend.put(["mounted"], [page(b"m" * 100)]) == [False]
     assert final.is_dir()
     assert [p.name for p in final.parent.iterdir()] == ["mounted.kv"]

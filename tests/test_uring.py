@@ -25,7 +25,7 @@ from pydantic import ByteSize, ValidationError
 from kvtier.backends.file import FileConfig
 from kvtier.backends.file.backend import FileBackend
 from kvtier.backends.filestore import paths as fs_paths
-from kvtier.backends.filestore import writes as fs_writes
+from kvtier.backends.filestore import publish as fs_publish
 from kvtier.backends.uring import URING_SPEC, UringConfig, validate_uring_plan
 from kvtier.backends.uring.backend import UringBackend
 from kvtier.core.errors import (
@@ -38,18 +38,13 @@ from kvtier.core.extents import Extent, extent_of_view
 from kvtier.core.geometry import KVGeometry
 from kvtier.core.layout import Layout
 from kvtier.core.storage import BackendContext
-from kvtier.testing import BackendKit, ConformanceTests
+from kvtier.testing import BackendKit, ConformanceTests, require
 
 pytestmark = pytest.mark.uring
 
 
 def _require_uring() -> None:
-    reason = URING_SPEC.unavailable_reason()
-    if reason is None:
-        return
-    if os.environ.get("KVTIER_REQUIRE_URING") == "1":
-        pytest.fail(f"KVTIER_REQUIRE_URING=1 but the uring backend is unavailable: {reason}")
-    pytest.skip(f"uring backend unavailable here: {reason}")
+    require("uring", URING_SPEC.unavailable_reason())
 
 
 @pytest.fixture
@@ -531,7 +526,7 @@ def test_publish_happens_only_after_the_whole_page_is_written(
     backend = make(queue_depth=2, fsync="page")
     seen: list[tuple[str, bool, bytes]] = []
     real_replace = os.replace
-    real_exchange = fs_writes._exchange
+    real_exchange = fs_publish._exchange
 
     def checking_replace(src: Any, dst: Any, **kwargs: Any) -> None:
         if str(dst).startswith(str(backend.store)):
@@ -544,7 +539,7 @@ def test_publish_happens_only_after_the_whole_page_is_written(
         return real_exchange(tmp, final)
 
     monkeypatch.setattr(os, "replace", checking_replace)
-    monkeypatch.setattr(fs_writes, "_exchange", checking_exchange)
+    monkeypatch.setattr(fs_publish, "_exchange", checking_exchange)
     keys = [f"w{i}" for i in range(6)]
     for version in range(2):
         datas = [_data(10 * version + i, 12000) for i in range(6)]
@@ -768,6 +763,38 @@ def test_delete_clear_and_close(make: Callable[..., UringBackend]) -> None:
     backend.close()
     with pytest.raises(StorageError, match="closed"):
         backend.get(["b"], [_blank(10)])
+
+
+def test_both_backends_refuse_calls_after_close_with_the_same_error(
+    make: Callable[..., UringBackend], tmp_path: Path
+) -> None:
+    file_backend = FileBackend(FileConfig(root=tmp_path / "file", min_free_bytes=ByteSize(0)))
+    refusals: dict[str, set[str]] = {}
+    for backend in (file_backend, make()):
+        assert backend.put(["a"], [_page(b"1" * 10)]) == [True]
+        backend.close()
+        backend.close()  # idempotent
+        calls: list[tuple[Callable[..., object], tuple[Any, ...]]] = [
+            (backend.exists, (["a"],)),
+            (backend.get, (["a"], [_blank(10)])),
+            (backend.get_with, (["a"], [_blank(10)], None)),
+            (backend.put, (["b"], [_page(b"2" * 10)])),
+            (backend.put_with, (["b"], [_page(b"2" * 10)], None)),
+            (backend.delete, (["a"],)),
+            (backend.clear, ()),
+        ]
+        seen = refusals.setdefault(backend.name, set())
+        for call, args in calls:
+            with pytest.raises(StorageError) as info:
+                call(*args)
+            assert info.value.value == str(backend.store)
+            seen.add(str(info.value).replace(str(backend.store), "<store>"))
+        assert backend.stats()["puts"] == 1  # what it did stays readable
+        assert fs_paths.page_path(backend.store, "a").is_file()  # nothing was removed
+    assert refusals == {
+        name: {f"the {name} backend is closed; build a new one to use <store> again"}
+        for name in ("file", "uring")
+    }
 
 
 def test_threads_each_use_their_own_ring(make: Callable[..., UringBackend]) -> None:

@@ -5,31 +5,31 @@ file and published by an atomic rename; they are read back with ``os.preadv`` st
 into the extents. No staging copy, no bytes objects. Batches run on a small thread pool
 (the calls release the GIL), so cold reads keep several requests in flight. The on-disk
 scheme, index, LRU capacity and free-space guard live in :mod:`kvtier.backends.filestore`
-and are shared with the io_uring backend.
+and are shared with the io_uring backend, as is the shell around this loop
+(:class:`~kvtier.backends.filestore.base.FileStoreBackend`: the contract, the closed
+check, the compiled loop's dispatch); this module holds the thread pool's Python loop.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvtier.backends.file.config import FileConfig
-from kvtier.backends.filestore import compiled, paths, writes
-from kvtier.backends.filestore.slices import Slices, copy_threads
-from kvtier.backends.filestore.store import FileStore
+from kvtier.backends.filestore import base, compiled, paths, publish, writes
+from kvtier.backends.filestore.base import BeforeWrite, Keys, OnFilled, OnPayload, Pages
+from kvtier.backends.filestore.slices import copy_threads
 from kvtier.core.envelope import BatchEnvelope
-from kvtier.core.errors import StorageError
-from kvtier.core.storage import BackendContext, PageBuffers, StorageBackend
+from kvtier.core.storage import BackendContext, PageBuffers
 
 __all__ = ["FileBackend"]
 
 log = logging.getLogger(__name__)
 
 #: A page written under its temp name, not yet published: (tmp, final, bytes, its file).
-_Written = tuple[str, str, int, writes.FileId]
+_Written = tuple[str, str, int, publish.FileId]
 _T = TypeVar("_T")
 
 
@@ -53,88 +53,38 @@ def _preadv_all(fd: int, views: list[memoryview], offset: int = 0) -> int:
     return offset - start
 
 
-class FileBackend(StorageBackend):
+class FileBackend(base.FileStoreBackend[FileConfig]):
     """Pages as files under ``root/<namespace>``; see :mod:`kvtier.backends.filestore`."""
+
+    name = "file"
+    compiled_puts = frozenset({"none", "page"})  # 'batch' runs in Python
 
     def __init__(
         self, config: FileConfig | None = None, context: BackendContext | None = None
     ) -> None:
-        self.config = config or FileConfig()
-        self.context = context
-        namespace = context.namespace if context is not None else "default"
-        self._fs = FileStore(self.config, namespace, "file", log)  # opened, swept, indexed
-        self.store = self._fs.path
-        self._store_str = self._fs.path_str
-        self.index = self._fs.index
-        self._counters = self._fs.counters
-        self._warn_once = self._fs.warn_once
-        self._slices = Slices(self.config.io_threads, "kvtier-file")
-        self._lock = threading.Lock()
-        self._closed = False
-        #: Per writing thread, the file a replaced page left, kept for the next overwrite.
-        self._spares = compiled.Spares()
-        if self.config.compiled_io and not compiled.available():
+        config = config or FileConfig()
+        super().__init__(config, context, log, threads=config.io_threads)
+        if config.compiled_io and not compiled.available():
             log.info(
                 "file backend: the compiled page loop is not built (%s); using the Python "
                 "loop (same files, more time per page)",
                 compiled.MISSING,
             )
 
-    @property
-    def checks_envelopes(self) -> bool:
-        """Whether this backend writes and checks envelopes in its compiled loop."""
-        return self.config.compiled_io and compiled.available()
-
-    # --- helpers -------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StorageError("file backend is closed; build a new one", value=str(self.store))
-
     def _map(self, fn: Callable[[int], _T], count: int) -> list[_T]:
-        """``[fn(i) for i in range(count)]``, spread over ``io_threads`` threads."""
-        return self._spread(lambda lo, hi: [fn(i) for i in range(lo, hi)], count)
+        """``[fn(i) for i in range(count)]``, spread over ``io_threads`` threads (one
+        slice each, see :class:`~kvtier.backends.filestore.slices.Slices`)."""
+        return self._slices.spread(lambda lo, hi: [fn(i) for i in range(lo, hi)], count)
 
-    def _spread(
-        self, run: Callable[[int, int], list[_T]], count: int, most: int | None = None
-    ) -> list[_T]:
-        """``run(lo, hi)`` for consecutive slices of ``range(count)``, one per I/O thread
-        (see :class:`~kvtier.backends.filestore.slices.Slices`); ``most`` caps them."""
-        self._check_open()
-        return self._slices.spread(run, count, most)
+    # --- gets ----------------------------------------------------------------------------
 
-    # --- contract ------------------------------------------------------------------------
-
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        self._check_open()
-        return self.index.contains_many(keys)
-
-    def get(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
-        return self.get_with(keys, pages, None)
-
-    def get_with(
-        self,
-        keys: Sequence[str],
-        pages: Sequence[PageBuffers],
-        on_filled: Callable[[int], object] | None,
-        on_payload: Callable[[int, memoryview], object] | None = None,
-        *,
-        envelope: BatchEnvelope | None = None,
+    def _get_own(
+        self, keys: Keys, pages: Pages, on_filled: OnFilled, on_payload: OnPayload
     ) -> list[bool]:
-        """``get``, calling ``on_filled(i)`` in the I/O thread that just filled page ``i``.
-
-        The core verifies a page there, while its bytes are still in that core's cache,
-        so verification is spread over the I/O threads. A page larger than two
-        :data:`PIECE` is read piece by piece, each handed to ``on_payload`` as it lands,
-        so the core hashes it before the next piece pushes it out of cache. With
-        ``envelope`` (see :class:`~kvtier.core.pagestore.EnvelopeHooks`) and the compiled
-        loop, the envelopes are checked there instead.
-        """
-        paths.check_keys(keys)
-        if len(keys) != len(pages):
-            raise StorageError(f"get: {len(keys)} keys but {len(pages)} pages", value=keys)
-        if envelope is not None and self.checks_envelopes:
-            return self._got(keys, self._get_compiled(keys, pages, envelope, on_filled))
+        """The Python loop: each page read on one of the I/O threads, ``on_filled`` called
+        there. A page larger than two :data:`PIECE` is read piece by piece, each handed
+        to ``on_payload`` as it lands, so the core hashes it before the next piece pushes
+        it out of cache."""
 
         def one(i: int) -> int:
             got = self._get_one(keys[i], pages[i], i, on_payload)
@@ -145,13 +95,9 @@ class FileBackend(StorageBackend):
         return self._got(keys, self._map(one, len(keys)))
 
     def _get_compiled(
-        self,
-        keys: Sequence[str],
-        pages: Sequence[PageBuffers],
-        envelope: BatchEnvelope,
-        on_filled: Callable[[int], object] | None,
-    ) -> list[int]:
-        """``get_with`` through the compiled loop; the bytes read per page.
+        self, keys: Keys, pages: Pages, envelope: BatchEnvelope, on_filled: OnFilled
+    ) -> list[bool]:
+        """The compiled loop, envelopes checked there.
 
         The batch is first read from the page cache alone (``nowait``), on no more
         threads than there are CPUs to copy with and than the batch has
@@ -162,9 +108,10 @@ class FileBackend(StorageBackend):
         """
         fs = self._fs
         count = len(keys)
+        spread = self._slices.spread
 
         def blocking(which: Sequence[int]) -> list[int]:
-            return self._spread(
+            return spread(
                 lambda lo, hi: compiled.read_slice(
                     fs, keys, pages, which[lo:hi], envelope, on_filled
                 ),
@@ -172,25 +119,21 @@ class FileBackend(StorageBackend):
             )
 
         if count < 2 or self.config.io_threads == 1:
-            return blocking(range(count))
-        sizes = compiled.read_cached(self._spread, fs, keys, pages, envelope, on_filled)
+            return self._got(keys, blocking(range(count)))
+        sizes = compiled.read_cached(spread, fs, keys, pages, envelope, on_filled)
         waiting = [i for i, size in enumerate(sizes) if size == compiled.BLOCKED]
         if waiting:
             for i, size in zip(waiting, blocking(waiting), strict=True):
                 sizes[i] = size
-        return sizes
+        return self._got(keys, sizes)
 
-    def _got(self, keys: Sequence[str], sizes: list[int]) -> list[bool]:
+    def _got(self, keys: Keys, sizes: list[int]) -> list[bool]:
         """Index and count what a get read (``sizes``: bytes per page, 0 for none)."""
         self._fs.record_reads([(key, got) for key, got in zip(keys, sizes, strict=True) if got])
         return [got > 0 for got in sizes]
 
     def _get_one(
-        self,
-        key: str,
-        page: PageBuffers,
-        index: int = 0,
-        on_payload: Callable[[int, memoryview], object] | None = None,
+        self, key: str, page: PageBuffers, index: int = 0, on_payload: OnPayload = None
     ) -> int:
         """Read ``key``'s page into ``page``; the bytes read, or 0 (a counted failure)."""
         final = paths.page_path_str(self._store_str, key)
@@ -225,37 +168,21 @@ class FileBackend(StorageBackend):
             return 0
         return got
 
-    def put(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
-        return self.put_with(keys, pages, None)
+    # --- puts ----------------------------------------------------------------------------
 
-    def put_with(
-        self,
-        keys: Sequence[str],
-        pages: Sequence[PageBuffers],
-        before_write: Callable[[int], object] | None,
-        *,
-        envelope: BatchEnvelope | None = None,
-    ) -> list[bool]:
-        """``put``, calling ``before_write(i)`` in the I/O thread about to write page ``i``.
+    def _put_own(self, keys: Keys, pages: Pages, before_write: BeforeWrite) -> list[bool]:
+        """The Python loop: each page written and published on one of the I/O threads.
 
-        The core writes the page's envelope there (its payload checksum runs in that
-        thread, in parallel with the other pages', just before the same bytes are copied
-        into the page cache). With ``envelope`` and the compiled loop, the envelopes are
-        written there instead (``fsync`` 'none' and 'page'; 'batch' runs in Python).
+        With ``fsync: "batch"`` every temp file is written and fsynced first, then all
+        are published, then each touched directory is synced once.
         """
-        paths.check_keys(keys)
-        if len(keys) != len(pages):
-            raise StorageError(f"put: {len(keys)} keys but {len(pages)} pages", value=keys)
         now = self.config.fsync != "batch"
-        if envelope is not None and now and self.checks_envelopes:
-            return self._put_compiled(keys, pages, before_write, envelope)
 
         def one(i: int) -> bool | _Written:
             return self._put_one(keys[i], pages[i], now, i, before_write)
 
         if now:
             return [r is True for r in self._map(one, len(keys))]
-        # batch: write and fsync every temp file, then publish all, then sync each dir once
         outcomes = self._map(one, len(keys))
         results: list[bool] = []
         finals: list[str] = []
@@ -268,59 +195,18 @@ class FileBackend(StorageBackend):
                 self._fs.publish_page(key, tmp, final, nbytes, sync_dir=False, written=written)
             )
             finals.append(final)
-        self._sync_dirs(finals)
+        self._fs.sync_dirs(finals)
         return results
 
-    def _put_compiled(
-        self,
-        keys: Sequence[str],
-        pages: Sequence[PageBuffers],
-        before_write: Callable[[int], object] | None,
-        envelope: BatchEnvelope,
-    ) -> list[bool]:
-        """``put_with`` through the compiled loop, one slice per I/O thread.
+    def _put_one_own(self, keys: Keys, pages: Pages, i: int, before_write: BeforeWrite) -> bool:
+        return self._put_one(keys[i], pages[i], True, i, before_write) is True
 
-        A batch of overwrites without fsync goes in place, a copy that waits for
-        nothing, so it gets no more threads than
-        :func:`~kvtier.backends.filestore.slices.copy_threads` gives it.
-        """
-        page_sync = self.config.fsync == "page"
-
-        def publish(i: int, tmp: str, final: str, nbytes: int) -> bool:
-            return self._fs.publish_page(keys[i], tmp, final, nbytes, sync_dir=page_sync)
-
-        def fallback(i: int) -> bool:
-            return self._put_one(keys[i], pages[i], True, i, before_write) is True
-
-        def run(lo: int, hi: int) -> list[bool]:
-            done = compiled.write_slice(
-                self._fs,
-                keys,
-                pages,
-                lo,
-                hi,
-                envelope,
-                datasync=self.config.fsync != "none",
-                publish=publish,
-                fallback=fallback,
-                spares=self._spares,
-            )
-            if page_sync:
-                store = self._store_str
-                published = [i for i, ok in zip(range(lo, hi), done, strict=True) if ok]
-                self._sync_dirs(paths.page_path_unchecked(store, keys[i]) for i in published)
-            return done
-
+    def _compiled_put_threads(self, keys: Keys, pages: Pages) -> int | None:
+        """Every I/O thread, except for a batch of overwrites without fsync: that goes in
+        place, a copy that waits for nothing, so it gets no more threads than
+        :func:`~kvtier.backends.filestore.slices.copy_threads` gives it."""
         overwrites = self.config.fsync == "none" and all(self._fs.index.indexed(keys))
-        return self._spread(run, len(keys), copy_threads(pages) if overwrites else None)
-
-    def _sync_dirs(self, finals: Iterable[str]) -> None:
-        """fsync each directory holding one of ``finals`` once (durable renames)."""
-        for directory in {os.path.dirname(final) for final in finals}:
-            try:
-                writes.fsync_dir(directory)
-            except OSError as exc:
-                self._warn_once("fsync_errors", "file backend: fsync of %s: %s", directory, exc)
+        return copy_threads(pages) if overwrites else None
 
     def _put_one(
         self,
@@ -328,8 +214,11 @@ class FileBackend(StorageBackend):
         page: PageBuffers,
         publish_now: bool = True,
         index: int = 0,
-        before_write: Callable[[int], object] | None = None,
+        before_write: BeforeWrite = None,
     ) -> bool | _Written:
+        """Write ``key``'s page under a temp name (step 1 of
+        :mod:`~kvtier.backends.filestore.publish`) and, with ``publish_now``, publish it;
+        else return what :meth:`FileStore.publish_page` needs to publish it later."""
         final = paths.page_path_str(self._store_str, key)
         views = [e.view for e in page]
         nbytes = 0
@@ -349,19 +238,14 @@ class FileBackend(StorageBackend):
                 writes.pwritev_all(fd, views)
                 if self.config.fsync != "none":
                     os.fdatasync(fd)
-                written = writes.file_id(fd)
+                written = publish.file_id(fd)
             finally:
                 os.close(fd)
         except OSError as exc:
             if tmp is not None:
                 writes.unlink_quietly([tmp])
             self.index.release(nbytes)
-            if writes.is_no_space(exc):
-                self._warn_once(
-                    "put_failed_no_space", "file backend: %s is full (%s)", self.store, exc
-                )
-            else:
-                self._warn_once("put_failed_io", "file backend: writing %s: %s", final, exc)
+            self._fs.write_failed(final, exc.errno, exc)
             return False
         except BaseException:
             if tmp is not None:
@@ -373,24 +257,3 @@ class FileBackend(StorageBackend):
         return self._fs.publish_page(
             key, tmp, final, nbytes, sync_dir=self.config.fsync == "page", written=written
         )
-
-    def delete(self, keys: Sequence[str]) -> list[bool]:
-        self._check_open()
-        return self._fs.delete(keys)
-
-    def clear(self) -> None:
-        self._check_open()
-        self._fs.clear()
-
-    def rescan(self) -> int:
-        """Sweep the store and rebuild the index from disk (pages other processes wrote)."""
-        return self._fs.rescan()
-
-    def stats(self) -> dict[str, int | float]:
-        return self._fs.stats()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-        self._spares.close()
-        self._slices.close()

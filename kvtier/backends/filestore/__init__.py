@@ -6,9 +6,12 @@ This package holds no code of its own; each module does one job:
   backend on this scheme takes), the default root, the config-time O_DIRECT check;
 * :mod:`~kvtier.backends.filestore.paths`: where pages and temp files live (key checks,
   sharded page paths, modes, temp file names) and creating a fresh temp file;
-* :mod:`~kvtier.backends.filestore.writes`: moving bytes to disk and publishing them
-  (``pwritev`` loops, ``fsync`` of directories, the ``renameat2`` exchange, temp file
-  clean-up) and the O_DIRECT alignment and filesystem checks;
+* :mod:`~kvtier.backends.filestore.writes`: moving bytes to disk (``pwritev`` loops,
+  ``fsync`` of directories, temp file clean-up) and the O_DIRECT alignment and
+  filesystem checks;
+* :mod:`~kvtier.backends.filestore.publish`: the publish protocol, described once, and
+  its steps (the temp-name check, the ``renameat2`` exchange or rename, the check after
+  it, dropping the replaced file), which every loop that writes pages follows;
 * :mod:`~kvtier.backends.filestore.startup`: opening a store (private directories) and
   :func:`~kvtier.backends.filestore.startup.sweep_store`, the one walk over a store
   (start-up, ``rescan``, ``clear``) that finds the pages and deals with debris;
@@ -18,7 +21,13 @@ This package holds no code of its own; each module does one job:
   with capacity and the free-space guard;
 * :mod:`~kvtier.backends.filestore.store`: :class:`FileStore`, one opened store, which
   both backends hold: counters, opening pages for reading, temp files and publishing
-  over debris, ``delete`` / ``clear`` / ``rescan`` / ``stats``.
+  over debris, ``delete`` / ``clear`` / ``rescan`` / ``stats``;
+* :mod:`~kvtier.backends.filestore.base`: :class:`FileStoreBackend`, the shell both
+  backends are built on (the contract, the closed check, the spares and slice threads,
+  the dispatch between the compiled loop and the backend's own loop);
+* :mod:`~kvtier.backends.filestore.slices`: one slice of a batch per thread;
+* :mod:`~kvtier.backends.filestore.compiled`: the compiled per-page loop ``_pageio``
+  (built from ``_pageio_src/``, one C file a job) and what its codes mean.
 
 Layout of a store (``paths.store_dir(root, namespace)``)::
 
@@ -33,10 +42,11 @@ Layout of a store (``paths.store_dir(root, namespace)``)::
 A page file holds the concatenation of the page's regions (envelope header, then payload)
 and nothing else, so its size is the page's stored size and a reader needs no framing.
 
-Publishing is ``write temp -> (fsync) -> rename(temp, final)`` in the same directory, so a
-reader that opens ``<key>.kv`` sees a whole old page, a whole new page, or no file: never a
-torn one, even when the writer is killed mid-write (its temp file is left behind and
-removed at the next start-up) or the disk fills (the writer removes its temp file).
+Publishing is ``write temp -> (fsync) -> rename(temp, final)`` in the same directory (the
+steps in full: :mod:`~kvtier.backends.filestore.publish`), so a reader that opens
+``<key>.kv`` sees a whole old page, a whole new page, or no file: never a torn one, even
+when the writer is killed mid-write (its temp file is left behind and removed at the next
+start-up) or the disk fills (the writer removes its temp file).
 Concurrent puts of one key from several threads or processes each write their own temp
 file; the last rename wins and the page is whole either way.
 
@@ -54,14 +64,16 @@ each keeps its own index. A key missing from this process's index is looked up o
 dropped from the index when a read finds no file. Capacity is therefore enforced per
 process over the pages it knows of; the free-space guard sees the whole filesystem.
 
-A backend built on this scheme (file, io_uring) opens ``fs = FileStore(config, namespace,
-name, log)`` at start-up (0700 dirs, the debris sweep, the index), then does, per page::
+A backend built on this scheme (file, io_uring) subclasses :class:`FileStoreBackend`, which
+opens ``fs = FileStore(config, namespace, name, log)`` at start-up (0700 dirs, the debris
+sweep, the index); its own loop then does, per page::
 
     final = paths.page_path(fs.path, key)         # validates the key
     reason = fs.index.reserve(key, nbytes)        # evicts LRU pages; None when it fits
     fd, tmp = fs.open_temp(final, o_direct=...)   # 0600, O_EXCL, shard dirs made 0700
     ...write every region at its offset...; fsync(fd) unless durability == "none"
-    fs.publish(tmp, final); fs.index.commit(key, nbytes)   # never fails once published
+    written = publish.file_id(fd); os.close(fd)
+    fs.publish_page(key, tmp, final, nbytes, written=written)  # the protocol; commits
     # on any failure before publishing: writes.unlink_quietly([tmp]);
     # fs.index.release(nbytes); report False
 

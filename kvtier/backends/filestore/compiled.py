@@ -1,13 +1,15 @@
-"""The file backend's compiled per-page loop (``_pageio``), and what its codes mean here.
+"""The file backends' compiled per-page loop (``_pageio``), and what its codes mean here.
 
-``_pageio`` is a small C extension built with the package when a C compiler and the
-system's libxxhash (0.8 or later) are there (see ``hatch_build.py``). One call moves one
-I/O thread's slice of a batch with the GIL released: open, ``preadv``/``pwritev``
-straight between the file and the page's regions, the payload checksum while the bytes
-are in cache, the envelope check or write, close, and for a put the atomic publish.
-Python keeps the index, the counters and every rare case (debris, errors), which this
-module turns the codes into. Without the extension the backend runs its Python loop:
-same files, same answers, more microseconds per page.
+``_pageio`` is a small C extension, compiled from ``_pageio_src/`` with the package where
+a C compiler and Python's headers are there (see ``hatch_build.py``); it binds xxHash at
+import, from the ``xxhash`` package or the system's libxxhash (0.8 or later). One call
+moves one I/O thread's slice of a batch with the GIL released: open,
+``preadv``/``pwritev`` straight between the file and the page's regions, the payload
+checksum while the bytes are in cache, the envelope check or write, close, and for a put
+the publish protocol of :mod:`~kvtier.backends.filestore.publish`. Python keeps the
+index, the counters and every rare case (debris, errors), which this module turns the
+codes into. Without the extension the backend runs its own loop: same files, same
+answers, more microseconds per page.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtier.backends.filestore import paths, writes
-from kvtier.backends.filestore.debris import discard
+from kvtier.backends.filestore import paths
+from kvtier.backends.filestore import publish as protocol
 from kvtier.backends.filestore.slices import copy_threads
 from kvtier.backends.filestore.store import NOT_A_PAGE, FileStore
 from kvtier.core.envelope import BatchEnvelope
@@ -258,7 +260,7 @@ def write_slice(
             _direct(fs, chosen),
             envelope.static,
             datasync,
-            writes.exchange_supported(),
+            protocol.exchange_supported(),
             spare,
             index.indexed(chosen_keys),
         )
@@ -290,17 +292,16 @@ def write_slice(
         final = paths.page_path_unchecked(fs.path_str, keys[i])
         tmp = f"{os.path.dirname(final)}/{stem}{first + j}{paths.TEMP_SUFFIX}"
         if code == _pageio.REPLACED_DEBRIS:  # published; the exchange moved a non-page out
-            discard(tmp, fs.debris, where="a page")
-            index.commit(keys[i], nbytes)
-            fs.counters.add("puts")
-            fs.counters.add("bytes_written", nbytes)
+            protocol.drop_replaced(tmp, fs.debris)  # (steps 5 and 6 of the protocol)
+            fs.committed(keys[i], nbytes)
             results[i - lo] = True
         elif code == _pageio.UNPUBLISHED:
             results[i - lo] = publish(i, tmp, final, nbytes)
         else:  # nothing was published and the temp file is gone: the Python loop retries
             if code == _pageio.TEMP_TAKEN:  # another entry took the temp name (debris)
-                fs.counters.add("put_temp_taken")
-            index.release(nbytes)
+                fs.temp_taken(nbytes)
+            else:
+                index.release(nbytes)
             results[i - lo] = fallback(i)
     return results
 

@@ -45,30 +45,32 @@ MAX_DEPTH = 128
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+#: What an entry's ``st_mode`` makes it: (test, debris kind, a few words for the log).
+_ENTRIES = (
+    (stat.S_ISDIR, "dirs", "a directory"),
+    (stat.S_ISLNK, "symlinks", "a symlink"),
+    (stat.S_ISREG, "foreign_files", "a file"),
+    (stat.S_ISFIFO, "special", "a FIFO"),
+    (stat.S_ISSOCK, "special", "a socket"),
+)
+
+
+def _entry(mode: int) -> tuple[str, str]:
+    """The debris kind and the words for an entry of ``st_mode`` ``mode``."""
+    for test, kind, words in _ENTRIES:
+        if test(mode):
+            return kind, words
+    return "special", "a device file"
+
+
 def kind_of(mode: int) -> str:
     """The debris kind of an entry with ``st_mode`` ``mode`` found where it does not belong."""
-    if stat.S_ISDIR(mode):
-        return "dirs"
-    if stat.S_ISLNK(mode):
-        return "symlinks"
-    if stat.S_ISREG(mode):
-        return "foreign_files"
-    return "special"
+    return _entry(mode)[0]
 
 
 def describe(mode: int) -> str:
     """A few words for an entry of ``st_mode`` ``mode``, for the log."""
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISLNK(mode):
-        return "a symlink"
-    if stat.S_ISREG(mode):
-        return "a file"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "a device file"
+    return _entry(mode)[1]
 
 
 class Debris:

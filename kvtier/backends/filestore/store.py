@@ -3,7 +3,8 @@
 :class:`FileStore` opens the store (private directories, the debris sweep, the index),
 and holds the parts both backends would otherwise each keep a copy of: the counters and
 their warn-once log, opening a page for reading without following a symlink or blocking
-on a FIFO, creating a temp file and publishing it over whatever debris holds the name,
+on a FIFO, creating a temp file, publishing it over whatever debris holds the name (the
+protocol of :mod:`~kvtier.backends.filestore.publish`) and counting what a put came to,
 ``delete`` / ``clear`` / ``rescan`` and ``stats``. A backend keeps only its data path.
 """
 
@@ -16,11 +17,12 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import overload
 
 from kvtier.backends.filestore import paths, startup, writes
+from kvtier.backends.filestore import publish as protocol
 from kvtier.backends.filestore.debris import Debris, discard
 from kvtier.backends.filestore.index import FileIndex
 from kvtier.backends.filestore.options import FileStoreOptions
@@ -267,10 +269,11 @@ class FileStore:
         final: Path | str,
         *,
         sync_dir: bool = False,
-        written: writes.FileId | None = None,
+        written: protocol.FileId | None = None,
     ) -> None:
-        """:func:`writes.publish` with this store's debris counters."""
-        writes.publish(tmp, final, sync_dir=sync_dir, debris=self.debris, written=written)
+        """Steps 2-5 of the publish protocol
+        (:func:`~kvtier.backends.filestore.publish.publish`), with this store's debris."""
+        protocol.publish(tmp, final, sync_dir=sync_dir, debris=self.debris, written=written)
 
     def publish_page(
         self,
@@ -280,16 +283,16 @@ class FileStore:
         nbytes: int,
         *,
         sync_dir: bool = False,
-        written: writes.FileId | None = None,
+        written: protocol.FileId | None = None,
     ) -> bool:
-        """Publish ``key``'s written temp file and commit it to the index; False (counted,
-        the temp file removed, the reservation released) when the rename fails, and
-        False (counted ``put_temp_taken``) when another entry took the temp name."""
+        """Publish ``key``'s written temp file and report it (steps 2-6 of
+        :mod:`~kvtier.backends.filestore.publish`); False (counted, the temp file removed,
+        the reservation released) when the rename fails, and False (counted
+        ``put_temp_taken``) when another entry took the temp name."""
         try:
             self.publish(tmp, final, written=written)
-        except writes.TempTaken:  # what holds the name is not ours: left to the sweep
-            self.index.release(nbytes)
-            self.counters.add("put_temp_taken")
+        except protocol.TempTaken:  # what holds the name is not ours: left to the sweep
+            self.temp_taken(nbytes)
             return False
         except OSError as exc:  # nothing was published: the temp file is still ours
             writes.unlink_quietly([tmp])
@@ -298,25 +301,57 @@ class FileStore:
                 "put_failed_io", "%s backend: publishing %s: %s", self.backend, final, exc
             )
             return False
-        self.index.commit(key, nbytes)
+        self.committed(key, nbytes)
         if sync_dir:
-            try:
-                writes.fsync_dir(os.path.dirname(final))
-            except OSError as exc:
-                self.warn_once(
-                    "fsync_errors", "%s backend: fsync of %s: %s", self.backend, final, exc
-                )
+            self.sync_dirs([final])
+        return True
+
+    def committed(self, key: str, nbytes: int) -> None:
+        """Step 6 for a published page: into the index, counted in ``puts`` and bytes."""
+        self.index.commit(key, nbytes)
         self.counters.add("puts")
         self.counters.add("bytes_written", nbytes)
-        return True
+
+    def temp_taken(self, nbytes: int) -> None:
+        """Step 6 for :class:`~kvtier.backends.filestore.publish.TempTaken`: nothing was
+        published; the reservation is released and ``put_temp_taken`` counted."""
+        self.index.release(nbytes)
+        self.counters.add("put_temp_taken")
+
+    def write_failed(self, final: Path | str, cause: int | None, detail: object) -> None:
+        """Count (and log once) a page write that failed with errno ``cause``: a full
+        filesystem or quota as ``put_failed_no_space``, anything else as ``put_failed_io``."""
+        if cause in (errno.ENOSPC, errno.EDQUOT):
+            self.warn_once(
+                "put_failed_no_space",
+                "%s backend: %s is full (%s)",
+                self.backend,
+                self.path,
+                detail,
+            )
+        else:
+            self.warn_once(
+                "put_failed_io", "%s backend: writing %s: %s", self.backend, final, detail
+            )
+
+    def sync_dirs(self, finals: Iterable[Path | str]) -> None:
+        """fsync each directory holding one of ``finals`` once (durable renames); a failure
+        is counted in ``fsync_errors`` and logged once."""
+        for directory in {os.path.dirname(final) for final in finals}:
+            try:
+                writes.fsync_dir(directory)
+            except OSError as exc:
+                self.warn_once(
+                    "fsync_errors", "%s backend: fsync of %s: %s", self.backend, directory, exc
+                )
 
     def clear_name(self, final: Path | str) -> bool:
         """Before a rename: remove whatever other than a page file holds ``final``."""
-        return writes.clear_name(final, self.debris)
+        return protocol.clear_name(final, self.debris)
 
     def replace(self, tmp: Path | str, final: Path | str) -> None:
         """A plain rename over ``final``, removing a directory that holds its name."""
-        writes.replace(tmp, final, self.debris)
+        protocol.replace(tmp, final, self.debris)
 
     # --- removal and rescans -----------------------------------------------------------
 

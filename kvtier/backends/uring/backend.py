@@ -19,19 +19,19 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.backends.filestore import compiled, paths, writes
-from kvtier.backends.filestore.slices import CPUS, Slices, copy_threads
-from kvtier.backends.filestore.store import FileStore
+from kvtier.backends.filestore import base, compiled, paths, publish, writes
+from kvtier.backends.filestore.base import BeforeWrite, Keys, OnFilled, OnPayload, Pages
+from kvtier.backends.filestore.slices import CPUS, copy_threads
 from kvtier.backends.uring.config import UringConfig
 from kvtier.backends.uring.probe import INSTALL_HINT, probe_io_uring
 from kvtier.backends.uring.ring import IORequest, Op, RingPool
 from kvtier.core.envelope import BatchEnvelope
-from kvtier.core.errors import BackendUnavailableError, StorageError
-from kvtier.core.storage import BackendContext, PageBuffers, StorageBackend
+from kvtier.core.errors import BackendUnavailableError
+from kvtier.core.storage import BackendContext
 
 __all__ = ["READ_PART", "UringBackend"]
 
@@ -55,13 +55,19 @@ class _Put:
     direct: bool = False
     retried: bool = False  # a failed create was cured once (shard dirs, stale name)
     dir_fd: int = -1
-    written: writes.FileId | None = None  # the temp file, once written (only it is published)
+    written: publish.FileId | None = None  # the temp file, once written (only it is published)
     published: bool = False
     finished: bool = False  # committed or failed: nothing left to clean up
 
 
-class UringBackend(StorageBackend):
+class UringBackend(base.FileStoreBackend[UringConfig]):
     """Pages in the file backend's format, read and written in batches through io_uring."""
+
+    name = "uring"
+    #: Puts with envelopes go to the compiled loop only without fsync: a buffered write
+    #: then goes to the page cache without waiting for the disk, so the ring has nothing
+    #: to overlap (and it handed every write to a kernel worker).
+    compiled_puts = frozenset({"none"})
 
     def __init__(
         self, config: UringConfig | None = None, context: BackendContext | None = None
@@ -69,35 +75,15 @@ class UringBackend(StorageBackend):
         reason = probe_io_uring()
         if reason is not None:  # a direct construction bypasses resolution: refuse too
             raise BackendUnavailableError("backend", "uring", reason, INSTALL_HINT)
-        self.config = config or UringConfig()
-        self.context = context
-        namespace = context.namespace if context is not None else "default"
-        self._fs = FileStore(self.config, namespace, "uring", log)  # opened, swept, indexed
-        self.store = self._fs.path
-        self.index = self._fs.index
-        self._counters = self._fs.counters
-        self._warn_once = self._fs.warn_once
-        self._rings = RingPool(self.config.queue_depth)
-        #: Per writing thread, the file a replaced page left (the compiled write loop).
-        self._spares = compiled.Spares()
-        #: Threads for the page-cache pass: a warm copy scales with the CPUs, not the ring.
-        self._slices = Slices(CPUS, "kvtier-uring")
-        self._closed = False
+        config = config or UringConfig()
+        # The compiled loop's threads: a warm copy scales with the CPUs, not the ring.
+        super().__init__(config, context, log, threads=CPUS)
+        self._rings = RingPool(config.queue_depth)
 
-    @property
-    def checks_envelopes(self) -> bool:
-        """Whether the compiled loop reads pages found in the page cache (their envelopes
-        checked there) before the ring, and writes pages when ``fsync`` is 'none'."""
-        return self.config.compiled_io and compiled.available()
+    def _close_own(self) -> None:
+        self._rings.close()
 
     # --- helpers ---------------------------------------------------------------------
-
-    def _check(self, what: str, keys: Sequence[str], pages: Sequence[PageBuffers]) -> None:
-        paths.check_keys(keys)
-        if len(keys) != len(pages):
-            raise StorageError(f"{what}: {len(keys)} keys but {len(pages)} pages", value=keys)
-        if self._closed:
-            raise StorageError("uring backend is closed; build a new one", value=str(self.store))
 
     def _punt(self, open_flags: int) -> bool:
         """Whether a read or write on a file opened with ``open_flags`` goes to io-wq.
@@ -126,72 +112,22 @@ class UringBackend(StorageBackend):
         put.finished = True
         writes.unlink_quietly([put.tmp])
         self.index.release(put.nbytes)
-        self._fail_cause(cause, put.final)
+        self._fs.write_failed(put.final, cause, os.strerror(cause))
 
-    def _fail_cause(self, cause: int, final: Path) -> None:
-        if cause in (errno.ENOSPC, errno.EDQUOT):
-            self._warn_once(
-                "put_failed_no_space",
-                "uring backend: %s is full (%s)",
-                self.store,
-                os.strerror(cause),
-            )
-        else:
-            self._warn_once(
-                "put_failed_io", "uring backend: writing %s: %s", final, os.strerror(cause)
-            )
+    # --- gets ----------------------------------------------------------------------
 
-    # --- the contract ----------------------------------------------------------------
-
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        # One lock for the batch; only keys missing from the index are checked (and
-        # stat'ed): an indexed key was checked when it got there.
-        return self.index.contains_many(keys)
-
-    def get(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
-        return self.get_with(keys, pages, None)
-
-    def get_with(
-        self,
-        keys: Sequence[str],
-        pages: Sequence[PageBuffers],
-        on_filled: Callable[[int], object] | None,
-        on_payload: Callable[[int, memoryview], object] | None = None,
-        *,
-        envelope: BatchEnvelope | None = None,
+    def _get_compiled(
+        self, keys: Keys, pages: Pages, envelope: BatchEnvelope, on_filled: OnFilled
     ) -> list[bool]:
-        """``get``, calling ``on_filled(i)`` as soon as page ``i``'s read completes.
+        """The compiled loop's page-cache pass, then the ring for the pages it left.
 
-        With ``envelope`` and the compiled loop, pages are first read from the page cache
-        alone, in this thread, their envelopes checked there as the bytes land (a ring
-        request costs more than a small page's copy, and the kernel's workers copy a
-        large one where this thread cannot hash it in cache); the ring gets the pages
+        The pass reads pages found in the page cache in C, their envelopes checked there
+        as the bytes land (a ring request costs more than a small page's copy, and the
+        kernel's workers copy a large one where this thread cannot hash it in cache), on
+        up to one thread per CPU and per MiB of the batch (see
+        :func:`~kvtier.backends.filestore.slices.copy_threads`); the ring gets the pages
         that would wait for the disk.
-
-        A page larger than :data:`READ_PART` is read as several requests of that size,
-        in flight together: the disk then sees them in parallel instead of one long
-        request advancing by readahead steps. ``on_payload`` is not called: the kernel's
-        workers copy the parts, so no thread here has them in cache (handing landed parts
-        on in order measured no faster than verifying the whole page at its end).
-
-        Completions are reaped by the calling thread, so the core's verification of a
-        page runs there, while the ring's other reads are still in flight.
         """
-        self._check("get", keys, pages)
-        if envelope is not None and self.checks_envelopes and keys:
-            return self._get_cached_first(keys, pages, on_filled, envelope)
-        return self._get_ring(keys, pages, on_filled)
-
-    def _get_cached_first(
-        self,
-        keys: Sequence[str],
-        pages: Sequence[PageBuffers],
-        on_filled: Callable[[int], object] | None,
-        envelope: BatchEnvelope,
-    ) -> list[bool]:
-        """The compiled loop's page-cache pass (on up to one thread per CPU and per MiB
-        of the batch, see :func:`~kvtier.backends.filestore.slices.copy_threads`), then
-        the ring for the pages it left."""
         sizes = compiled.read_cached(
             self._slices.spread, self._fs, keys, pages, envelope, on_filled
         )
@@ -203,25 +139,29 @@ class UringBackend(StorageBackend):
             def filled(j: int) -> object:
                 return on_filled(waiting[j]) if on_filled is not None else None
 
-            got = self._get_ring([keys[i] for i in waiting], [pages[i] for i in waiting], filled)
+            got = self._get_own([keys[i] for i in waiting], [pages[i] for i in waiting], filled)
             for i, ok in zip(waiting, got, strict=True):
                 results[i] = ok
         return results
 
-    def _get_ring(
-        self,
-        keys: Sequence[str],
-        pages: Sequence[PageBuffers],
-        on_filled: Callable[[int], object] | None,
+    def _get_own(
+        self, keys: Keys, pages: Pages, on_filled: OnFilled, on_payload: OnPayload = None
     ) -> list[bool]:
-        """Every page through the ring (keys already checked).
+        """Every page through the ring, ``on_filled(i)`` called as page ``i``'s read
+        completes (completions are reaped by this thread, so the core verifies a page
+        here while the ring's other reads are still in flight).
+
+        A page larger than :data:`READ_PART` is read as several requests of that size,
+        in flight together: the disk then sees them in parallel instead of one long
+        request advancing by readahead steps. ``on_payload`` is not called: the kernel's
+        workers copy the parts, so no thread here has them in cache (handing landed parts
+        on in order measured no faster than verifying the whole page at its end).
 
         With the compiled loop the whole batch is opened first in one C call (GIL
         released), so the requests go into the ring back to back; otherwise each page is
         opened in Python as its requests are queued.
         """
-        store = str(self.store)
-        files = [paths.page_path_str(store, key) for key in keys]  # str: cheaper than Path
+        files = [paths.page_path_str(self._store_str, key) for key in keys]  # str: cheaper
         results = [False] * len(keys)
         open_fds: set[int] = set()
         touched: list[tuple[str, int]] = []
@@ -288,67 +228,32 @@ class UringBackend(StorageBackend):
             self._fs.record_reads(touched)
         return results
 
-    def put(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
-        return self.put_with(keys, pages, None)
+    # --- puts ----------------------------------------------------------------------
 
-    def put_with(
-        self,
-        keys: Sequence[str],
-        pages: Sequence[PageBuffers],
-        before_write: Callable[[int], object] | None,
-        *,
-        envelope: BatchEnvelope | None = None,
-    ) -> list[bool]:
+    def _put_one_own(self, keys: Keys, pages: Pages, i: int, before_write: BeforeWrite) -> bool:
+        before = None if before_write is None else lambda _j: before_write(i)
+        return self._put_own([keys[i]], [pages[i]], before)[0]
+
+    def _compiled_put_threads(self, keys: Keys, pages: Pages) -> int:
+        """One thread per CPU and MiB of the batch
+        (:func:`~kvtier.backends.filestore.slices.copy_threads`; overwrites go in place)."""
+        return copy_threads(pages)
+
+    def _put_own(self, keys: Keys, pages: Pages, before_write: BeforeWrite) -> list[bool]:
         """Write temp files, fsync as configured, publish by rename; all through the ring.
 
-        With ``envelope``, the compiled loop and ``fsync='none'``, the pages are written
-        by the file backend's compiled loop instead, on up to one thread per CPU and MiB
-        (:func:`~kvtier.backends.filestore.slices.copy_threads`; envelopes written
-        there, overwrites in place): a buffered write goes to the page cache without
-        waiting for the disk, so the ring has nothing to overlap, and it handed every
-        write to a kernel worker. A page that loop cannot write goes through the ring.
-
-        Each page is a small chain: WRITE -> (FDATASYNC) -> RENAME -> (directory FSYNC for
-        ``fsync='page'``); ``on_done`` queues the next link as one completes, so the
-        renames that replace a page (which ext4 makes expensive) run in parallel in the
-        kernel too; a new page is renamed inline. With ``fsync='batch'`` the renames wait
-        until every page is synced. ``before_write(i)`` (the core's envelope) runs in
-        this thread just before page ``i``'s first request is queued.
+        Each page is a small chain: WRITE -> (FDATASYNC) -> publish -> (directory FSYNC
+        for ``fsync='page'``); ``on_done`` queues the next link as one completes. A page
+        is published inline, by the steps of :mod:`~kvtier.backends.filestore.publish`
+        (:meth:`FileStore.publish`): a new page by rename(2), a replaced one by
+        exchanging the names, both microseconds, where a ring RENAME over an existing
+        page makes ext4 start writeback of the new file. With ``fsync='batch'`` the
+        renames wait until every page is synced and then go through the ring, between
+        the protocol's checks (:func:`~kvtier.backends.filestore.publish.check_written`
+        and :func:`~kvtier.backends.filestore.publish.check_moved`). ``before_write(i)``
+        (the core's envelope) runs in this thread just before page ``i``'s first request
+        is queued.
         """
-        self._check("put", keys, pages)
-        if envelope is not None and self.checks_envelopes and self.config.fsync == "none":
-
-            def through_ring(i: int) -> bool:
-                before = None if before_write is None else lambda _j: before_write(i)
-                return self._put_ring([keys[i]], [pages[i]], before)[0]
-
-            return self._slices.spread(
-                lambda lo, hi: compiled.write_slice(
-                    self._fs,
-                    keys,
-                    pages,
-                    lo,
-                    hi,
-                    envelope,
-                    datasync=False,
-                    publish=lambda i, tmp, final, nbytes: self._fs.publish_page(
-                        keys[i], tmp, final, nbytes
-                    ),
-                    fallback=through_ring,
-                    spares=self._spares,
-                ),
-                len(keys),
-                copy_threads(pages),
-            )
-        return self._put_ring(keys, pages, before_write)
-
-    def _put_ring(
-        self,
-        keys: Sequence[str],
-        pages: Sequence[PageBuffers],
-        before_write: Callable[[int], object] | None,
-    ) -> list[bool]:
-        """Every page through the ring (keys already checked)."""
         finals = [paths.page_path(self.store, key) for key in keys]
         durability = self.config.fsync
         results = [False] * len(keys)
@@ -385,7 +290,8 @@ class UringBackend(StorageBackend):
                     fd, tmp = self._fs.open_temp(finals[index], o_direct=direct)
                 except OSError as exc:
                     self.index.release(nbytes)
-                    self._fail_cause(exc.errno or errno.EIO, finals[index])
+                    cause = exc.errno or errno.EIO
+                    self._fs.write_failed(finals[index], cause, os.strerror(cause))
                     continue
                 except BaseException:
                     self.index.release(nbytes)
@@ -425,7 +331,7 @@ class UringBackend(StorageBackend):
                 return IORequest(Op.FDATASYNC, put.fd, tag=put)
             if request.op in (Op.WRITE, Op.FDATASYNC):
                 try:
-                    put.written = writes.file_id(put.fd)
+                    put.written = publish.file_id(put.fd)  # (step 1 of the protocol)
                 finally:
                     os.close(put.fd)
                     put.fd = -1
@@ -437,14 +343,14 @@ class UringBackend(StorageBackend):
                     del live[put.index]
                     to_publish.append(put)
                     return None
-                # Published inline: a new page by rename(2), a replaced one by exchanging
-                # the names (renameat2 RENAME_EXCHANGE) and unlinking the old page. Both
+                # Published inline (steps 2-5 of the protocol): a new page by rename(2), a
+                # replaced one by exchanging the names and unlinking the old page. Both
                 # cost microseconds; a plain rename over an existing page (what the ring's
                 # RENAME does) makes ext4 start writeback of the new file, measured at
                 # 0.02-0.05 x a raw in-place overwrite on 16-128 KiB pages.
                 try:
                     self._fs.publish(put.tmp, put.final, written=put.written)
-                except writes.TempTaken:
+                except publish.TempTaken:
                     del live[put.index]
                     self._temp_taken(put)
                     return None
@@ -487,24 +393,21 @@ class UringBackend(StorageBackend):
             put: _Put = request.tag
             if request.error and not self._rename_again(put, request.error):
                 self._fail_put(put, request.error)
-            elif writes.not_a_file(put.final):  # another entry took the temp name
+                return
+            try:
+                publish.check_moved(put.tmp, put.final, exchanged=False)  # step 4
+            except publish.TempTaken:  # another entry took the temp name
                 self._temp_taken(put)
-            else:
-                put.published = True
-                self._committed(put, results)
+                return
+            put.published = True
+            self._committed(put, results)
 
         try:
             self._rings.run(requests(), on_done)
             if to_publish:
                 ready = [put for put in to_publish if self._still_written(put)]
                 self._rings.run([self._rename(put) for put in ready], finish_batch)
-                for directory in {put.final.parent for put in to_publish if put.published}:
-                    try:
-                        writes.fsync_dir(directory)
-                    except OSError as exc:
-                        self._warn_once(
-                            "fsync_errors", "uring backend: fsync of %s: %s", directory, exc
-                        )
+                self._fs.sync_dirs(put.final for put in to_publish if put.published)
         finally:  # after an unexpected exception: close, remove and release what is left
             for put in [*live.values(), *to_publish]:
                 for fd in (put.fd, put.dir_fd):
@@ -527,7 +430,8 @@ class UringBackend(StorageBackend):
         )
 
     def _rename(self, put: _Put) -> IORequest:
-        """The ring's rename of ``put``'s temp file over its page (debris cleared first)."""
+        """Step 3 for ``fsync='batch'``: the ring's rename of ``put``'s temp file over its
+        page (debris cleared first)."""
         self._fs.clear_name(put.final)
         return IORequest(Op.RENAME, -1, paths=(str(put.tmp), str(put.final)), tag=put)
 
@@ -546,41 +450,22 @@ class UringBackend(StorageBackend):
         return True
 
     def _still_written(self, put: _Put) -> bool:
-        """Whether ``put``'s temp name still holds the file written (else: not published)."""
-        if writes.holds(put.tmp, put.written):
-            return True
-        self._temp_taken(put)
-        return False
+        """Step 2 for ``fsync='batch'``: whether ``put``'s temp name still holds the file
+        written (else nothing is published, counted)."""
+        try:
+            publish.check_written(put.tmp, put.written)
+        except publish.TempTaken:
+            self._temp_taken(put)
+            return False
+        return True
 
     def _temp_taken(self, put: _Put) -> None:
         """Nothing published: another entry took ``put``'s temp name (left to the sweep)."""
         put.finished = True
-        self.index.release(put.nbytes)
-        self._counters.add("put_temp_taken")
+        self._fs.temp_taken(put.nbytes)
 
     def _committed(self, put: _Put, results: list[bool]) -> None:
+        """``put`` is published: into the index, counted, reported."""
         put.finished = True
-        self.index.commit(put.key, put.nbytes)
+        self._fs.committed(put.key, put.nbytes)
         results[put.index] = True
-        self._counters.add("puts")
-        self._counters.add("bytes_written", put.nbytes)
-
-    def delete(self, keys: Sequence[str]) -> list[bool]:
-        return self._fs.delete(keys)
-
-    def clear(self) -> None:
-        self._fs.clear()
-
-    def rescan(self) -> int:
-        """Sweep the store and rebuild the index from disk (pages other processes wrote)."""
-        return self._fs.rescan()
-
-    def stats(self) -> dict[str, int | float]:
-        return self._fs.stats()
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._rings.close()
-            self._spares.close()
-            self._slices.close()

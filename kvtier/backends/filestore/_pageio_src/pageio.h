@@ -1,0 +1,228 @@
+/* kvtier.backends.filestore._pageio: the file backends' per-page loop in compiled code.
+ *
+ * One call moves a slice of a batch: for every page it opens the file, moves the bytes
+ * with preadv/pwritev straight between the file and the page's regions, checksums the
+ * payload (xxh3-128) while it is in cache, and checks or writes the envelope header; a
+ * put then publishes the page. The GIL is released for the whole slice, so the I/O
+ * threads of a batch run in parallel; Python keeps everything that is not per-page
+ * arithmetic (the index, counters, debris, every rare error), driven by the codes below.
+ *
+ * This header is what the module's C files share; each file does one job:
+ *   blake2b.c   BLAKE2b (RFC 7693), for page names and the keys' envelope digests
+ *   names.c     a page's file name and temp name, from its key
+ *   xxh.c       the xxHash functions, bound at import to a loaded copy of the library
+ *   envelope.c  the envelope header: checking it and writing it
+ *   io.c        vectored I/O: moving a page's regions (whole, or in hashed pieces)
+ *   read.c      reading one page under the readers' lock
+ *   publish.c   writing one page and publishing it: the protocol described once in
+ *               kvtier/backends/filestore/publish.py, and the spare files it recycles
+ *   module.c    the Python glue: arguments, the module's functions and constants
+ * hatch_build.py compiles them all into the one extension module.
+ *
+ * Envelope layout (kvtier/core/envelope.py, docs/integrity.md), little-endian:
+ *   [0, 56)   the fields every page of a store shares ("static")
+ *   [56, 72)  key digest          [72, 80) payload length (u64)
+ *   [80, 96)  payload xxh3-128, canonical (big-endian high64 then low64)
+ *   [96, 104) xxh3-64 of [0, 96)  then zeros to the end of the slot.
+ */
+#ifndef KVTIER_PAGEIO_H
+#define KVTIER_PAGEIO_H
+
+#define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+#include <dlfcn.h>
+
+/* --- xxHash (xxh.c) ---------------------------------------------------------------
+ * The part of xxHash's public, stable API (0.8 and later) this module calls. It is bound
+ * at import (xxh_bind) to a loaded copy of the library: the one inside the xxhash Python
+ * package, whose SIMD-dispatching entry points are about 3x faster here than a distro's
+ * SSE2 build, or else the system's libxxhash. No link-time dependency. */
+typedef struct XXH3_state_s XXH3_state_t;
+typedef struct {
+    uint64_t low64;
+    uint64_t high64;
+} XXH128_hash_t;
+struct xxh_functions {
+    XXH3_state_t *(*create_state)(void);
+    int (*free_state)(XXH3_state_t *state);
+    int (*reset)(XXH3_state_t *state);
+    int (*update)(XXH3_state_t *state, const void *input, size_t length);
+    XXH128_hash_t (*digest)(const XXH3_state_t *state);
+    uint64_t (*hash64)(const void *input, size_t length);
+};
+extern struct xxh_functions xxh;
+#define XXH3_createState() xxh.create_state()
+#define XXH3_freeState(s) xxh.free_state(s)
+#define XXH3_128bits_reset(s) xxh.reset(s)
+#define XXH3_128bits_update(s, p, n) xxh.update((s), (p), (n))
+#define XXH3_128bits_digest(s) xxh.digest(s)
+#define XXH3_64bits(p, n) xxh.hash64((p), (n))
+
+/* Take xxHash's functions from the shared object at path; 1 when it exports them all. */
+int xxh_bind(const char *path);
+/* Whether xxh_bind succeeded once. */
+int xxh_bound(void);
+
+/* --- sizes and limits ------------------------------------------------------------- */
+#define STATIC_BYTES 56
+#define DIGEST_AT 56
+#define LENGTH_AT 72
+#define CHECKSUM_AT 80
+#define BODY_BYTES 96
+#define HEADER_BYTES 104
+/* Large pages are hashed piece by piece as they land, while each piece is in cache. */
+#define PIECE (256 * 1024)
+#define MAX_REGIONS 1024 /* IOV_MAX */
+#define MAX_KEY_LENGTH 160 /* kvtier.core.keys.MAX_KEY_LENGTH */
+/* How long a reader waits out a page being overwritten in place (a write of microseconds
+ * to a few milliseconds), polling its lock; then the page is a counted busy miss. */
+#define WRITER_WAIT_NS (20L * 1000 * 1000)
+#define WRITER_POLL_NS (50L * 1000)
+
+/* Per-page outcomes (module constants of the same names). */
+enum {
+    OK = 0,           /* read (and verified, when asked) / written and published */
+    ABSENT = 1,       /* get: no file under the name */
+    NOT_REGULAR = 2,  /* get: something other than a regular file holds the name */
+    SIZE_MISMATCH = 3, /* get: the file has another size than the page */
+    SHORT_READ = 4,   /* get: end of file before the page was full */
+    UNVERIFIED = 5,   /* get: filled, but the envelope check failed: the caller explains */
+    UNPUBLISHED = 6,  /* put: written and closed under its temp name, not yet published */
+    REPLACED_DEBRIS = 7, /* put: published; a non-file the exchange moved out is at tmp */
+    WOULD_BLOCK = 8,  /* get with nowait: not (all) in the page cache; nothing was checked */
+    BUSY = 9,         /* get: a writer holds the file (being recycled) twice in a row */
+    REPLACED = 10,    /* get: the file was recycled for another page while being opened */
+    IN_PLACE = 11,    /* put: published by overwriting the page's own file under its lock */
+    NOT_RECYCLED = 12, /* put: published; the file it replaced (or the spare) had another
+                        * link or owner, so it was neither written into nor kept */
+    TEMP_TAKEN = 13,  /* put: not published; its temp name no longer held the file written
+                        * under it (another entry took the name); nothing is left to undo */
+};
+/* Any other (negative) result is -errno of the step that failed; put removed its temp. */
+
+typedef struct {
+    Py_buffer *buffers; /* the page's regions: header slot first, then the payload */
+    Py_ssize_t count;
+    char *path;         /* owned copies (the GIL is released while they are used) */
+    char *final;
+    int direct;
+    unsigned char key_digest[16]; /* blake2b-128 of the key (envelopes only) */
+    int existing;       /* put: the index holds the key (its file may be overwritten) */
+    int refused;        /* put: a file it would have written into was not ours alone */
+    long result;
+} Page;
+
+/* The bytes of the page's payload: every region after the header slot. */
+static inline uint64_t
+payload_length(const Page *page)
+{
+    uint64_t total = 0;
+    for (Py_ssize_t i = 1; i < page->count; i++) total += (uint64_t)page->buffers[i].len;
+    return total;
+}
+
+static inline uint64_t
+get_le64(const unsigned char *in)
+{
+    uint64_t value = 0;
+    for (int i = 7; i >= 0; i--) value = (value << 8) | in[i];
+    return value;
+}
+
+static inline void
+put_le64(unsigned char *out, uint64_t value)
+{
+    for (int i = 0; i < 8; i++) out[i] = (unsigned char)(value >> (8 * i));
+}
+
+/* --- names (blake2b.c, names.c) ---------------------------------------------------- */
+
+/* The unkeyed BLAKE2b digest of `length` bytes, `size` (1..64) bytes long, into out. */
+void blake2b(unsigned char *out, size_t size, const unsigned char *in, size_t length);
+/* STORE/xx/yy/KEY.kv into out (capacity PATH_MAX); the length, or -1 if it does not fit. */
+long page_name(char *out, const char *store, size_t store_length, const char *key,
+               size_t length);
+/* The temp name <dir>/<stem><seq>.tmp of a page whose name is page (its directory the
+ * first dir_length bytes) into out (capacity PATH_MAX); the length, or -1. */
+long temp_name(char *out, const char *page, size_t dir_length, const char *stem,
+               unsigned long long seq);
+
+/* --- the envelope (envelope.c) ----------------------------------------------------- */
+
+/* Hash the regions from..to (exclusive) into state. */
+void hash_regions(XXH3_state_t *state, const Py_buffer *buffers, Py_ssize_t from, Py_ssize_t to);
+/* Whether the page's header slot holds this store's envelope for its key and payload;
+ * with hashed (the payload's hash state) not NULL, its checksum must match too. */
+int header_valid(const Page *page, const unsigned char *static_fields, XXH3_state_t *hashed);
+/* Write the envelope into the page's header slot, from the payload's hash in state. */
+void fill_header(Page *page, XXH3_state_t *state, const unsigned char *static_fields);
+/* Hash the payload, then write the envelope (fill_header). */
+void write_header(Page *page, XXH3_state_t *state, const unsigned char *static_fields);
+
+/* --- vectored I/O (io.c) ------------------------------------------------------------ */
+
+/* Where a walk over a page's payload in pieces stands: a region, and bytes into it. */
+typedef struct {
+    Py_ssize_t region;
+    size_t inside;
+} Cursor;
+
+/* Move every byte of regions[0..count) at offset, resuming after short transfers: the
+ * bytes moved (fewer only at end of file for reads) or -errno. */
+long move_all(int fd, const struct iovec *regions, int count, off_t offset, int writing);
+/* The next piece of at most PIECE payload bytes from at, as iov[0..*n); its size. */
+size_t next_piece(const Page *page, Cursor *at, struct iovec *iov, int *n);
+/* Move the whole page from offset 0: OK, SHORT_READ, WOULD_BLOCK (nowait) or -errno. */
+long move_regions(int fd, const Page *page, int writing, int nowait);
+/* Read the page into its regions, hashing the payload into state (when not NULL) as it
+ * lands: OK, SHORT_READ, WOULD_BLOCK (nowait) or -errno. */
+long read_regions(int fd, Page *page, XXH3_state_t *state, int nowait);
+/* Write a large page piece by piece, each hashed just before it is written, then its
+ * header: the bytes written or -errno. */
+long write_streamed(int fd, Page *page, XXH3_state_t *state, const unsigned char *static_fields);
+
+/* --- reads (read.c) ------------------------------------------------------------------ */
+
+/* Open path under the readers' shared lock: OK, ABSENT, NOT_REGULAR, BUSY or -errno. */
+long open_locked(const char *path, int flags, int *fd, struct stat *info);
+/* Read one page (and check its envelope with static_fields): a code. */
+long get_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int full,
+             int nowait);
+/* Open one page of size bytes for a read elsewhere, O_NONBLOCK cleared: a code, *fd set
+ * (-1 unless OK). */
+long open_one(Page *page, unsigned long long size, int *fd);
+
+/* --- writes and the publish protocol (publish.c) ------------------------------------ */
+
+/* A replaced page's file, kept (under its temp name, exclusively locked) to be written
+ * over in place by the next page of the same size: an overwrite then reuses the file's
+ * page cache instead of allocating a new file's worth and freeing the old. */
+typedef struct {
+    int fd; /* -1: none */
+    int direct;
+    uint64_t size;
+    char path[PATH_MAX];
+} Spare;
+
+/* Close the spare, unlinking its temp name only while that still names its file. */
+void drop_spare(Spare *spare);
+/* Write one page and publish it (kvtier/backends/filestore/publish.py): a code. */
+long put_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int datasync,
+             int exchange, Spare *spare);
+
+#endif /* KVTIER_PAGEIO_H */
