@@ -205,7 +205,7 @@ def test_pages_that_do_not_fit_on_disk(
 
 
 def test_python_m_kvtier_bench_is_kvtier_bench(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvtier.bench import main as bench_main
+    from kvtier.bench.__main__ import main as bench_main
 
     assert bench_main([*SINGLE, "--verify", "nope"]) == 2
     err = capsys.readouterr().err

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.cache import CacheOptions
-from kvtier.core.config import config_reference_markdown
+from kvtier.core.config_docs import config_reference_markdown
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "embedding.md"
 
@@ -37,5 +37,5 @@ def test_embedding_options_table_matches_the_model() -> None:
     assert match, "docs/embedding.md lost its generated CacheOptions table markers"
     assert match.group(1) == config_reference_markdown(CacheOptions), (
         "the CacheOptions table in docs/embedding.md is stale; regenerate it with "
-        "kvtier.core.config.config_reference_markdown(kvtier.cache.CacheOptions)"
+        "kvtier.core.config_docs.config_reference_markdown(kvtier.cache.CacheOptions)"
     )

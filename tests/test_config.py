@@ -17,12 +17,9 @@ from kvtier.core.config import (
     DEFAULT_BACKEND,
     GEOMETRY_DEFAULTS,
     EngineConfig,
-    config_reference_markdown,
-    describe_fields,
     load_engine_config,
-    parse_extra_config,
-    validate_model,
 )
+from kvtier.core.config_docs import config_reference_markdown, describe_fields
 from kvtier.core.errors import (
     ConfigError,
     ExtraConfigSyntaxError,
@@ -31,8 +28,10 @@ from kvtier.core.errors import (
     NotAnObjectError,
     UnknownKeyError,
 )
+from kvtier.core.extra_config import parse_extra_config
 from kvtier.core.geometry import AttentionKind, KVGeometry
 from kvtier.core.specs import Operation
+from kvtier.core.validation import validate_model
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.bench import multiturn, single
@@ -26,7 +25,7 @@ from kvtier.core.errors import KvtierError
 if TYPE_CHECKING:
     from kvtier.plugins.registry import Registry
 
-__all__ = ["add_arguments", "main", "run"]
+__all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,10 +52,3 @@ def run(args: argparse.Namespace, *, registry: Registry | None = None) -> int:
         return 2
     sys.stdout.write((json.dumps(result.to_dict()) if args.json else result.report()) + "\n")
     return 0 if result.ok else 1
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvtier.bench``: the same as ``kvtier bench`` (same parser, same errors)."""
-    from kvtier.cli import main as kvtier_main  # the command sits above this package
-
-    return kvtier_main(["bench", *(sys.argv[1:] if argv is None else argv)])
