@@ -36,7 +36,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
-import os
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -60,14 +59,13 @@ def load_sglang() -> types.ModuleType:
 
 def sglang_or_skip() -> types.ModuleType:
     """:func:`load_sglang`, skipping the test where SGLang is absent (failing if required)."""
-    import pytest
+    from kvtier.testing import require
 
     try:
         return load_sglang()
     except ImportError as exc:
-        if os.environ.get("KVTIER_REQUIRE_SGLANG") == "1":
-            pytest.fail(f"KVTIER_REQUIRE_SGLANG=1 but SGLang cannot be imported: {exc}")
-        pytest.skip(f"SGLang unavailable: {exc}", allow_module_level=True)
+        require("sglang", f"SGLang cannot be imported: {exc}")  # KVTIER_REQUIRE_SGLANG=1: fail
+        raise  # not reached: require skipped or failed
 
 
 # --- stand-in host pools --------------------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -18,6 +17,7 @@ import pytest
 from kvtier import bench
 from kvtier.bench import single
 from kvtier.cli import main
+from kvtier.testing import require
 from kvtier.testing.mooncake import MooncakeMaster, mooncake_unavailable_reason, use_client_env
 
 pytestmark = pytest.mark.mooncake
@@ -28,11 +28,7 @@ TINY = ["--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "64", "--page-
 @pytest.fixture(scope="module")
 def master() -> Iterator[MooncakeMaster]:
     """One master with the default lease; the bench's client contributes the memory."""
-    reason = mooncake_unavailable_reason()
-    if reason is not None:
-        if os.environ.get("KVTIER_REQUIRE_MOONCAKE") == "1":
-            pytest.fail(f"KVTIER_REQUIRE_MOONCAKE=1 but Mooncake cannot run here: {reason}")
-        pytest.skip(reason)
+    require("mooncake", mooncake_unavailable_reason())
     use_client_env()
     with MooncakeMaster() as started:
         yield started

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -9,6 +13,8 @@ from typing import Any
 
 import pytest
 
+import kvtier.testing
+import kvtier.testing.kit
 from kvtier.backends.memory import MemoryConfig
 from kvtier.backends.memory.backend import MemoryBackend
 from kvtier.core.errors import InvalidFieldError
@@ -127,6 +133,43 @@ def test_kit_rejects_a_factory_that_builds_no_backend(
     closing.append(env)
     with pytest.raises(AssertionError, match=r"not a kvtier\.StorageBackend"):
         env.open()
+
+
+# --- the kit's layout -----------------------------------------------------------------
+
+KIT_MODULES = sorted(
+    f"kvtier.testing.kit.{info.name}" for info in pkgutil.iter_modules(kvtier.testing.kit.__path__)
+)
+
+
+def test_the_kit_has_the_same_face_from_both_doors() -> None:
+    kit_names = set(kvtier.testing.kit.__all__) - {"default_geometry"}
+    assert kit_names <= set(kvtier.testing.__all__)
+    for name in kvtier.testing.kit.__all__:  # defined in a module of the kit, not its face
+        assert getattr(kvtier.testing.kit, name).__module__ in KIT_MODULES, name
+    for name in kit_names:
+        assert getattr(kvtier.testing, name) is getattr(kvtier.testing.kit, name)
+
+
+@pytest.mark.parametrize("module", KIT_MODULES)
+def test_every_kit_module_gets_assertion_rewriting(
+    module: str, request: pytest.FixtureRequest
+) -> None:
+    if request.config.getoption("assertmode") != "rewrite":
+        pytest.skip("pytest runs with --assert=plain")
+    from _pytest.assertion.rewrite import AssertionRewritingHook
+
+    loaded = importlib.import_module(module)
+    assert isinstance(loaded.__loader__, AssertionRewritingHook), module
+
+
+def test_the_child_side_of_the_shared_processes_test_imports_by_its_path() -> None:
+    code = "from kvtier.testing.kit.shared_processes import _child_put; print(_child_put.__doc__)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "SharedProcessesTests" in done.stdout
 
 
 # --- FaultyBackend --------------------------------------------------------------------

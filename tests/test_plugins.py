@@ -12,20 +12,22 @@ from pathlib import Path
 
 import pytest
 
-import kvtier
+import kvtier.errors
+import kvtier.plugins
 from kvtier.backends.memory.backend import MemoryBackend
 from kvtier.core.errors import DuplicatePluginError, PluginError, UnknownNameError
 from kvtier.plugins import hookspecs, manager
 from kvtier.plugins.manager import load_registry
+from kvtier.testing import require
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _plugin_declaring(*names: str) -> types.SimpleNamespace:
     @kvtier.hookimpl
-    def kvtier_register_backends(register: Callable[[kvtier.BackendSpec], None]) -> None:
+    def kvtier_register_backends(register: Callable[[kvtier.plugins.BackendSpec], None]) -> None:
         for name in names:
-            register(kvtier.BackendSpec(name=name, factory=MemoryBackend))
+            register(kvtier.plugins.BackendSpec(name=name, factory=MemoryBackend))
 
     return types.SimpleNamespace(kvtier_register_backends=kvtier_register_backends)
 
@@ -76,7 +78,7 @@ def test_register_rejects_what_is_not_a_spec() -> None:
         register({"name": "dict_backend"})
 
     plugin = types.SimpleNamespace(kvtier_register_backends=kvtier_register_backends)
-    with pytest.raises(PluginError, match=r"'bad'.*takes a kvtier.BackendSpec"):
+    with pytest.raises(PluginError, match=r"'bad'.*takes a kvtier.plugins.BackendSpec"):
         load_registry(plugins=[("bad", plugin)])
 
 
@@ -138,11 +140,21 @@ def _example_installed() -> bool:
     return any(ep.name == "example-sqlite" for ep in manager._entry_points())
 
 
-needs_example = pytest.mark.skipif(
-    not _example_installed() and os.environ.get("KVTIER_REQUIRE_EXAMPLE") != "1",
-    reason="examples/kvtier-example-backend is not installed "
-    "(pip install -e examples/kvtier-example-backend)",
+_EXAMPLE_MISSING = (
+    None
+    if _example_installed()
+    else "examples/kvtier-example-backend is not installed "
+    "(pip install -e examples/kvtier-example-backend)"
 )
+
+
+@pytest.fixture
+def _example() -> None:
+    """Skip where the example plugin is not installed; fail under KVTIER_REQUIRE_EXAMPLE=1."""
+    require("example", _EXAMPLE_MISSING)
+
+
+needs_example = pytest.mark.usefixtures("_example")
 
 
 @needs_example
@@ -199,14 +211,16 @@ def test_every_hook_is_documented_and_tested() -> None:
 
 
 def test_a_plugin_registers_an_io_backend_with_its_capabilities() -> None:
-    capability = kvtier.Capability(
+    capability = kvtier.plugins.Capability(
         kvtier.Layout.PAGE_FIRST, kvtier.AttentionKind.MHA, kvtier.Operation.LOAD_ALL
     )
 
     @kvtier.hookimpl
-    def kvtier_register_io_backends(register: Callable[[kvtier.IOBackendSpec], None]) -> None:
+    def kvtier_register_io_backends(
+        register: Callable[[kvtier.plugins.IOBackendSpec], None],
+    ) -> None:
         register(
-            kvtier.IOBackendSpec(
+            kvtier.plugins.IOBackendSpec(
                 name="vendor_kernel",
                 factory="vendor.mod:Kernel",
                 capabilities=frozenset({capability}),
@@ -228,8 +242,10 @@ def test_a_plugin_registers_an_io_backend_with_its_capabilities() -> None:
 def test_duplicate_io_backend_name_names_both_plugins() -> None:
     def plugin() -> types.SimpleNamespace:
         @kvtier.hookimpl
-        def kvtier_register_io_backends(register: Callable[[kvtier.IOBackendSpec], None]) -> None:
-            register(kvtier.IOBackendSpec(name="twin", factory="a:b"))
+        def kvtier_register_io_backends(
+            register: Callable[[kvtier.plugins.IOBackendSpec], None],
+        ) -> None:
+            register(kvtier.plugins.IOBackendSpec(name="twin", factory="a:b"))
 
         return types.SimpleNamespace(kvtier_register_io_backends=kvtier_register_io_backends)
 
@@ -238,12 +254,14 @@ def test_duplicate_io_backend_name_names_both_plugins() -> None:
 
 
 def test_lazy_factory_of_a_missing_module_is_unavailable_with_its_hint() -> None:
-    spec = kvtier.BackendSpec(
+    spec = kvtier.plugins.BackendSpec(
         name="needs_dep",
         factory="kvtier_absent_dep_xyz:Backend",
         requires=("kvtier_absent_dep_xyz",),
         install_hint="pip install 'kvtier[absent]'",
     )
     assert spec.unavailable_reason() == "missing Python module(s) kvtier_absent_dep_xyz"
-    with pytest.raises(kvtier.BackendUnavailableError, match=r"pip install 'kvtier\[absent\]'"):
+    with pytest.raises(
+        kvtier.errors.BackendUnavailableError, match=r"pip install 'kvtier\[absent\]'"
+    ):
         spec.load_factory()

@@ -1,14 +1,16 @@
 """Test helpers and the conformance kit that third-party backends import and run.
 
-- :mod:`kvtier.testing.kit`: the conformance kit (``BackendKit`` and the mixins; needs
-  pytest, the ``testing`` extra).
+- :mod:`kvtier.testing.kit`: the conformance kit (``BackendKit`` and the mixins, one module
+  per concern; needs pytest, the ``testing`` extra).
+- :func:`require`: skip a test whose optional component cannot run here, or fail it where
+  ``KVTIER_REQUIRE_<COMPONENT>=1`` (CI) says the component must be there.
 - :mod:`kvtier.testing.faults`: :class:`FaultyBackend`, fault injection around any backend.
 - :mod:`kvtier.testing.content`: deterministic KV content per page key, for simulated
   engines (the multiturn bench, the cache tests).
 - :mod:`kvtier.testing.mooncake`: a Mooncake master started on loopback for tests.
 
-Names of the kit are imported on first use, so ``kvtier.testing.content`` and
-``kvtier.testing.faults`` work where pytest is not installed.
+Names of the kit are imported on first use, so ``kvtier.testing.content``,
+``kvtier.testing.faults`` and :func:`require` import where pytest is not installed.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ try:
 except ImportError:  # the kit needs pytest; the other helpers do not
     pass
 else:
-    # Plain ``assert`` in the kit's mixins gets pytest's detailed failure messages.
+    # Plain ``assert`` in the kit's mixins gets pytest's detailed failure messages. The
+    # package name covers every module of the kit; it must be registered before any of
+    # them is imported, which this package's import guarantees.
     pytest.register_assert_rewrite("kvtier.testing.kit")
 
 from kvtier.testing.faults import FaultyBackend, InjectedFault
+from kvtier.testing.optional import require
 
 if TYPE_CHECKING:
     from kvtier.testing.kit import (
@@ -61,10 +66,11 @@ __all__ = [
     "PrefixExistsTests",
     "RoundTripTests",
     "SharedProcessesTests",
+    "require",
 ]
 
 #: The kit's names: imported from kvtier.testing.kit (and so pytest) on first use.
-_KIT_NAMES = frozenset(__all__) - {"FaultyBackend", "InjectedFault"}
+_KIT_NAMES = frozenset(__all__) - {"FaultyBackend", "InjectedFault", "require"}
 
 
 def __getattr__(name: str) -> Any:
