@@ -65,6 +65,7 @@ class HangingBackend(StorageBackend):
         return self.inner.delete(keys)
 
     def clear(self) -> None:
+        self._maybe_hang("clear")
         self.inner.clear()
 
     def stats(self) -> dict[str, int | float]:
@@ -189,12 +190,12 @@ def test_stuck_calls_are_capped_then_everything_fails_fast(
         for _ in range(2):
             cache.prefetch(keys).release()
         assert cache.stats()["backend_calls"]["stuck"] == 2
-        threads = len(cache._calls._threads)
+        threads = len(cache.page_store._calls._threads)
         t0 = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="kvtier.cache"):
             cache.prefetch(keys).release()
         assert time.monotonic() - t0 < BOUND  # refused at once
-        assert len(cache._calls._threads) == threads  # and no thread started for it
+        assert len(cache.page_store._calls._threads) == threads  # and no thread started for it
         assert "max_abandoned_calls=2" in caplog.text
         stats = cache.stats()
         assert stats["failures"]["backend_refused"] == 8

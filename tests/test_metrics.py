@@ -217,3 +217,111 @@ def test_the_doc_names_every_failure_cause_and_rejection_reason() -> None:
     text = DOC.read_text(encoding="utf-8")
     for name in (*FAILURE_CAUSES, *(r.value for r in Rejection), *BACKEND_CALLS):
         assert f"`{name}`" in text, name
+
+
+# --- one vocabulary: every counter of every engine path is registered once ---------------
+
+
+def _section(name: str) -> str:
+    text = DOC.read_text(encoding="utf-8")
+    start = text.index(f"<!-- {name}:start")
+    start = text.index("-->", start) + len("-->\n")
+    return text[start : text.index(f"<!-- {name}:end -->")].strip()
+
+
+def test_the_doc_lists_the_registry_as_generated() -> None:
+    from kvtier.core.metrics import causes_markdown, counters_markdown
+
+    assert _section("causes") == causes_markdown()
+    assert _section("counters") == counters_markdown()
+
+
+def test_each_counter_is_registered_once() -> None:
+    from kvtier.core.metrics import COUNTERS
+
+    names = [name for specs in COUNTERS.values() for spec in specs for name in spec.names()]
+    assert len(names) == len(set(names)), "a counter is registered twice"
+    assert all(re.fullmatch(r"[a-z][a-z0-9_]*", name) for name in names)
+
+
+def test_every_path_reports_registered_counters_only(tmp_path: Path) -> None:
+    import torch
+    from test_vllm import _plan
+
+    from kvtier.core.metrics import counter_names
+    from kvtier.integrations.vllm import VLLMSection
+    from kvtier.integrations.vllm.messages import PageOp
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+    from kvtier.integrations.vllm.worker import WorkerSide
+
+    store_names = set(counter_names("page_store"))
+    cache = make_cache(cache_registry())
+    try:
+        load_and_check(cache, put_pages(cache, range(16)))
+        assert set(cache.stats()["page_store"]) <= store_names
+    finally:
+        cache.close()
+
+    plan = _plan("file", {"root": str(tmp_path / "pages")})
+    worker = WorkerSide(plan, VLLMSection(backend="file"))
+    caches = {f"model.layers.{i}.a": torch.randn(8, 2, 32, 128).to(torch.bfloat16) for i in (0, 1)}
+    worker.register(caches, {"model.layers.0.a": 0, "model.layers.1.a": 1}, 8)
+    worker.submit_saves([PageOp("r", ["k0"], [0], 0)])
+    worker.flush()
+    worker.start_loads([PageOp("q", ["k0", "k9"], [4, 5], 0)])
+    worker.take_load_errors()
+    reported = worker.stats()
+    store_series = _store_series(worker.prometheus_collector())
+    worker.close()
+    registered = set(counter_names("vllm_worker")) | {f"store_{n}" for n in store_names}
+    assert set(reported) <= registered, set(reported) - registered
+    assert reported["load_failed_pages"] == 1 and reported["store_misses"] == 1
+
+    # the storage tier's families: the same names a TieredCache exposes for its own
+    assert store_series and store_series <= _documented()
+    assert {"kvtier_page_rejections_total", "kvtier_backend_stat"} <= store_series
+    side = SchedulerSide(plan, VLLMSection(backend="file"), cache_registry_store())
+    assert set(side.stats()) == set(counter_names("vllm_scheduler"))
+
+
+def cache_registry_store() -> Any:
+    class Everything:
+        def exists(self, keys: list[str]) -> list[bool]:
+            return [True] * len(keys)
+
+    return Everything()
+
+
+def test_the_sglang_adapter_reports_registered_counters_only(tmp_path: Path) -> None:
+    from sglang_host_pool import Controller, MHAHostPool, sglang_or_skip, storage_config
+
+    sglang_or_skip()
+    from test_sglang import _fill, _hashes, extra_config
+
+    from kvtier.core.metrics import counter_names
+
+    pool = MHAHostPool()
+    controller = Controller.attach(storage_config(extra_config=extra_config("memory", None)), pool)
+    try:
+        hashes = _hashes(2, 16)
+        assert controller.backup(hashes, _fill(pool, 2)[0]) == 32
+        assert controller.hit_query(hashes) == hashes
+        stats = controller.storage.kvtier_stats()
+        sglang_series = _store_series(controller.storage.prometheus_collector())
+    finally:
+        controller.storage.close()
+    assert sglang_series and sglang_series <= _documented()
+    ours = set(counter_names("sglang")) | set(counter_names("page_store"))
+    backend = {name for name in stats if name.startswith("backend_") and name not in ours}
+    assert set(stats) - backend <= ours, set(stats) - backend - ours
+    assert stats["puts"] == 2
+
+
+def _store_series(collector: Any) -> set[str]:
+    from kvtier.cache.metrics import prometheus_text
+
+    return {
+        line.split()[2]
+        for line in prometheus_text(collector).splitlines()
+        if line.startswith("# TYPE ")
+    }

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Sequence
 
 import pytest
 
 from kvtier.backends.memory.backend import MemoryBackend
+from kvtier.core.bounded import Outcome
 from kvtier.core.envelope import ENVELOPE_BYTES
-from kvtier.core.errors import InvalidFieldError, InvalidKeyError, PageError
+from kvtier.core.errors import InvalidFieldError, InvalidKeyError, PageError, StorageError
 from kvtier.core.extents import Extent, extent_of_view
 from kvtier.core.geometry import KVGeometry
 from kvtier.core.host_pool import HostPool
@@ -99,6 +102,9 @@ class DictBackend(StorageBackend):
 
     def clear(self) -> None:
         self.objects.clear()
+
+    def close(self) -> None:
+        self._enter("close")
 
 
 class LyingBackend(DictBackend):
@@ -406,10 +412,10 @@ def test_checksum_threads_give_the_same_answers() -> None:
     stats = store.stats()
     assert stats["invalid_corrupt_checksum"] == 1 and stats["invalid_corrupt_header"] == 1
     assert stats["misses"] == 1 and stats["hits"] == 2
-    store.close()
-    store.close()
-    assert store.get(KEYS[:1], [0]) == [True]  # usable again after close
-    store.close()
+    assert store.close() is True
+    assert store.close() is True  # once: the backend is closed a single time
+    with pytest.raises(StorageError, match=r"is closed .* open a new one"):
+        store.get(KEYS[:1], [0])  # a closed store refuses, it does not answer False
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5])
@@ -503,3 +509,95 @@ def test_close_racing_a_batch_falls_back_to_the_calling_thread() -> None:
     assert store.get(KEYS[:3], [3, 4, 5]) == [True] * 3
     assert store._executor is None
     assert [pool.payload(p) for p in (3, 4, 5)] == data
+
+
+# --- the store owns its backend and bounds every call to it -------------------------------
+
+
+class HangingDictBackend(DictBackend):
+    """A DictBackend whose chosen operations block until ``release`` is set."""
+
+    def __init__(self, *hang: str) -> None:
+        super().__init__()
+        self.hang = set(hang)
+        self.release = threading.Event()
+
+    def _enter(self, op: str) -> None:
+        super()._enter(op)
+        if op in self.hang:
+            self.release.wait()
+
+
+def test_close_closes_the_backend_once() -> None:
+    backend = DictBackend()
+    store = PageStore(backend, FakePool(), fingerprint=FP)
+    assert store.close() is True and store.close() is True
+    assert backend.calls.count("close") == 1
+    assert store.closed
+
+
+@pytest.mark.parametrize("op", ["exists", "get", "put", "delete"])
+def test_a_hung_backend_call_fails_its_batch_within_the_bound(op: str) -> None:
+    backend = HangingDictBackend(op)
+    pool = FakePool()
+    store = PageStore(backend, pool, fingerprint=FP, call_timeout_s=0.2)
+    late: list[object] = []
+    try:
+        t0 = time.monotonic()
+        if op in ("get", "put"):
+            result = getattr(store, op)(KEYS[:2], [0, 1], on_late=late.append)
+        else:
+            result = getattr(store, op)(KEYS[:2])
+        assert time.monotonic() - t0 < 0.2 + 2.0
+        assert result == [False, False] and result.outcome is Outcome.TIMED_OUT
+        stats = store.stats()
+        assert stats["backend_timeouts"] == 1 and stats[f"backend_timeouts_{op}"] == 1
+        assert store.call_counts()["stuck"] == 1
+    finally:
+        backend.release.set()
+    deadline = time.monotonic() + 5
+    while store.call_counts()["stuck"] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert store.call_counts()["late_returns"] == 1
+    if op in ("get", "put"):
+        assert len(late) == 1  # the caller learns when the backend let go of its pages
+    assert store.close() is True
+
+
+def test_stuck_calls_are_capped_then_refused_at_once() -> None:
+    backend = HangingDictBackend("exists")
+    store = PageStore(
+        backend, FakePool(), fingerprint=FP, call_timeout_s=0.1, max_abandoned_calls=1
+    )
+    try:
+        assert store.exists(KEYS[:1]).outcome is Outcome.TIMED_OUT
+        t0 = time.monotonic()
+        refused = store.exists(KEYS[:1])
+        assert time.monotonic() - t0 < 0.1
+        assert refused.outcome is Outcome.REFUSED and refused == [False]
+        assert store.stats()["backend_refused_exists"] == 1
+    finally:
+        backend.release.set()
+        store.close()
+
+
+def test_a_hung_close_is_bounded_and_reported() -> None:
+    backend = HangingDictBackend("close")
+    store = PageStore(backend, FakePool(), fingerprint=FP, call_timeout_s=0.2)
+    try:
+        t0 = time.monotonic()
+        assert store.close(timeout=0.2) is False
+        assert time.monotonic() - t0 < 0.2 + 0.5 + 2.0
+        assert store.stats()["backend_timeouts_close"] == 1
+    finally:
+        backend.release.set()
+
+
+def test_a_bound_must_be_positive_or_none() -> None:
+    with pytest.raises(InvalidFieldError, match="backend_call_timeout_s"):
+        PageStore(DictBackend(), FakePool(), fingerprint=FP, call_timeout_s=0)
+    with pytest.raises(InvalidFieldError, match="max_abandoned_calls"):
+        PageStore(DictBackend(), FakePool(), fingerprint=FP, max_abandoned_calls=0)
+    unbounded = PageStore(DictBackend(), FakePool(), fingerprint=FP, call_timeout_s=None)
+    assert unbounded.exists(KEYS[:1]) == [False]  # in the caller's thread
+    unbounded.close()

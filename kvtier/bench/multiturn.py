@@ -38,10 +38,10 @@ from kvtier.bench.options import GB, check_workload_options, engine_config, temp
 from kvtier.bench.progress import Progress
 from kvtier.cache import TieredCache
 from kvtier.core.capabilities import resolve
-from kvtier.core.config import parse_extra_config
 from kvtier.core.device_pool import TorchDevicePool
 from kvtier.core.envelope import ENVELOPE_BYTES
 from kvtier.core.errors import InvalidFieldError
+from kvtier.core.extra_config import parse_extra_config
 from kvtier.core.layout import region_stride_bytes
 from kvtier.testing.content import check_pages, fill_pages
 
@@ -261,7 +261,7 @@ def run_multiturn(
             "write_policy": args.write_policy,
             "prefetch_policy": args.prefetch_policy,
         }
-        cache = TieredCache.open(config, device, options=options, registry=registry)
+        cache = TieredCache.open(resolved, device, options=options)  # resolved once, above
         try:
             result = _drive(args, cache, progress_stream or sys.stderr)
         finally:

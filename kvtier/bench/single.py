@@ -53,10 +53,10 @@ from kvtier.core.capabilities import (
     open_page_store,
     resolve,
 )
-from kvtier.core.config import parse_extra_config
 from kvtier.core.device_pool import TorchDevicePool
 from kvtier.core.envelope import ENVELOPE_BYTES
 from kvtier.core.errors import InvalidFieldError
+from kvtier.core.extra_config import parse_extra_config
 from kvtier.core.host_pool import HostPool
 from kvtier.core.layout import region_stride_bytes
 from kvtier.core.pagestore import PageStore
@@ -238,7 +238,7 @@ def _run_plan(
     finally:
         if bench is not None and bench.raw_pool is not None:
             bench.raw_pool.shutdown()
-        store.backend.close()
+        store.close()
 
 
 class _Run:

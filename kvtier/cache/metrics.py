@@ -15,41 +15,32 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.cache.stats import LATENCY_BUCKETS
 from kvtier.core.envelope import Rejection
 from kvtier.core.errors import PrometheusMissingError
+from kvtier.core.metrics import BACKEND_CALLS, Cause
+
+if TYPE_CHECKING:
+    from kvtier.core.capabilities import ResolvedPlan
+    from kvtier.core.pagestore import PageStore
 
 __all__ = [
     "BACKEND_CALLS",
     "FAILURE_CAUSES",
     "IDENTITY_LABELS",
+    "identity_of",
     "prometheus_collector",
     "prometheus_text",
+    "store_collector",
 ]
 
 #: The labels every series carries, in this order.
 IDENTITY_LABELS = ("model", "rank", "tenant", "backend")
 
 #: Failure causes a cache counts (``stats()["failures"]``), emitted with 0 from the start.
-FAILURE_CAUSES = (
-    "queue_full",
-    "host_exhausted",
-    "device_to_host",
-    "host_to_device",
-    "storage_get",
-    "storage_put",
-    "backend_timeout",
-    "backend_refused",
-    "backend_close",
-    "transfer_worker_error",
-    "read_worker_error",
-    "write_worker_error",
-)
-
-#: Backend calls the cache makes (and bounds), for per-operation series.
-BACKEND_CALLS = ("exists", "get", "put", "stats", "close")
+FAILURE_CAUSES = tuple(cause.value for cause in Cause)
 
 #: Backend ``stats()`` keys that mean occupancy, exported as their own gauges too.
 _OCCUPANCY = {
@@ -70,6 +61,43 @@ def _number(value: object) -> float | None:
     return number if math.isfinite(number) else None
 
 
+class _Families:
+    """Builds metric families that carry one identity's labels (prometheus_client's)."""
+
+    def __init__(self, identity: Mapping[str, str]) -> None:
+        try:
+            from prometheus_client import core
+        except ImportError:
+            raise PrometheusMissingError() from None
+        self.core = core
+        self.names = list(IDENTITY_LABELS)
+        self.ident = [str(identity.get(name, "")) for name in IDENTITY_LABELS]
+
+    def counter(self, name: str, doc: str, label: str | None = None) -> Any:
+        return self.core.CounterMetricFamily(name, doc, labels=self._labels(label))
+
+    def gauge(self, name: str, doc: str, label: str | None = None) -> Any:
+        return self.core.GaugeMetricFamily(name, doc, labels=self._labels(label))
+
+    def untyped(self, name: str, doc: str, label: str) -> Any:
+        return self.core.UntypedMetricFamily(name, doc, labels=self._labels(label))
+
+    def histogram(self, name: str, doc: str, label: str) -> Any:
+        return self.core.HistogramMetricFamily(name, doc, labels=self._labels(label))
+
+    def by_label(self, family: Any, values: Mapping[str, float]) -> Any:
+        for key, value in values.items():
+            family.add_metric([*self.ident, key], value)
+        return family
+
+    def one(self, family: Any, value: float) -> Any:
+        family.add_metric(self.ident, value)
+        return family
+
+    def _labels(self, label: str | None) -> list[str]:
+        return [*self.names, *([label] if label else [])]
+
+
 def prometheus_collector(
     snapshot: Callable[[], dict[str, Any]], identity: Mapping[str, str]
 ) -> Any:
@@ -77,192 +105,193 @@ def prometheus_collector(
 
     ``identity`` gives the value of each of :data:`IDENTITY_LABELS`.
     """
-    try:
-        from prometheus_client.core import (
-            CounterMetricFamily,
-            GaugeMetricFamily,
-            HistogramMetricFamily,
-            UntypedMetricFamily,
-        )
-    except ImportError:
-        raise PrometheusMissingError() from None
-
-    names = list(IDENTITY_LABELS)
-    ident = [str(identity.get(name, "")) for name in IDENTITY_LABELS]
-
-    def counter(name: str, doc: str, label: str | None = None) -> Any:
-        return CounterMetricFamily(name, doc, labels=[*names, *([label] if label else [])])
-
-    def gauge(name: str, doc: str, label: str | None = None) -> Any:
-        return GaugeMetricFamily(name, doc, labels=[*names, *([label] if label else [])])
-
-    def by_label(family: Any, values: Mapping[str, float]) -> Any:
-        for key, value in values.items():
-            family.add_metric([*ident, key], value)
-        return family
-
-    def one(family: Any, value: float) -> Any:
-        family.add_metric(ident, value)
-        return family
+    f = _Families(identity)
 
     class _Collector:
         """Reads one stats snapshot per scrape and yields the kvtier_* metric families."""
 
         def collect(self) -> Iterator[Any]:
             s = snapshot()
-            yield from _lookups(s)
-            yield by_label(
-                counter("kvtier_pages", "Pages handled, by operation.", "operation"),
-                {
-                    **s["pages"],
-                    "storage_read": s["storage"]["pages_read"],
-                    "storage_write": s["storage"]["pages_written"],
-                    "storage_write_skipped": s["storage"]["writes_skipped"],
-                    "write_back": s["storage"]["write_backs"],
-                },
-            )
-            yield by_label(
-                counter(
-                    "kvtier_transferred_bytes",
-                    "Bytes moved, by direction.",
-                    "direction",
-                ),
-                s["bytes"],
-            )
-            yield by_label(
-                counter(
-                    "kvtier_transfer_seconds",
-                    "Seconds spent moving bytes, by direction (summed over workers).",
-                    "direction",
-                ),
-                {d: s["busy_seconds"].get(d, 0.0) for d in s["bytes"]},
-            )
-            failures = dict.fromkeys(FAILURE_CAUSES, 0)
-            failures.update(s["failures"])
-            yield by_label(counter("kvtier_failures", "Failed pages, by cause.", "cause"), failures)
-            store = s["page_store"]
-            yield by_label(
-                counter(
-                    "kvtier_page_rejections",
-                    "Stored pages that failed verification and were served as misses, by reason.",
-                    "reason",
-                ),
-                {r.value: store.get(f"invalid_{r.value}", 0) for r in Rejection},
-            )
-            yield by_label(
-                counter(
-                    "kvtier_backend_errors",
-                    "Backend calls that raised or answered malformed (the batch failed), "
-                    "by operation.",
-                    "operation",
-                ),
-                {
-                    op: store.get(f"backend_errors_{op}", 0)
-                    for op in ("exists", "get", "put", "delete")
-                },
-            )
-            calls = s["backend_calls"]
-            timeouts = dict.fromkeys(BACKEND_CALLS, 0)
-            timeouts.update(calls["timed_out_by_operation"])
-            yield by_label(
-                counter(
-                    "kvtier_backend_call_timeouts",
-                    "Backend calls that did not return within backend_call_timeout_s; "
-                    "their operations failed and their threads were abandoned.",
-                    "operation",
-                ),
-                timeouts,
-            )
-            yield one(
-                counter(
-                    "kvtier_backend_calls_refused",
-                    "Backend calls failed at once because max_abandoned_calls calls were stuck.",
-                ),
-                calls["refused"],
-            )
-            yield one(
-                counter(
-                    "kvtier_backend_late_returns",
-                    "Abandoned backend calls that returned after all.",
-                ),
-                calls["late_returns"],
-            )
-            yield one(
-                gauge(
-                    "kvtier_backend_calls_stuck",
-                    "Backend calls past their bound that have not returned yet.",
-                ),
-                calls["stuck"],
-            )
-            yield one(
-                gauge(
-                    "kvtier_backend_calls_stuck_max",
-                    "max_abandoned_calls: stuck calls beyond which every call is refused.",
-                ),
-                calls["max_abandoned"],
-            )
-            latency = HistogramMetricFamily(
-                "kvtier_operation_latency_seconds",
-                "Latency of cache operations.",
-                labels=[*names, "operation"],
-            )
-            for op, h in s["latency_seconds"].items():
-                cumulative, running = [], 0
-                for bound, n in zip((*LATENCY_BUCKETS, float("inf")), h["buckets"], strict=True):
-                    running += n
-                    cumulative.append((_bound_text(bound), running))
-                latency.add_metric([*ident, op], cumulative, h["sum"])
-            yield latency
-            pages = dict(s["host"]["pages"])
-            pages["used"] = pages["total"] - pages["free"]
-            yield by_label(gauge("kvtier_host_pages", "Host-pool pages, by state.", "state"), pages)
-            page_bytes = s["page_bytes"]
-            yield by_label(
-                gauge("kvtier_host_bytes", "Host-pool page bytes, by state.", "state"),
-                {"total": pages["total"] * page_bytes, "used": pages["used"] * page_bytes},
-            )
-            yield by_label(
-                gauge("kvtier_queue_depth", "Operations waiting, by queue.", "queue"),
-                s["queues"],
-            )
-            backend = {
-                key: number
-                for key, value in sorted(s["backend"].items())
-                if (number := _number(value)) is not None
-            }
-            for key, (name, doc) in _OCCUPANCY.items():
-                if key in backend:
-                    yield one(gauge(name, doc), backend[key])
-            stat = UntypedMetricFamily(
-                "kvtier_backend_stat",
-                "The backend's own stats() numbers (counters and gauges), by name.",
-                labels=[*names, "name"],
-            )
-            yield by_label(stat, backend)
-            yield one(
-                gauge(
-                    "kvtier_backend_stats_up",
-                    "1 if the backend's stats() answered this scrape, else 0.",
-                ),
-                0 if "error" in s["backend"] else 1,
-            )
-
-    def _lookups(s: dict[str, Any]) -> Iterator[Any]:
-        for tier in ("host", "storage"):
-            for what in ("hits", "misses"):
-                yield one(
-                    counter(
-                        f"kvtier_{tier}_{what}",
-                        f"Pages looked up in the {tier} tier that were {what}.",
-                    ),
-                    s[tier][what],
-                )
-        yield one(
-            counter("kvtier_host_evictions", "Host-pool pages evicted (LRU)."),
-            s["host"]["evictions"],
-        )
+            yield from _cache_families(f, s)
+            yield from _store_families(f, s["page_store"], s["backend_calls"], s["backend"])
+            yield from _host_families(f, s)
 
     return _Collector()
+
+
+def identity_of(plan: ResolvedPlan) -> dict[str, str]:
+    """The identity labels of the caches and stores a plan builds."""
+    cfg = plan.config
+    return {
+        "model": cfg.model,
+        "rank": str(cfg.tp_rank),
+        "tenant": cfg.tenant or "",
+        "backend": plan.backend.name,
+    }
+
+
+def store_collector(store: PageStore, identity: Mapping[str, str]) -> Any:
+    """A prometheus_client collector of one page store's families: what every engine path
+    (the vLLM connector's workers, the SGLang adapter) exposes of its storage tier, under
+    the same names and labels as a TieredCache's (docs/operating.md)."""
+    f = _Families(identity)
+
+    class _Collector:
+        """Reads the store's counters, its bounded calls and its backend's stats per scrape."""
+
+        def collect(self) -> Iterator[Any]:
+            yield from _store_families(f, store.stats(), store.call_counts(), store.backend_stats())
+
+    return _Collector()
+
+
+def _cache_families(f: _Families, s: dict[str, Any]) -> Iterator[Any]:
+    """A TieredCache's lookups, pages, bytes and failures."""
+    for tier in ("host", "storage"):
+        for what in ("hits", "misses"):
+            yield f.one(
+                f.counter(
+                    f"kvtier_{tier}_{what}",
+                    f"Pages looked up in the {tier} tier that were {what}.",
+                ),
+                s[tier][what],
+            )
+    yield f.one(
+        f.counter("kvtier_host_evictions", "Host-pool pages evicted (LRU)."),
+        s["host"]["evictions"],
+    )
+    yield f.by_label(
+        f.counter("kvtier_pages", "Pages handled, by operation.", "operation"),
+        {
+            **s["pages"],
+            "storage_read": s["storage"]["pages_read"],
+            "storage_write": s["storage"]["pages_written"],
+            "storage_write_skipped": s["storage"]["writes_skipped"],
+            "write_back": s["storage"]["write_backs"],
+        },
+    )
+    yield f.by_label(
+        f.counter("kvtier_transferred_bytes", "Bytes moved, by direction.", "direction"),
+        s["bytes"],
+    )
+    yield f.by_label(
+        f.counter(
+            "kvtier_transfer_seconds",
+            "Seconds spent moving bytes, by direction (summed over workers).",
+            "direction",
+        ),
+        {d: s["busy_seconds"].get(d, 0.0) for d in s["bytes"]},
+    )
+    failures = dict.fromkeys(FAILURE_CAUSES, 0)
+    failures.update(s["failures"])
+    yield f.by_label(f.counter("kvtier_failures", "Failed pages, by cause.", "cause"), failures)
+
+
+def _store_families(
+    f: _Families, store: Mapping[str, Any], calls: Mapping[str, Any], backend: Mapping[str, Any]
+) -> Iterator[Any]:
+    """A page store's rejections, backend errors and bounded calls, and its backend's stats."""
+    yield f.by_label(
+        f.counter(
+            "kvtier_page_rejections",
+            "Stored pages that failed verification and were served as misses, by reason.",
+            "reason",
+        ),
+        {r.value: store.get(f"invalid_{r.value}", 0) for r in Rejection},
+    )
+    yield f.by_label(
+        f.counter(
+            "kvtier_backend_errors",
+            "Backend calls that raised or answered malformed (the batch failed), by operation.",
+            "operation",
+        ),
+        {op: store.get(f"backend_errors_{op}", 0) for op in ("exists", "get", "put", "delete")},
+    )
+    timeouts = dict.fromkeys(BACKEND_CALLS, 0)
+    timeouts.update(calls["timed_out_by_operation"])
+    yield f.by_label(
+        f.counter(
+            "kvtier_backend_call_timeouts",
+            "Backend calls that did not return within backend_call_timeout_s; "
+            "their operations failed and their threads were abandoned.",
+            "operation",
+        ),
+        timeouts,
+    )
+    yield f.one(
+        f.counter(
+            "kvtier_backend_calls_refused",
+            "Backend calls failed at once because max_abandoned_calls calls were stuck.",
+        ),
+        calls["refused"],
+    )
+    yield f.one(
+        f.counter(
+            "kvtier_backend_late_returns", "Abandoned backend calls that returned after all."
+        ),
+        calls["late_returns"],
+    )
+    yield f.one(
+        f.gauge(
+            "kvtier_backend_calls_stuck",
+            "Backend calls past their bound that have not returned yet.",
+        ),
+        calls["stuck"],
+    )
+    yield f.one(
+        f.gauge(
+            "kvtier_backend_calls_stuck_max",
+            "max_abandoned_calls: stuck calls beyond which every call is refused.",
+        ),
+        calls["max_abandoned"],
+    )
+    numbers = {
+        key: number
+        for key, value in sorted(backend.items())
+        if (number := _number(value)) is not None
+    }
+    for key, (name, doc) in _OCCUPANCY.items():
+        if key in numbers:
+            yield f.one(f.gauge(name, doc), numbers[key])
+    yield f.by_label(
+        f.untyped(
+            "kvtier_backend_stat",
+            "The backend's own stats() numbers (counters and gauges), by name.",
+            "name",
+        ),
+        numbers,
+    )
+    yield f.one(
+        f.gauge(
+            "kvtier_backend_stats_up", "1 if the backend's stats() answered this scrape, else 0."
+        ),
+        0 if "error" in backend else 1,
+    )
+
+
+def _host_families(f: _Families, s: dict[str, Any]) -> Iterator[Any]:
+    """A TieredCache's latency histograms, host pool and queues."""
+    latency = f.histogram(
+        "kvtier_operation_latency_seconds", "Latency of cache operations.", "operation"
+    )
+    for op, h in s["latency_seconds"].items():
+        cumulative, running = [], 0
+        for bound, n in zip((*LATENCY_BUCKETS, float("inf")), h["buckets"], strict=True):
+            running += n
+            cumulative.append((_bound_text(bound), running))
+        latency.add_metric([*f.ident, op], cumulative, h["sum"])
+    yield latency
+    pages = dict(s["host"]["pages"])
+    pages["used"] = pages["total"] - pages["free"]
+    yield f.by_label(f.gauge("kvtier_host_pages", "Host-pool pages, by state.", "state"), pages)
+    page_bytes = s["page_bytes"]
+    yield f.by_label(
+        f.gauge("kvtier_host_bytes", "Host-pool page bytes, by state.", "state"),
+        {"total": pages["total"] * page_bytes, "used": pages["used"] * page_bytes},
+    )
+    yield f.by_label(
+        f.gauge("kvtier_queue_depth", "Operations waiting, by queue.", "queue"), s["queues"]
+    )
 
 
 def _bound_text(bound: float) -> str:

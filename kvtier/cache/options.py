@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvtier.core.config import validate_model
+from kvtier.core.validation import validate_model
 
 __all__ = ["CacheOptions", "PrefetchPolicy", "WritePolicy", "cache_options"]
 

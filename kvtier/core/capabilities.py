@@ -45,7 +45,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel
 
-from kvtier.core.config import AUTO, EngineConfig, validate_model
+from kvtier.core.bounded import DEFAULT_CALL_TIMEOUT_S, DEFAULT_MAX_ABANDONED
+from kvtier.core.config import AUTO, EngineConfig
 from kvtier.core.errors import (
     KvtierError,
     PluginError,
@@ -61,6 +62,7 @@ from kvtier.core.layout import Layout, layouts_for
 from kvtier.core.pagestore import PageMemory, PageStore
 from kvtier.core.specs import BackendSpec, IOBackendSpec, Operation
 from kvtier.core.storage import BackendContext, StorageBackend
+from kvtier.core.validation import validate_model
 
 __all__ = [
     "DEFAULT_HOST_BYTES",
@@ -498,15 +500,21 @@ class ForeignPageMemory(PageMemory, Protocol):
 
 
 def open_page_store(
-    plan: ResolvedPlan, pool: PageMemory, *, checksum_workers: int = 1
+    plan: ResolvedPlan,
+    pool: PageMemory,
+    *,
+    checksum_workers: int = 1,
+    call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S,
+    max_abandoned_calls: int = DEFAULT_MAX_ABANDONED,
 ) -> PageStore:
     """Build the plan's backend and put a :class:`PageStore` over ``pool`` in front of it.
 
     A kvtier :class:`HostPool` is attached to the backend first (backends that register
     memory, such as Mooncake, do it once here). Foreign page memory (an engine's own host
     pool, served through :class:`ForeignPageMemory`) goes to the backend's
-    ``register_memory(regions)`` instead. The caller closes ``store.backend``; if anything
-    fails here, the backend is closed before the error propagates.
+    ``register_memory(regions)`` instead. The store owns the backend (``store.close()``
+    closes it) and bounds every call to it by ``call_timeout_s``; if anything fails here,
+    the backend is closed before the error propagates.
     """
     backend = build_backend(plan)
     try:
@@ -521,6 +529,8 @@ def open_page_store(
             fingerprint=plan.geometry.fingerprint,
             verify=plan.config.verify,
             checksum_workers=checksum_workers,
+            call_timeout_s=call_timeout_s,
+            max_abandoned_calls=max_abandoned_calls,
         )
     except BaseException:
         backend.close()

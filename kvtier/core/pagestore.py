@@ -1,23 +1,34 @@
-"""The core's side of the storage contract: envelopes on put, verification on get.
+"""The core's side of the storage contract: envelopes on put, verification on get, guards.
 
-A :class:`PageStore` sits between host-pool pages and one storage backend. It validates
-every key before any I/O, writes each page's envelope into its header slot, hands the
-backend the page's regions (header slot, then payload extents: scatter-gather, no staging
-copy), verifies what comes back, and turns every invalid page into a counted miss. A
+A :class:`PageStore` sits between host-pool pages and one storage backend, which it owns
+(:meth:`PageStore.close` closes both). It validates every key before any I/O, writes each
+page's envelope into its header slot, hands the backend the page's regions (header slot,
+then payload extents: scatter-gather, no staging copy), verifies what comes back, and
+turns every invalid page into a counted miss. Every backend call is bounded
+(:mod:`kvtier.core.bounded`): one that does not return in time fails its batch. A
 backend exception is caught here, logged once per exception type, counted, and reported
-as ``False`` for the whole batch; it never reaches the engine.
+as ``False`` for the whole batch; it never reaches the engine. Every engine path
+(TieredCache, the vLLM and SGLang adapters) talks to its backend through a page store,
+so all have the same guards and the same counters.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, Protocol, TypeVar, cast, runtime_checkable
 
 import xxhash
 
+from kvtier.core.bounded import (
+    DEFAULT_CALL_TIMEOUT_S,
+    DEFAULT_MAX_ABANDONED,
+    BoundedCaller,
+    Outcome,
+)
 from kvtier.core.envelope import (
     HEADER,
     BatchEnvelope,
@@ -29,16 +40,50 @@ from kvtier.core.errors import InvalidFieldError, PageError, StorageError
 from kvtier.core.extents import Extent
 from kvtier.core.keys import validate_keys
 from kvtier.core.layout import Layout
+from kvtier.core.metrics import zeroed
 from kvtier.core.storage import Counters, StorageBackend
 
-__all__ = ["EnvelopeHooks", "PageMemory", "PageStore", "PerPageHooks", "VerifyMode"]
+__all__ = [
+    "STATS_BOUND_S",
+    "BatchResult",
+    "EnvelopeHooks",
+    "PageMemory",
+    "PageStore",
+    "PerPageHooks",
+    "VerifyMode",
+]
 
 logger = logging.getLogger(__name__)
+
+#: Bound on one backend ``stats()`` call (a metrics scrape must not wait a full call bound).
+STATS_BOUND_S = 2.0
+
+
+class BatchResult(list[bool]):
+    """One result per key, and how the backend call ended (:class:`~kvtier.core.bounded.Outcome`).
+
+    ``TIMED_OUT``: the call did not return within its bound, every result is False, and
+    the backend may still be using the pages (``on_late`` runs once it returns);
+    ``REFUSED``: too many calls were stuck, so this one was never made.
+    """
+
+    __slots__ = ("outcome",)
+
+    def __init__(self, results: Sequence[bool] = (), outcome: Outcome = Outcome.OK) -> None:
+        super().__init__(results)
+        self.outcome = outcome
+
 
 VerifyMode = Literal["full", "header"]
 _VERIFY_MODES = ("full", "header")
 _R = TypeVar("_R")
 _ZERO_HEADER = bytes(HEADER.size)
+#: After close's bound, how long the call threads of calls that returned get to end.
+_WAKE_GRACE_S = 0.5
+
+
+def _name(backend: object) -> str:
+    return type(backend).__name__
 
 
 def _nbytes(views: Sequence[memoryview]) -> int:
@@ -140,7 +185,12 @@ class PageMemory(Protocol):
 
 
 class PageStore:
-    """Puts host-pool pages into a storage backend and gets them back, verified."""
+    """Puts host-pool pages into a storage backend it owns and gets them back, verified.
+
+    ``call_timeout_s`` bounds every backend call (None: unbounded, in the caller's
+    thread); at most ``max_abandoned_calls`` calls may be stuck past it at once, then
+    every call fails at once until one returns.
+    """
 
     def __init__(
         self,
@@ -150,6 +200,8 @@ class PageStore:
         fingerprint: str,
         verify: VerifyMode = "full",
         checksum_workers: int = 1,
+        call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S,
+        max_abandoned_calls: int = DEFAULT_MAX_ABANDONED,
     ) -> None:
         if verify not in _VERIFY_MODES:
             raise InvalidFieldError(
@@ -169,8 +221,28 @@ class PageStore:
                 f"got {checksum_workers!r}",
                 value=checksum_workers,
             )
+        if call_timeout_s is not None and not call_timeout_s > 0:
+            raise InvalidFieldError(
+                "backend_call_timeout_s",
+                f"must be a positive number of seconds or None (unbounded), got {call_timeout_s!r}",
+                value=call_timeout_s,
+            )
+        if isinstance(max_abandoned_calls, bool) or not (
+            isinstance(max_abandoned_calls, int) and max_abandoned_calls >= 1
+        ):
+            raise InvalidFieldError(
+                "max_abandoned_calls",
+                f"must be a positive integer, got {max_abandoned_calls!r}",
+                value=max_abandoned_calls,
+            )
         self.backend = backend
         self.pool = pool
+        self.call_timeout_s = call_timeout_s
+        self.max_abandoned_calls = max_abandoned_calls
+        #: Every backend call goes through here, bounded by ``call_timeout_s``.
+        self._calls = BoundedCaller("backend", call_timeout_s, max_abandoned_calls)
+        self._closed = False
+        self._close_lock = threading.Lock()
         #: Threads that checksum the pages of one batch in parallel (xxhash releases the
         #: GIL); 1 checksums in the calling thread. Started on first use.
         self.checksum_workers = checksum_workers
@@ -192,11 +264,11 @@ class PageStore:
 
     # --- public API ---------------------------------------------------------------------
 
-    def exists(self, keys: Sequence[str]) -> list[bool]:
+    def exists(self, keys: Sequence[str]) -> BatchResult:
         """Whether each key is stored (one batched backend call); False on backend error."""
         keys = self._checked_keys(keys)
         if not keys:
-            return []
+            return BatchResult()
         return self._call("exists", len(keys), lambda: self.backend.exists(keys))
 
     def prefix_hits(self, keys: Sequence[str]) -> int:
@@ -210,16 +282,24 @@ class PageStore:
         self._counters.add("prefix_pages", hits)
         return hits
 
-    def put(self, keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
+    def put(
+        self,
+        keys: Sequence[str],
+        pages: Sequence[int],
+        *,
+        on_late: Callable[[Any], None] | None = None,
+    ) -> BatchResult:
         """Envelope each page in its header slot and store it; True where the backend did.
 
         A backend with :class:`PerPageHooks` writes each envelope in the I/O thread that
         then writes the page (the checksum runs in parallel, while the bytes are in that
-        core's cache); otherwise the envelopes are written here first.
+        core's cache); otherwise the envelopes are written here first. If the call times
+        out (``result.outcome``), the backend may still read the pages: ``on_late(results)``
+        runs once it returns, and the caller must not reuse them before.
         """
         keys = self._checked_keys(keys, pages)
         if not keys:
-            return []
+            return BatchResult()
         buffers = [self.pool.page_buffers(page) for page in pages]
         views = [[e.view for e in regions] for regions in buffers]
         write = self._format().write
@@ -238,23 +318,32 @@ class PageStore:
         else:
             self._each(envelope, range(len(keys)))
             call = lambda: self.backend.put(keys, buffers)  # noqa: E731
-        results = self._call("put", len(keys), call)
+        results = self._call("put", len(keys), call, on_late)
         stored = [i for i, ok in enumerate(results) if ok]
         self._counters.add("puts", len(stored))
         self._counters.add("bytes_written", sum(_nbytes(views[i]) for i in stored))
         self._counters.add("put_failures", len(keys) - len(stored))
         return results
 
-    def get(self, keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
+    def get(
+        self,
+        keys: Sequence[str],
+        pages: Sequence[int],
+        *,
+        on_late: Callable[[Any], None] | None = None,
+    ) -> BatchResult:
         """Fill pages from storage and verify them; an invalid page is a counted False.
 
         A backend with :class:`PerPageHooks` verifies each page in the I/O thread that
         read it, right after its bytes landed; otherwise the pages are verified here
-        (on the checksum threads, if any) once the batch is in.
+        (on the checksum threads, if any) once the batch is in. If the call times out
+        (``result.outcome``), the backend may still write into the pages:
+        ``on_late(results)`` runs once it returns, and the caller must not reuse them
+        before.
         """
         keys = self._checked_keys(keys, pages)
         if not keys:
-            return []
+            return BatchResult()
         buffers = [self.pool.page_buffers(page) for page in pages]
         hooks = self._hooks
         enveloped = self._enveloped
@@ -287,16 +376,16 @@ class PageStore:
         batch: BatchEnvelope | None = None
         if enveloped is not None:
             batch = self._format().batch(keys, full=full)
-            results = self._call(
-                "get", len(keys), lambda: enveloped.get_with(keys, buffers, check, envelope=batch)
-            )
+            call = lambda: enveloped.get_with(keys, buffers, check, envelope=batch)  # noqa: E731
         elif hooks is not None:
             on_payload = feed if full else None
-            results = self._call(
-                "get", len(keys), lambda: hooks.get_with(keys, buffers, check, on_payload)
-            )
+            call = lambda: hooks.get_with(keys, buffers, check, on_payload)  # noqa: E731
         else:
-            results = self._call("get", len(keys), lambda: self.backend.get(keys, buffers))
+            call = lambda: self.backend.get(keys, buffers)  # noqa: E731
+        results = self._call("get", len(keys), call, on_late)
+        if results.outcome is not Outcome.OK:
+            self._counters.add("misses", len(keys))
+            return results
         if batch is not None:
             for i in batch.valid:  # checked by the backend's own loop
                 reasons[i] = None
@@ -325,33 +414,90 @@ class PageStore:
         self._counters.add("bytes_read", nbytes)
         return results
 
-    def delete(self, keys: Sequence[str]) -> list[bool]:
+    def delete(self, keys: Sequence[str]) -> BatchResult:
         """Remove each key from the backend; False on backend error."""
         keys = self._checked_keys(keys)
         if not keys:
-            return []
+            return BatchResult()
         return self._call("delete", len(keys), lambda: self.backend.delete(keys))
 
-    def stats(self) -> dict[str, int | float]:
-        """Counters: hits, misses, invalid (and ``invalid_<reason>``), bytes, backend errors."""
-        base: dict[str, int | float] = {
-            "hits": 0,
-            "misses": 0,
-            "invalid": 0,
-            "puts": 0,
-            "put_failures": 0,
-            "bytes_read": 0,
-            "bytes_written": 0,
-            "backend_errors": 0,
-        }
-        return {**base, **self._counters.snapshot()}
+    def clear(self) -> bool:
+        """Remove every page of the backend's namespace (bounded); False if it failed."""
+        self._checked_keys(())
 
-    def close(self) -> None:
-        """Stop the checksum threads, if any were started. The backend is not closed."""
+        def clear() -> list[bool]:
+            self.backend.clear()
+            return [True]
+
+        return self._call("clear", 1, clear)[0]
+
+    def backend_stats(self, timeout: float = STATS_BOUND_S) -> dict[str, Any]:
+        """The backend's own ``stats()``, bounded by ``timeout`` (``{"error": ...}`` if not)."""
+        try:
+            if self._closed:
+                return dict(self.backend.stats())
+            outcome, values = self._calls.call("stats", self.backend.stats, timeout=timeout)
+        except Exception as exc:
+            return {"error": repr(exc)}
+        if outcome is not Outcome.OK:
+            self._count_outcome(outcome, "stats")
+            return {"error": f"stats() {outcome.value}"}
+        return dict(values)
+
+    def stats(self) -> dict[str, int | float]:
+        """Counters: hits, misses, invalid (and ``invalid_<reason>``), bytes, backend errors,
+        timed-out and refused calls (and ``_<operation>`` of each)."""
+        return {**zeroed("page_store"), **self._counters.snapshot()}
+
+    def call_counts(self) -> dict[str, Any]:
+        """The bounded calls: timed out (total and by operation), refused, late, stuck now."""
+        return self._calls.counts()
+
+    def abandon_in_flight(self) -> int:
+        """Give up on every backend call still awaited (a caller's own bound passed)."""
+        return self._calls.abandon_in_flight()
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the checksum threads and close the backend, once (idempotent).
+
+        The backend's ``close()`` is bounded by ``timeout`` (default: the call bound);
+        calls still stuck past their bound are given up, each named in one WARNING.
+        True when everything closed in time.
+        """
+        with self._close_lock:
+            if self._closed:
+                return True
+            self._closed = True
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+        closed = True
+        try:
+            outcome, _ = self._calls.call("close", self.backend.close, timeout=timeout)
+        except Exception as exc:
+            closed = False
+            self._counters.add("backend_errors")
+            self._counters.add("backend_errors_close")
+            logger.warning("storage backend %s raised in close: %r", _name(self.backend), exc)
+        else:
+            if outcome is not Outcome.OK:
+                closed = False
+                self._count_outcome(outcome, "close")
+        stuck = self._calls.close(time.monotonic() + _WAKE_GRACE_S)
+        if stuck:
+            logger.warning(
+                "kvtier: close gave up on %d backend call(s) still running past their "
+                "bound, left to daemon threads: %s",
+                len(stuck),
+                "; ".join(stuck),
+            )
+        return closed and not stuck
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
 
     # --- internals ----------------------------------------------------------------------
 
@@ -381,8 +527,13 @@ class PageStore:
             fmt = self._formats[layout] = EnvelopeFormat(self.fingerprint, layout)
         return fmt
 
-    @staticmethod
-    def _checked_keys(keys: Sequence[str], pages: Sequence[int] | None = None) -> list[str]:
+    def _checked_keys(self, keys: Sequence[str], pages: Sequence[int] | None = None) -> list[str]:
+        if self._closed:
+            raise StorageError(
+                f"this page store over {_name(self.backend)} is closed (its backend too); "
+                "open a new one",
+                value=_name(self.backend),
+            )
         checked = validate_keys(keys)
         if pages is not None and len(pages) != len(checked):
             raise PageError(
@@ -391,17 +542,33 @@ class PageStore:
             )
         return checked
 
-    def _call(self, op: str, count: int, call: Callable[[], list[bool]]) -> list[bool]:
-        """Run one backend call; any exception or malformed answer becomes all-False."""
+    def _count_outcome(self, outcome: Outcome, op: str) -> None:
+        """Count a call that timed out or was refused, in total and by operation."""
+        what = "backend_timeouts" if outcome is Outcome.TIMED_OUT else "backend_refused"
+        self._counters.add(what)
+        self._counters.add(f"{what}_{op}")
+
+    def _call(
+        self,
+        op: str,
+        count: int,
+        call: Callable[[], list[bool]],
+        on_late: Callable[[Any], None] | None = None,
+    ) -> BatchResult:
+        """Run one backend call within the bound; an exception, a malformed answer, a
+        timeout or a refusal becomes all-False (the outcome says which of the last two)."""
         try:
-            results = call()
+            outcome, results = self._calls.call(op, call, on_late=on_late)
+            if outcome is not Outcome.OK:
+                self._count_outcome(outcome, op)
+                return BatchResult([False] * count, outcome)
             if len(results) != count:
                 raise StorageError(
                     f"backend {type(self.backend).__name__}.{op} returned {len(results)} "
                     f"results for {count} keys",
                     value=len(results),
                 )
-            return [bool(r) for r in results]
+            return BatchResult([bool(r) for r in results])
         except Exception as exc:
             self._counters.add("backend_errors")
             self._counters.add(f"backend_errors_{op}")
@@ -420,4 +587,4 @@ class PageStore:
                     count,
                     kind.__name__,
                 )
-            return [False] * count
+            return BatchResult([False] * count)

@@ -14,8 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvtier.core.config import parse_extra_config
+from kvtier.core.bounded import DEFAULT_CALL_TIMEOUT_S, DEFAULT_MAX_ABANDONED
 from kvtier.core.errors import MissingFieldError, NotAnObjectError, did_you_mean
+from kvtier.core.extra_config import parse_extra_config
 
 __all__ = ["OPTIONS_AT", "SECTION", "EngineSection", "find_section"]
 
@@ -50,6 +51,29 @@ class EngineSection(BaseModel):
     model: str | None = Field(
         None, min_length=1, description="Model id for the key namespace; default: the engine's."
     )
+    backend_call_timeout_s: float | None = Field(
+        DEFAULT_CALL_TIMEOUT_S,
+        gt=0,
+        description="Bound on each storage backend call; a call past it fails its batch "
+        "(a miss, or a store not kept) and is counted as backend_timeouts; null: unbounded.",
+    )
+    max_abandoned_calls: int = Field(
+        DEFAULT_MAX_ABANDONED,
+        strict=True,
+        ge=1,
+        le=64,
+        description="Backend calls that may be stuck past their bound at once; beyond it "
+        "every call fails at once (backend_refused) until one returns.",
+    )
+
+    def page_store_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``open_page_store`` this section sets: the bounds on
+        backend calls, and the checksum threads where the engine's section has them."""
+        return {
+            "call_timeout_s": self.backend_call_timeout_s,
+            "max_abandoned_calls": self.max_abandoned_calls,
+            "checksum_workers": int(getattr(self, "checksum_workers", 1)),
+        }
 
     @field_validator("extra_config", mode="before")
     @classmethod

@@ -158,7 +158,11 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             #: By vLLM's device; register_kv_caches checks the tensors it hands over agree.
             self.worker: WorkerSide | DeviceWorkerSide | None = None
             if role is KVConnectorRole.SCHEDULER:
-                store = open_page_store(self.plan, NoPages(self.plan.layout))
+                store = open_page_store(
+                    self.plan,
+                    NoPages(self.plan.layout),
+                    **self.settings.page_store_options(),
+                )
                 self.scheduler = SchedulerSide(
                     self.plan,
                     self.settings,
@@ -319,6 +323,11 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return self.scheduler.stats()
         return self._worker().stats()
 
+    def prometheus_collector(self) -> Any:
+        """A worker's prometheus_client collector of its storage tier (``kvtier_*`` families,
+        as a TieredCache's; docs/operating.md). Register it with the worker's registry."""
+        return self._worker().prometheus_collector()
+
     def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
         """kvtier's counters since the last call, for vLLM's metrics (``kvtier_*``)."""
         now = self.kvtier_stats()
@@ -343,7 +352,6 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.worker.close()
         if self.scheduler is not None:
             self.scheduler.store.close()
-            self.scheduler.store.backend.close()
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

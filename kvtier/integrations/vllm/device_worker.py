@@ -35,7 +35,8 @@ import torch
 from kvtier.cache.handles import BackupHandle, PrefetchHandle
 from kvtier.cache.tiered import TieredCache
 from kvtier.core.capabilities import ResolvedPlan
-from kvtier.core.errors import KvtierError, StorageError, UnsupportedCombinationError
+from kvtier.core.errors import KvtierError, UnsupportedCombinationError
+from kvtier.core.metrics import zeroed
 from kvtier.core.pagestore import PageStore
 from kvtier.core.specs import Operation
 from kvtier.integrations.vllm.blocks import order_layers
@@ -48,7 +49,6 @@ from kvtier.integrations.vllm.paged import (
 )
 from kvtier.integrations.vllm.rank import RankWorker, no_pages_yet
 from kvtier.integrations.vllm.settings import VLLMSection
-from kvtier.integrations.vllm.worker import WORKER_COUNTERS
 
 __all__ = ["CACHE_OPTIONS", "DeviceWorkerSide"]
 
@@ -133,14 +133,13 @@ class DeviceWorkerSide(RankWorker):
                 supported=DEVICE_SUPPORTED,
             )
         pool = VLLMPagedPool(layers, num_blocks=num_blocks, geometry=self.plan.geometry)
-        cache = TieredCache.open(self.plan.config, pool, options=CACHE_OPTIONS)
-        if cache.plan.namespace != self.plan.namespace:  # one config, one namespace
-            cache.close()
-            raise StorageError(
-                f"the tiered cache's key namespace {cache.plan.namespace.id} differs from the "
-                f"connector's {self.plan.namespace.id}",
-                value=cache.plan.namespace.id,
-            )
+        bounds = self.settings.page_store_options()
+        options = {
+            **CACHE_OPTIONS,
+            "backend_call_timeout_s": bounds["call_timeout_s"],
+            "max_abandoned_calls": bounds["max_abandoned_calls"],
+        }
+        cache = TieredCache.open(self.plan, pool, options=options)  # the connector's plan
         self.pool, self.cache = pool, cache
         self.layers = {name: i for i, (name, _) in enumerate(layers)}
 
@@ -151,6 +150,10 @@ class DeviceWorkerSide(RankWorker):
 
     def _page_store(self) -> PageStore:
         return self._require().page_store
+
+    def prometheus_collector(self) -> Any:
+        """The tiered cache's prometheus_client collector (docs/operating.md)."""
+        return self._require().prometheus_collector()
 
     # --- loads --------------------------------------------------------------------------
 
@@ -345,7 +348,7 @@ class DeviceWorkerSide(RankWorker):
     def stats(self) -> dict[str, Any]:
         """Cumulative counters: the worker's and the tiered cache's (``cache_*``)."""
         self._poll()
-        stats: dict[str, Any] = dict.fromkeys(WORKER_COUNTERS, 0)
+        stats: dict[str, Any] = zeroed("vllm_worker")
         stats.update(self.counters.snapshot())
         if self.cache is not None:
             for key, value in self.cache.stats().items():

@@ -14,6 +14,7 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from typing import Any
 
 from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.errors import KvtierError, StorageError
@@ -58,6 +59,10 @@ class RankWorker(ABC):
     @abstractmethod
     def _page_store(self) -> PageStore:
         """The page store this rank's pages are verified and deleted through."""
+
+    @abstractmethod
+    def prometheus_collector(self) -> Any:
+        """A prometheus_client collector of this rank's storage tier (``kvtier_*``)."""
 
     @property
     @abstractmethod

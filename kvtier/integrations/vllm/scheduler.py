@@ -23,25 +23,16 @@ from kvtier.core.errors import StorageError, UnkeyableInputError
 from kvtier.core.extents import Extent
 from kvtier.core.keys import PageKeyer, layout_namespace, rank_suffix
 from kvtier.core.layout import Layout
+from kvtier.core.metrics import zeroed
 from kvtier.core.pagestore import PageStore
 from kvtier.core.storage import Counters
 from kvtier.integrations.vllm.inputs import AdapterIdentities, page_extras
 from kvtier.integrations.vllm.messages import PageOp, Report, StepWork
 from kvtier.integrations.vllm.settings import VLLMSection, tenant_of
 
-__all__ = ["SCHEDULER_COUNTERS", "NoPages", "RequestLike", "SchedulerSide", "TenantKeyers"]
+__all__ = ["NoPages", "RequestLike", "SchedulerSide", "TenantKeyers"]
 
 log = logging.getLogger("kvtier.vllm")
-
-#: The scheduler side's counters, reported as 0 until they move.
-SCHEDULER_COUNTERS = (
-    "requests_unkeyed",
-    "lookup_requests",
-    "lookup_pages",
-    "lookup_hit_pages",
-    "load_pages_planned",
-    "save_pages_planned",
-)
 
 
 class NoPages:
@@ -345,6 +336,6 @@ class SchedulerSide:
 
     def stats(self) -> dict[str, Any]:
         """Cumulative counters."""
-        stats: dict[str, Any] = dict.fromkeys(SCHEDULER_COUNTERS, 0)
+        stats: dict[str, Any] = zeroed("vllm_scheduler")
         stats.update(self.counters.snapshot())
         return stats

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kvtier.core.config import validate_model
 from kvtier.core.errors import MissingFieldError
+from kvtier.core.validation import validate_model
 from kvtier.integrations.section import OPTIONS_AT, SECTION, EngineSection, find_section
 
 __all__ = ["DOCS", "LABEL", "OPTIONS_AT", "SECTION", "VLLMSection", "read_section", "tenant_of"]

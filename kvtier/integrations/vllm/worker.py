@@ -18,28 +18,19 @@ from typing import Any
 
 import torch
 
+from kvtier.cache.metrics import identity_of, store_collector
 from kvtier.core.capabilities import ResolvedPlan, open_page_store
 from kvtier.core.errors import KvtierError
+from kvtier.core.metrics import zeroed
 from kvtier.core.pagestore import PageStore
 from kvtier.integrations.vllm.blocks import VLLMBlocks, order_layers
 from kvtier.integrations.vllm.messages import PageOp
 from kvtier.integrations.vllm.rank import RankWorker, no_pages_yet
 from kvtier.integrations.vllm.settings import VLLMSection
 
-__all__ = ["WORKER_COUNTERS", "WorkerSide"]
+__all__ = ["WorkerSide"]
 
 log = logging.getLogger("kvtier.vllm")
-
-#: The worker side's counters, reported as 0 until they move.
-WORKER_COUNTERS = (
-    "load_pages",
-    "load_hit_pages",
-    "load_failed_pages",
-    "load_copied_pages",
-    "save_pages",
-    "save_stored_pages",
-    "save_failed_pages",
-)
 
 
 class WorkerSide(RankWorker):
@@ -69,9 +60,7 @@ class WorkerSide(RankWorker):
         )
         pages.extents(0)  # the memory matches the geometry: checked now, not later
         self.pages = pages
-        self.store = open_page_store(
-            self.plan, pages, checksum_workers=self.settings.checksum_workers
-        )
+        self.store = open_page_store(self.plan, pages, **self.settings.page_store_options())
 
     def _require_store(self) -> PageStore:
         if self.store is None:
@@ -192,11 +181,15 @@ class WorkerSide(RankWorker):
 
     def stats(self) -> dict[str, Any]:
         """Cumulative counters: the worker's and the page store's (``store_*``)."""
-        stats: dict[str, Any] = dict.fromkeys(WORKER_COUNTERS, 0)
+        stats: dict[str, Any] = zeroed("vllm_worker")
         stats.update(self.counters.snapshot())
         if self.store is not None:
             stats.update({f"store_{k}": v for k, v in self.store.stats().items()})
         return stats
+
+    def prometheus_collector(self) -> Any:
+        """A prometheus_client collector of this rank's page store (docs/operating.md)."""
+        return store_collector(self._require_store(), identity_of(self.plan))
 
     def close(self) -> None:
         """Finish queued loads and stores, then close the backend. Idempotent."""
@@ -205,4 +198,3 @@ class WorkerSide(RankWorker):
         store, self.store = self.store, None
         if store is not None:
             store.close()
-            store.backend.close()

@@ -4,10 +4,13 @@ A :class:`BoundedCaller` runs each backend call on one of its own call threads a
 for it at most ``timeout`` seconds. Past that, the caller gets ``TIMED_OUT`` and goes on
 (its operation fails like any backend failure); the stuck call thread is *abandoned*:
 it is left to finish on its own, and when (if ever) the call returns it runs the call's
-``on_late`` clean-up (the cache releases the host pages the call was still using, so no
+``on_late`` clean-up (a cache releases the host pages the call was still using, so no
 page is reused while a backend may still write into it) and rejoins the pool. At most
 ``max_abandoned`` calls may be stuck at once; past that every call is refused at once
 (``REFUSED``) until one returns, so a hung backend costs a bounded number of threads.
+
+Every :class:`~kvtier.core.pagestore.PageStore` makes its backend calls through one, so
+every engine path (TieredCache, the vLLM and SGLang adapters) has the same bound.
 """
 
 from __future__ import annotations
@@ -20,9 +23,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BoundedCaller", "Outcome"]
+__all__ = ["DEFAULT_CALL_TIMEOUT_S", "DEFAULT_MAX_ABANDONED", "BoundedCaller", "Outcome"]
 
-log = logging.getLogger("kvtier.cache")
+log = logging.getLogger("kvtier.core.bounded")
+
+
+#: The default bound on one backend call: one call moves one batch (32 pages: 256 MiB of
+#: 8 MiB pages), which even a disk degraded to about 20 MB/s finishes in about 13 s.
+DEFAULT_CALL_TIMEOUT_S = 30.0
+#: The default number of backend calls that may be stuck past their bound at once.
+DEFAULT_MAX_ABANDONED = 4
 
 
 class Outcome(enum.Enum):
@@ -74,18 +84,36 @@ class _Call:
 _STOP = object()
 
 
+#: An idle call thread ends after this long without a call (a new one starts on demand),
+#: so a page store that is never closed leaves no threads behind for long.
+IDLE_S = 60.0
+
+
 class _CallThread:
     """A daemon thread that runs the calls handed to it, one at a time."""
 
-    def __init__(self, owner: BoundedCaller, name: str) -> None:
-        self.owner = owner
+    def __init__(
+        self,
+        returned_late: Callable[[_CallThread, _Call], None],
+        retire: Callable[[_CallThread], bool],
+        name: str,
+    ) -> None:
+        #: called with (this thread, the call) when an abandoned call returns at last
+        self.returned_late = returned_late
+        #: called when idle for IDLE_S: True if the thread was still idle and may end
+        self.retire = retire
         self.inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
         while True:
-            item = self.inbox.get()
+            try:
+                item = self.inbox.get(timeout=IDLE_S)
+            except queue.Empty:
+                if self.retire(self):
+                    return
+                continue  # taken for a call just now: it is in the inbox
             if item is _STOP:
                 return
             assert isinstance(item, _Call)
@@ -97,7 +125,7 @@ class _CallThread:
                 item.finished = True
                 abandoned = item.abandoned
             if abandoned:
-                self.owner._late(self, item)
+                self.returned_late(self, item)
             else:
                 item.done.release()
 
@@ -181,7 +209,9 @@ class BoundedCaller:
             stuck = len(self._stuck)
             if stuck < self.max_abandoned and not self._closed:
                 self._serial += 1
-                worker = _CallThread(self, f"kvtier-{self.name}-call-{self._serial}")
+                worker = _CallThread(
+                    self._late, self._retire, f"kvtier-{self.name}-call-{self._serial}"
+                )
                 self._threads.append(worker)
                 return worker
             self._counts["refused"] += 1
@@ -189,7 +219,7 @@ class BoundedCaller:
             self._warned_limit = self._warned_limit or warn
         if warn:
             log.warning(
-                "kvtier cache: %d backend calls are still running past their bound "
+                "kvtier: %d backend calls are still running past their bound "
                 "(max_abandoned_calls=%d); every backend call fails at once until one of "
                 "them returns (counted as backend_calls_refused)",
                 stuck,
@@ -209,7 +239,7 @@ class BoundedCaller:
 
     def _log_abandoned(self, call: _Call) -> None:
         log.warning(
-            "kvtier cache: backend %s did not return within %.3g s; the operation failed "
+            "kvtier: backend %s did not return within %.3g s; the operation failed "
             "and its call thread %s was abandoned (%d of at most %d abandoned now); "
             "it rejoins the pool if the call ever returns",
             call.operation,
@@ -219,15 +249,22 @@ class BoundedCaller:
             self.max_abandoned,
         )
 
+    def _retire(self, worker: _CallThread) -> bool:
+        """An idle thread's timeout: forget it if it is still idle (it then ends)."""
+        with self._lock:
+            if worker not in self._idle:
+                return False
+            self._idle.remove(worker)
+            self._threads.remove(worker)
+            return True
+
     def _late(self, worker: _CallThread, call: _Call) -> None:
         """An abandoned call returned: run its clean-up, then serve again (or stop)."""
         if call.on_late is not None:
             try:
                 call.on_late(None if call.error is not None else call.result)
             except Exception as exc:  # a clean-up must not kill the thread
-                log.warning(
-                    "kvtier cache: clean-up after a late %s failed: %r", call.operation, exc
-                )
+                log.warning("kvtier: clean-up after a late %s failed: %r", call.operation, exc)
         with self._lock:
             self._stuck.discard(call)
             self._counts["late_returns"] += 1
