@@ -13,7 +13,7 @@ import torch
 
 from kvtier.backends.memory import MemoryConfig
 from kvtier.backends.memory.backend import MemoryBackend
-from kvtier.cache import CacheClosedError, CacheOptions, PrefetchHandle, TieredCache, open_cache
+from kvtier.cache import CacheClosedError, CacheOptions, TieredCache, open_cache
 from kvtier.core import host_pool as host_pool_module
 from kvtier.core.config import EngineConfig, load_engine_config
 from kvtier.core.device_pool import TorchDevicePool
@@ -107,6 +107,12 @@ class TestPlugin:
 def cache_registry() -> Registry:
     """The built-in plugins plus this file's ``shared`` backend."""
     return load_registry(autoload=False, plugins=[("cache-test", TestPlugin)])
+
+
+def shared_backend(instance: StorageBackend) -> Registry:
+    """A registry whose ``shared`` backend builds ``instance`` (a test-controlled one)."""
+    _Shared.backend = instance
+    return cache_registry()
 
 
 @pytest.fixture
@@ -439,7 +445,7 @@ def test_wait_complete_waits_for_every_page(registry: Registry) -> None:
 def test_timeout_budget_grows_with_pages(registry: Registry) -> None:
     cache = make_cache(registry, options={"timeout_base_s": 0.5, "timeout_per_page_s": 0.25})
     try:
-        handle = PrefetchHandle(cache, [], [], 0, 0.0)
+        handle = cache.prefetch([])
         assert handle.budget_s() == 0.5
         handle.storage_hits = 4
         assert handle.budget_s() == 1.5
@@ -522,11 +528,11 @@ def test_a_job_that_raises_does_not_stop_its_worker(
         real_get = cache.page_store.get
         calls = {"n": 0}
 
-        def broken_once(keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
+        def broken_once(keys: Sequence[str], pages: Sequence[int], **kwargs: Any) -> list[bool]:
             calls["n"] += 1
             if calls["n"] == 1:
                 raise RuntimeError("bug in the read path")
-            return real_get(keys, pages)
+            return real_get(keys, pages, **kwargs)
 
         monkeypatch.setattr(cache.page_store, "get", broken_once)
         first = cache.prefetch(keys[:4])
@@ -693,6 +699,19 @@ def test_a_released_handle_cannot_be_loaded(cache: TieredCache) -> None:
     with pytest.raises(InvalidFieldError, match="prefetch the keys again"):
         cache.load(other, slots(10, 2))
     assert cache.stats()["host"]["pages"]["pinned"] == 0
+
+
+def test_a_handle_of_another_cache_is_refused(registry: Registry) -> None:
+    first, second = make_cache(registry), make_cache(registry)
+    try:
+        handle = first.prefetch(put_pages(first, range(8)))
+        with pytest.raises(InvalidFieldError, match="belongs to another TieredCache"):
+            second.load(handle, slots(10, 2))
+        assert first.load(handle, slots(10, 2)) == 2
+        assert first.stats()["host"]["pages"]["pinned"] == 0
+    finally:
+        first.close()
+        second.close()
 
 
 def test_bad_keys_are_refused_in_the_caller_and_pin_nothing(cache: TieredCache) -> None:

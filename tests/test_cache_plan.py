@@ -293,3 +293,47 @@ def test_the_cache_and_the_io_backend_report_a_slot_fault_alike(
         assert type(from_cache.value.value) is type(from_io.value.value)
     finally:
         cache.close()
+
+
+def test_each_cache_call_checks_its_slots_and_layer_once(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache checks a call's slots and layer; the IO backend it calls does not again."""
+    import kvtier.cache.load as load_module
+    import kvtier.cache.tiered as tiered_module
+    import kvtier.core.io as io_module
+
+    calls: dict[str, int] = {"slots": 0, "range": 0, "layer": 0}
+
+    def counting(name: str, real: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    checks = {
+        "check_device_slots": "slots",
+        "check_slots_in_range": "range",
+        "check_layer": "layer",
+    }
+    real = {attr: getattr(io_module, attr) for attr in checks}
+    for module in (io_module, tiered_module, load_module):
+        for attr, name in checks.items():
+            if hasattr(module, attr):
+                monkeypatch.setattr(module, attr, counting(name, real[attr]))
+    every = ["backup_all", "backup_layer", "load_all", "load_layer"]
+    cache = make_cache(registry, operations=every)
+    try:
+        keys = cache.keys(TOKENS[:8])
+        fill_pages(cache.device_pool, keys, slots(0, 2))
+        for layer in (None, 1):
+            calls.update(slots=0, range=0, layer=0)
+            assert cache.backup(keys, slots(0, 2), layer=layer).wait(JOIN)
+            assert calls == {"slots": 1, "range": 1, "layer": 0 if layer is None else 1}
+        for layer in (None, 1):
+            calls.update(slots=0, range=0, layer=0)
+            assert cache.load(cache.prefetch(keys), slots(10, 2), layer=layer) == 2
+            assert calls == {"slots": 1, "range": 1, "layer": 0 if layer is None else 1}
+    finally:
+        cache.close()

@@ -21,7 +21,7 @@ from kvtier.core.device_pool import (
     TorchDevicePool,
     layer_buffers,
 )
-from kvtier.core.errors import ConfigError, TransferError, UnsupportedCombinationError
+from kvtier.core.errors import ConfigError, PageError, TransferError, UnsupportedCombinationError
 from kvtier.core.geometry import AttentionKind, KVGeometry
 from kvtier.core.host_pool import HostPool
 from kvtier.core.io import (
@@ -476,6 +476,38 @@ def test_bad_requests_raise_transfer_errors_and_write_nothing(
             if isinstance(value, (int, tuple, list, torch.dtype)):
                 assert info.value.value == value, message
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(host, dev), strict=True))
+
+
+def test_checked_calls_skip_only_the_slot_and_layer_checks(spec: IOBackendSpec) -> None:
+    """``checked=True`` (TieredCache checked slots and layer) still refuses bad page ids."""
+    g = make_geometry(AttentionKind.MHA)
+    io = build(spec, g, "page_first")
+    host = HostPool(g, "page_first", num_pages=NUM_PAGES)
+    dev = TorchDevicePool(g, NUM_SLOTS)
+    slots = torch.arange(g.page_size)
+    io.backup(dev, host, slots, [1], layer=2, checked=True)
+    io.load(host, dev, [1], slots, checked=True)
+    for pages, message in (([NUM_PAGES], "host page 6 is out of range"), ([True], "not an int")):
+        with pytest.raises(TransferError, match=message):
+            io.backup(dev, host, slots, pages, checked=True)
+    with pytest.raises(TransferError, match="host page 2 appears twice"):
+        io.backup(dev, host, torch.arange(2 * g.page_size), [2, 2], checked=True)
+
+
+def test_host_page_ids_get_one_message_from_the_pool_and_the_io_backend(
+    spec: IOBackendSpec,
+) -> None:
+    g = make_geometry(AttentionKind.MHA)
+    io = build(spec, g, "page_first")
+    host = HostPool(g, "page_first", num_pages=NUM_PAGES)
+    dev = TorchDevicePool(g, NUM_SLOTS)
+    for bad in (NUM_PAGES, -1, True, "1"):
+        with pytest.raises(TransferError) as from_io:
+            io.backup(dev, host, torch.arange(g.page_size), [bad])
+        with pytest.raises(PageError) as from_pool:
+            host.extents(bad)  # type: ignore[arg-type]
+        assert str(from_io.value) == str(from_pool.value)
+        assert from_io.value.value == bad and f"pages 0..{NUM_PAGES - 1}" in str(from_io.value)
 
 
 def test_mismatched_pools_are_refused(spec: IOBackendSpec) -> None:

@@ -1,10 +1,13 @@
 """The tiered cache an engine embeds: device (L1) <-> host pool (L2) <-> storage (L3).
 
-:class:`TieredCache` (in :mod:`kvtier.cache.tiered`) is the object; its parts each have a
-module: the host pool's key index (``index``), the worker threads (``workers``), the
-bounded backend calls (``bounded``), the statistics (``stats``) and their Prometheus view
-(``metrics``), the scheduling options (``options``) and the handles it returns
-(``handles``).
+:class:`TieredCache` (in :mod:`kvtier.cache.tiered`) is a facade; each job has a module:
+opening (``opening``), backup and per-layer assembly (``backup``), write policies and
+storage writes (``writes``), prefetch and the fetch worker (``prefetch``), loading into
+device slots (``load``), all sharing one ``context.CacheContext``; beside them the host
+pool's key index (``index``), the worker threads (``workers``), the statistics
+(``stats``) and their Prometheus view (``metrics``), the scheduling options (``options``)
+and the handles it returns (``handles``). Backend calls are bounded in the core
+(:mod:`kvtier.core.bounded`, through the page store).
 """
 
 from __future__ import annotations

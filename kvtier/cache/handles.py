@@ -1,4 +1,10 @@
-"""The handles a TieredCache returns: the state of one backup, a prefetch in flight."""
+"""The handles a TieredCache returns: the state of one backup, a prefetch in flight.
+
+A prefetch handle holds only what it needs to wait for and release its pages (the host
+index's :class:`HostPins` operations) and the options that say how long to wait, never
+the cache itself. The methods under "recorded by the cache" are the cache's side:
+package-internal, named plainly so no module reaches into another's private state.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +13,19 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvtier.cache.index import Entry, EntryState, HostIndex
+from kvtier.cache.index import Entry, EntryState
 from kvtier.cache.options import CacheOptions
 from kvtier.core.errors import InvalidFieldError
 
-__all__ = ["BackupHandle", "HandleOwner", "PrefetchHandle"]
+__all__ = ["BackupHandle", "HostPins", "PrefetchHandle"]
 
 
-class HandleOwner(Protocol):
-    """What a prefetch handle needs of the cache that made it (a TieredCache has it)."""
+class HostPins(Protocol):
+    """What a prefetch handle needs of the host index: wait for its pages, unpin them."""
 
-    options: CacheOptions
-    _index: HostIndex
+    def wait_settled(self, entries: Sequence[Entry], timeout: float | None) -> None: ...
+
+    def release(self, entries: Sequence[Entry]) -> None: ...
 
 
 class BackupHandle:
@@ -51,22 +58,27 @@ class BackupHandle:
         """Wait until the backup (and any storage write it owes) has finished."""
         return self.finished.wait(timeout)
 
-    def _fail(self, pages: int, error: BaseException) -> None:
+    # --- recorded by the cache (package-internal) --------------------------------------
+
+    def record_failure(self, pages: int, error: BaseException) -> None:
+        """``pages`` failed; the first error is kept as :attr:`error`."""
         with self._lock:
             self.pages_failed += pages
             if self.error is None:
                 self.error = error
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
         """Nothing more will happen (the backup failed or was cancelled before writes)."""
         self.host_done.set()
         self.finished.set()
 
-    def _write_started(self) -> None:
+    def write_started(self) -> None:
+        """A storage write this backup owes was queued."""
         with self._lock:
             self._writes_pending += 1
 
-    def _write_ended(self, written: int) -> None:
+    def write_ended(self, written: int) -> None:
+        """One owed storage write ended, ``written`` pages stored."""
         with self._lock:
             self.pages_written += written
             self._writes_pending -= 1
@@ -74,7 +86,7 @@ class BackupHandle:
         if done:
             self.finished.set()
 
-    def _host_ended(self) -> None:
+    def host_ended(self) -> None:
         """The device -> host part is over; finished once the owed writes are too."""
         with self._lock:
             self.host_done.set()
@@ -95,17 +107,20 @@ class PrefetchHandle:
 
     The handle pins its host pages until it is loaded (all layers) or released, so they
     cannot be evicted in between. Use it as a context manager, or call :meth:`release`.
+    ``pins`` is the host index that pinned them; ``options`` the cache's, for its policy.
     """
 
     def __init__(
         self,
-        cache: HandleOwner,
+        pins: HostPins,
+        options: CacheOptions,
         keys: Sequence[str],
         entries: list[Entry],
         host_hits: int,
         started: float,
     ) -> None:
-        self._cache = cache
+        self._pins = pins
+        self._options = options
         self.keys = list(keys)
         self._entries = entries
         #: Pages found in the host pool when the prefetch started.
@@ -119,6 +134,11 @@ class PrefetchHandle:
         self._layers_loaded: set[int] = set()
         self._lock = threading.Lock()
         self.finished = threading.Event()  # set by the fetch job (or at once if none)
+
+    @property
+    def pins(self) -> HostPins:
+        """The host index holding this handle's pins (a cache loads only its own handles)."""
+        return self._pins
 
     @property
     def planned_pages(self) -> int:
@@ -142,12 +162,12 @@ class PrefetchHandle:
 
     def budget_s(self) -> float:
         """The ``timeout`` policy's budget: a base plus a slice per page read from storage."""
-        opts = self._cache.options
+        opts = self._options
         return opts.timeout_base_s + opts.timeout_per_page_s * self.storage_hits
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait until the prefetch is done or ``timeout`` passes; return the ready pages."""
-        self._cache._index.wait_settled(list(self._entries), timeout)
+        self._pins.wait_settled(list(self._entries), timeout)
         return self.ready_pages
 
     def cancel(self) -> int:
@@ -167,7 +187,7 @@ class PrefetchHandle:
                 )
             if self._usable is not None:
                 return self._usable
-        opts = self._cache.options
+        opts = self._options
         if opts.prefetch_policy == "wait_complete":
             self.wait(opts.max_load_wait_s)
         elif opts.prefetch_policy == "timeout":
@@ -179,7 +199,7 @@ class PrefetchHandle:
                 spare = self._entries[self._usable :]
                 self._entries = self._entries[: self._usable]
                 if spare:
-                    self._cache._index.release(spare)
+                    self._pins.release(spare)
             return self._usable
 
     def host_pages(self) -> list[int]:
@@ -196,7 +216,19 @@ class PrefetchHandle:
             entries, self._entries = self._entries, []
             self._usable = 0 if self._usable is None else self._usable
         if entries:
-            self._cache._index.release(entries)
+            self._pins.release(entries)
+
+    # --- recorded by the cache's load (package-internal) --------------------------------
+
+    @property
+    def layers_loaded(self) -> int:
+        """How many distinct layers of the settled prefix were loaded (per-layer loads)."""
+        return len(self._layers_loaded)
+
+    def layer_loaded(self, layer: int) -> int:
+        """Record that ``layer`` was loaded; return :attr:`layers_loaded`."""
+        self._layers_loaded.add(layer)
+        return len(self._layers_loaded)
 
     def __enter__(self) -> PrefetchHandle:
         return self

@@ -209,7 +209,7 @@ def verify_envelope(
         return Rejection.LAYOUT_MISMATCH
     if digest != key_digest(key):
         return Rejection.WRONG_KEY
-    if algo not in ChecksumAlgorithm._value2member_map_:
+    if algo not in ChecksumAlgorithm.__members__.values():
         return Rejection.UNKNOWN_CHECKSUM
     expected = sum(
         (region.view if isinstance(region, Extent) else region).nbytes for region in payload

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 
 from kvtier.core.envelope import ENVELOPE_BYTES
-from kvtier.core.errors import InvalidFieldError, PageError, PoolExhaustedError
+from kvtier.core.errors import InvalidFieldError, KvtierError, PageError, PoolExhaustedError
 from kvtier.core.extents import Extent, extent_of_tensor
 from kvtier.core.geometry import KVGeometry
 from kvtier.core.layout import (
@@ -31,7 +31,7 @@ from kvtier.core.layout import (
     region_stride_bytes,
 )
 
-__all__ = ["HostPool", "aligned_empty"]
+__all__ = ["HostPool", "aligned_empty", "check_host_page"]
 
 
 def aligned_empty(nbytes: int, *, pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,6 +51,23 @@ def aligned_empty(nbytes: int, *, pin_memory: bool = False) -> tuple[torch.Tenso
     offset = (-backing.data_ptr()) % ALIGNMENT
     slab = backing[offset : offset + nbytes]
     return backing, slab
+
+
+def check_host_page(page: object, num_pages: int, *, error: type[KvtierError] = PageError) -> int:
+    """The one host-page-id check: ``page`` if it is an int in ``0..num_pages-1``.
+
+    Otherwise raises ``error`` (PageError from the pool, TransferError from an IO backend)
+    naming the bad id and the valid range, with the id as ``.value``.
+    """
+    if isinstance(page, bool) or not isinstance(page, int):
+        fault = "is not an int"
+    elif 0 <= page < num_pages:
+        return page
+    else:
+        fault = "is out of range"
+    raise error(
+        f"host page {page!r} {fault}: the host pool has pages 0..{num_pages - 1}", value=page
+    )
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -170,14 +187,7 @@ class HostPool:
         return page_view(self.kv_buffers[kv], self.geometry, self.layout)
 
     def _check_page(self, page: object) -> int:
-        if isinstance(page, bool) or not isinstance(page, int):
-            raise PageError(f"page id must be an int, got {page!r}", value=page)
-        if not 0 <= page < self.num_pages:
-            raise PageError(
-                f"page {page} is out of range: this pool has pages 0..{self.num_pages - 1}",
-                value=page,
-            )
-        return page
+        return check_host_page(page, self.num_pages)
 
     def extents(self, page: int) -> list[Extent]:
         """The page's memory regions in canonical order, zero-copy over the pool's memory."""

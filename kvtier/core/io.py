@@ -2,8 +2,11 @@
 
 The contract is :class:`IOBackend`: ``backup`` (device -> host) and ``load`` (host ->
 device), all layers (``layer=None``) or one layer. Every call is validated in full before a
-byte moves, and raises :class:`TransferError` naming the bad value otherwise. Data moves as
-raw bytes, so float8 and bfloat16 pages round-trip bit-exactly.
+byte moves, and raises :class:`TransferError` naming the bad value otherwise; each check is
+written once (:func:`check_device_slots`, :func:`check_layer`, and the host pool's
+:func:`~kvtier.core.host_pool.check_host_page`) and runs once per call: a caller that ran
+the first two already (TieredCache) says so with ``checked=True``. Data moves as raw bytes,
+so float8 and bfloat16 pages round-trip bit-exactly.
 
 Built-ins (declared in :data:`DIRECT_SPEC` and :data:`KERNEL_SPEC`):
 
@@ -18,6 +21,7 @@ Built-ins (declared in :data:`DIRECT_SPEC` and :data:`KERNEL_SPEC`):
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from abc import ABC, abstractmethod
@@ -30,7 +34,7 @@ import torch
 from kvtier.core.device_pool import DevicePool, layer_buffers
 from kvtier.core.errors import TransferError, UnsupportedCombinationError
 from kvtier.core.geometry import AttentionKind, KVGeometry
-from kvtier.core.host_pool import HostPool
+from kvtier.core.host_pool import HostPool, check_host_page
 from kvtier.core.layout import Layout, check_layout, layouts_for, page_axes, page_view
 from kvtier.core.specs import Capability, EmptyConfig, IOBackendSpec, Operation
 
@@ -43,6 +47,8 @@ __all__ = [
     "TransferPlan",
     "capability_table",
     "check_device_slots",
+    "check_layer",
+    "check_slots_in_range",
     "full_matrix",
 ]
 
@@ -104,7 +110,18 @@ def check_device_slots(
             value=device_slots.numel(),
         )
     slots = device_slots.to(torch.int64)
-    if num_slots is not None and slots.numel():
+    if num_slots is not None:
+        check_slots_in_range(slots, num_slots)
+    return slots
+
+
+def check_slots_in_range(slots: torch.Tensor, num_slots: int) -> None:
+    """:func:`check_device_slots`' range rule alone: every slot in ``0..num_slots-1``.
+
+    For a caller that checked the tensor itself earlier and now checks the part it uses
+    (TieredCache's load: only the slots of the pages it loads).
+    """
+    if slots.numel():
         low, high = int(slots.min()), int(slots.max())
         if low < 0 or high >= num_slots:
             bad = low if low < 0 else high
@@ -114,7 +131,16 @@ def check_device_slots(
                 f"the device pool has slots 0..{num_slots - 1}",
                 value=bad,
             )
-    return slots
+
+
+def check_layer(layer: object, num_layers: int) -> int:
+    """The one layer check: ``layer`` if it is an int in ``0..num_layers-1``; else TransferError."""
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+        raise TransferError(
+            f"layer {layer!r} is out of range: the geometry has layers 0..{num_layers - 1}",
+            value=layer,
+        )
+    return layer
 
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
@@ -197,6 +223,12 @@ class IOBackend(ABC):
     returns when the data is in place. Subclasses (plugins included) implement
     :meth:`run_backup` and :meth:`run_load` and may add rules in :meth:`check_slots`;
     the base class validates everything else before they are called.
+
+    ``checked=True`` on :meth:`backup` / :meth:`load` tells the base class that the caller
+    already passed ``device_slots`` through :func:`check_device_slots` (count and range
+    for this device pool, as int64) and ``layer`` through :func:`check_layer`, as
+    TieredCache does; those two checks are then skipped and every other one still runs.
+    Called directly, leave it False: nothing reaches an implementation unchecked.
     """
 
     name = "io"
@@ -233,10 +265,11 @@ class IOBackend(ABC):
         host_pages: Sequence[int],
         *,
         layer: int | None = None,
+        checked: bool = False,
     ) -> None:
         """Copy the KV of ``device_slots`` into ``host_pages`` (one layer, or all)."""
         op = Operation.BACKUP_ALL if layer is None else Operation.BACKUP_LAYER
-        plan = self._validate(op, device, host, device_slots, host_pages, layer)
+        plan = self._validate(op, device, host, device_slots, host_pages, layer, checked)
         if plan is not None:
             self.run_backup(plan)
 
@@ -248,10 +281,11 @@ class IOBackend(ABC):
         device_slots: torch.Tensor,
         *,
         layer: int | None = None,
+        checked: bool = False,
     ) -> None:
         """Copy ``host_pages`` into the device pool at ``device_slots`` (one layer, or all)."""
         op = Operation.LOAD_ALL if layer is None else Operation.LOAD_LAYER
-        plan = self._validate(op, device, host, device_slots, host_pages, layer)
+        plan = self._validate(op, device, host, device_slots, host_pages, layer, checked)
         if plan is not None:
             self.run_load(plan)
 
@@ -292,6 +326,7 @@ class IOBackend(ABC):
         device_slots: Any,
         host_pages: Any,
         layer: Any,
+        checked: bool,
     ) -> TransferPlan | None:
         g = self.geometry
         if not self.supports(operation):
@@ -301,13 +336,8 @@ class IOBackend(ABC):
                 f"{', '.join(sorted(str(c) for c in self.capabilities))}",
                 value=operation,
             )
-        if layer is not None and (
-            isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < g.num_layers
-        ):
-            raise TransferError(
-                f"layer {layer!r} is out of range: the geometry has layers 0..{g.num_layers - 1}",
-                value=layer,
-            )
+        if layer is not None and not checked:
+            check_layer(layer, g.num_layers)
         if not isinstance(host, HostPool):
             raise TransferError(
                 f"host must be a kvtier HostPool, got {type(host).__name__}", value=host
@@ -326,12 +356,15 @@ class IOBackend(ABC):
                 value=host.layout,
             )
         pages = self._pages(host, host_pages)
-        slots = check_device_slots(
-            device_slots,
-            page_size=g.page_size,
-            pages=len(pages),
-            num_slots=device.num_slots,
-        )
+        if checked:  # the caller ran check_device_slots for this device pool
+            slots = device_slots
+        else:
+            slots = check_device_slots(
+                device_slots,
+                page_size=g.page_size,
+                pages=len(pages),
+                num_slots=device.num_slots,
+            )
         if not pages:
             return None
         is_backup = operation in (Operation.BACKUP_ALL, Operation.BACKUP_LAYER)
@@ -363,13 +396,7 @@ class IOBackend(ABC):
                 value=host_pages,
             ) from None
         for page in pages:
-            if isinstance(page, bool) or not isinstance(page, int):
-                raise TransferError(f"host page id {page!r} is not an int", value=page)
-            if not 0 <= page < host.num_pages:
-                raise TransferError(
-                    f"host page {page} is out of range: the pool has pages 0..{host.num_pages - 1}",
-                    value=page,
-                )
+            check_host_page(page, host.num_pages, error=TransferError)
         return pages
 
     # --- views shared by implementations --------------------------------------------
@@ -421,6 +448,12 @@ def _counts(values: Iterable[int]) -> dict[int, int]:
     return counts
 
 
+@functools.lru_cache(maxsize=16)
+def _page_offsets(page_size: int, device: torch.device) -> torch.Tensor:
+    """``arange(page_size)`` on ``device``, made once (``direct``'s whole-page rule)."""
+    return torch.arange(page_size, device=device)
+
+
 def _runs(host_pages: Sequence[int], device_pages: Sequence[int]) -> list[tuple[int, int, int]]:
     """Coalesce pairs into (host_start, device_start, length) runs of consecutive pages."""
     runs: list[tuple[int, int, int]] = []
@@ -439,24 +472,12 @@ class DirectIOBackend(IOBackend):
 
     name = "direct"
 
-    def __init__(
-        self,
-        geometry: KVGeometry,
-        layout: Layout | str,
-        capabilities: Iterable[Capability] = (),
-    ) -> None:
-        super().__init__(geometry, layout, capabilities)
-        self._offsets: dict[torch.device, torch.Tensor] = {}
-
     def check_slots(self, plan: TransferPlan, operation: Operation) -> None:
         """Each page's slots must be one whole device page; loads may not repeat a page."""
         ps = self.geometry.page_size
         rows = plan.slots.view(-1, ps)
         starts = rows[:, :1]
-        offsets = self._offsets.get(rows.device)
-        if offsets is None:
-            offsets = self._offsets[rows.device] = torch.arange(ps, device=rows.device)
-        bad = (rows != starts + offsets).any(1) | (starts[:, 0] % ps != 0)
+        bad = (rows != starts + _page_offsets(ps, rows.device)).any(1) | (starts[:, 0] % ps != 0)
         if bool(bad.any()):
             index = int(bad.nonzero()[0, 0])
             got = rows[index].tolist()
