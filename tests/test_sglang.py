@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from kvtier.core.errors import (
     UnknownNameError,
     UnsupportedCombinationError,
 )
+from kvtier.testing import require
 
 hs = sglang_or_skip()
 
@@ -53,12 +53,7 @@ BACKENDS = ["memory", "file", "uring"]
 def _uring_or_skip() -> None:
     from kvtier.backends.uring import URING_SPEC
 
-    reason = URING_SPEC.unavailable_reason()
-    if reason is None:
-        return
-    if os.environ.get("KVTIER_REQUIRE_URING") == "1":
-        pytest.fail(f"KVTIER_REQUIRE_URING=1 but the uring backend is unavailable: {reason}")
-    pytest.skip(f"uring backend unavailable here: {reason}")
+    require("uring", URING_SPEC.unavailable_reason())
 
 
 def extra_config(backend: str, root: Path | None, **section: Any) -> dict[str, Any]:
@@ -423,9 +418,9 @@ def test_get_stats_says_whose_metrics_class_it_returns(
 ) -> None:
     import importlib
 
-    from kvtier.integrations import sglang as adapter
+    from kvtier.integrations.sglang import metrics as adapter_metrics
 
-    adapter._storage_metrics_class.cache_clear()
+    adapter_metrics.storage_metrics_class.cache_clear()
     try:
         importlib.import_module("sglang.srt.observability.metrics_collector")
     except Exception as exc:  # SGLang's metrics module needs its serving stack
@@ -443,7 +438,7 @@ def test_get_stats_says_whose_metrics_class_it_returns(
         assert storage.kvtier_stats()["metrics_fallback"] == 0
     else:  # the fallback is announced once, with the import error, and counted
         assert len(warnings) == 1 and repr(reason) in warnings[0].getMessage()
-        assert type(metrics) is type(again) is adapter._StorageMetricsShape
+        assert type(metrics) is type(again) is adapter_metrics.StorageMetricsShape
         assert storage.kvtier_stats()["metrics_fallback"] == 1
 
 
@@ -602,7 +597,7 @@ def test_an_extra_pool_that_is_neither_kv_shaped_nor_paged_is_refused(attach: An
 
 
 def test_docs_list_every_section_field() -> None:
-    from kvtier.core.config import config_reference_markdown
+    from kvtier.core.config_docs import config_reference_markdown
     from kvtier.integrations.sglang import SGLangSection
 
     docs = (Path(__file__).resolve().parent.parent / "docs" / "sglang.md").read_text()

@@ -67,7 +67,7 @@ def test_sglangs_dynamic_loader_builds_it_in_a_fresh_interpreter(tmp_path: Path)
     }
     result = _fresh(_DYNAMIC, json.dumps(extra), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == [MODULE_PATH, CLASS_NAME]
+    assert result.stdout.split() == [f"{MODULE_PATH}.storage", CLASS_NAME]
 
 
 @pytest.mark.parametrize("name", ["sglang", "sglang.srt.utils"])

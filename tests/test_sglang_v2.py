@@ -12,7 +12,6 @@ over the sliding-window layers, so :class:`MHAHostPool` plays it.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from sglang_host_pool import (
 )
 
 from kvtier.core.errors import StorageError, UnsupportedCombinationError
+from kvtier.testing import require
 from kvtier.testing.mooncake import MooncakeMaster, mooncake_unavailable_reason, use_client_env
 
 hs = sglang_or_skip()
@@ -46,12 +46,7 @@ PS = 4  # tokens per KV page
 def _uring_or_skip() -> None:
     from kvtier.backends.uring import URING_SPEC
 
-    reason = URING_SPEC.unavailable_reason()
-    if reason is None:
-        return
-    if os.environ.get("KVTIER_REQUIRE_URING") == "1":
-        pytest.fail(f"KVTIER_REQUIRE_URING=1 but the uring backend is unavailable: {reason}")
-    pytest.skip(f"uring backend unavailable here: {reason}")
+    require("uring", URING_SPEC.unavailable_reason())
 
 
 @pytest.fixture(params=["memory", "file", "uring"])
@@ -64,11 +59,7 @@ def backend(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def mooncake_master() -> Iterator[MooncakeMaster]:
     """A Mooncake master and a storage node on loopback for this module."""
-    reason = mooncake_unavailable_reason()
-    if reason is not None:
-        if os.environ.get("KVTIER_REQUIRE_MOONCAKE") == "1":
-            pytest.fail(f"KVTIER_REQUIRE_MOONCAKE=1 but Mooncake cannot run here: {reason}")
-        pytest.skip(f"mooncake backend unavailable here: {reason}")
+    require("mooncake", mooncake_unavailable_reason())
     use_client_env()
     master = MooncakeMaster(storage_node_bytes=256 << 20).start()
     try:
@@ -496,3 +487,138 @@ def test_hit_answers_match_sglangs_own_file_backend(seed: int, hybrid: Any, tmp_
             theirs.restorable_prefix_pages,
             theirs.extra_pool_hit_pages,
         ), query
+
+
+# --- key stability: the namespaces and keys stored pages were written under ------------------
+
+#: An SGLang page hash, as its controller passes it.
+RAW = "0f" * 32
+#: Keys and namespace models computed by the adapter before its split into modules
+#: (``settings``, ``plan``, ``pools``, ``metrics``, ``storage``): pages stored then must be
+#: found now. Per case: the storage config, then per pool its namespace model and key.
+KNOWN_KEYS: dict[str, tuple[dict[str, Any], dict[str, tuple[str, str]]]] = {
+    "mha-tp1": (
+        {},
+        {
+            "kv": ("test/model|page_first", f"42d28b76b0a03c93-x-{RAW}"),
+            "mamba": ("test/model|pool=mamba|page_first", f"748c78684386170e-x-{RAW}"),
+            "swa": ("test/model|pool=swa|page_first", f"64efb61149a4f405-x-{RAW}"),
+        },
+    ),
+    "mha-tp2-rank1": (
+        {"tp_rank": 1, "tp_size": 2},
+        {
+            "kv": ("test/model|page_first", f"42d28b76b0a03c93-x-{RAW}_r1of2"),
+            "mamba": ("test/model|pool=mamba|page_first", f"748c78684386170e-x-{RAW}_r1of2"),
+            "swa": ("test/model|pool=swa|page_first", f"64efb61149a4f405-x-{RAW}_r1of2"),
+        },
+    ),
+    "mla-tp2-rank1": (
+        {"mla": True, "tp_rank": 1, "tp_size": 2},
+        {
+            "kv": ("test/model|page_first", f"cdf79cd7c5f071be-x-{RAW}"),
+            "mamba": ("test/model|pool=mamba|tp1of2|page_first", f"b74814a444e94023-x-{RAW}"),
+            "swa": ("test/model|pool=swa|page_first", f"af73c9265c1149ed-x-{RAW}"),
+        },
+    ),
+    "mla-tp2-rank1-cp2-rank1": (
+        {"mla": True, "tp_rank": 1, "tp_size": 2, "cp": (1, 2)},
+        {
+            "kv": ("test/model|cp1of2|page_first", f"8d75a6028ce02b2a-x-{RAW}"),
+            "mamba": (
+                "test/model|cp1of2|pool=mamba|tp1of2|page_first",
+                f"c6ce19f4970e5233-x-{RAW}",
+            ),
+            "swa": ("test/model|cp1of2|pool=swa|page_first", f"3f5a1dd5d2ab01be-x-{RAW}"),
+        },
+    ),
+    "mha-tp4-rank3-pp2-rank1-cp2-rank0-tenant": (
+        {"tp_rank": 3, "tp_size": 4, "pp": (1, 2), "cp": (0, 2), "tenant": "team-a"},
+        {
+            "kv": ("test/model|pp1of2|cp0of2|page_first", f"1ea311c7384943d9-x-{RAW}_r3of4"),
+            "mamba": (
+                "test/model|pp1of2|cp0of2|pool=mamba|page_first",
+                f"307e1bec74f2fb99-x-{RAW}_r3of4",
+            ),
+            "swa": (
+                "test/model|pp1of2|cp0of2|pool=swa|page_first",
+                f"2e1579f37df30b4b-x-{RAW}_r3of4",
+            ),
+        },
+    ),
+    "mha-layer-first-declared-model": (
+        {"layout": "layer_first", "model": "my-model"},
+        {
+            "kv": ("my-model|layer_first", f"50502bb23ccd9653-x-{RAW}"),
+            "mamba": ("my-model|pool=mamba|page_first", f"d7817faee0972e36-x-{RAW}"),
+            "swa": ("my-model|pool=swa|page_first", f"779d93446dff01cd-x-{RAW}"),
+        },
+    ),
+    "mla-tp2-rank0-mamba-by-value": (
+        {"mla": True, "tp_rank": 0, "tp_size": 2, "side_states": True},
+        {
+            "kv": ("test/model|page_first", f"cdf79cd7c5f071be-x-{RAW}"),
+            "mamba": (
+                "test/model|pool=mamba|tp0of2|by-value|page_first",
+                f"0a6f7d676f663684-x-{RAW}",
+            ),
+            "swa": ("test/model|pool=swa|page_first", f"af73c9265c1149ed-x-{RAW}"),
+        },
+    ),
+    "mha-tp2-rank0-mamba-by-value": (
+        {"tp_rank": 0, "tp_size": 2, "side_states": True},
+        {
+            "kv": ("test/model|page_first", f"42d28b76b0a03c93-x-{RAW}_r0of2"),
+            "mamba": (
+                "test/model|pool=mamba|by-value|page_first",
+                f"9e3ee1c6af43a3e2-x-{RAW}_r0of2",
+            ),
+            "swa": ("test/model|pool=swa|page_first", f"64efb61149a4f405-x-{RAW}_r0of2"),
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KNOWN_KEYS))
+def test_keys_and_namespaces_are_the_ones_stored_pages_carry(case: str) -> None:
+    config, expected = KNOWN_KEYS[case]
+    mla, layout = bool(config.get("mla")), str(config.get("layout", "page_first"))
+    section = {"backend": "memory", **{k: config[k] for k in ("tenant", "model") if k in config}}
+    extra = {
+        "backend_name": "kvtier",
+        "module_path": MODULE_PATH,
+        "class_name": CLASS_NAME,
+        "interface_v1": 1,
+        "kvtier": section,
+    }
+    kv: Any = (
+        MLAHostPool(page_size=PS, layout=layout)
+        if mla
+        else MHAHostPool(page_size=PS, layout=layout)
+    )
+    cfg = storage_config(
+        extra_config=extra,
+        is_mla=mla,
+        tp_rank=config.get("tp_rank", 0),
+        tp_size=config.get("tp_size", 1),
+        layout=layout,
+    )
+    cfg.pp_rank, cfg.pp_size = config.get("pp", (0, 1))
+    cfg.attn_cp_rank, cfg.attn_cp_size = config.get("cp", (0, 1))
+    storage = Controller.attach(cfg, kv).storage
+    try:
+        swa: Any = (
+            MLAHostPool(layer_num=2, page_size=PS, pages=16)
+            if mla
+            else MHAHostPool(layer_num=2, head_num=1, page_size=PS, pages=16)
+        )
+        mamba = MambaHostPool(side_states=bool(config.get("side_states")))
+        storage.register_mem_host_pool_v2(mamba, MAMBA)
+        storage.register_mem_host_pool_v2(swa, SWA)
+        pools = {"kv": storage._require(), "mamba": storage._pool(MAMBA), "swa": storage._pool(SWA)}
+        got = {name: (p.plan.namespace.model, p.keys([RAW])[0]) for name, p in pools.items()}
+        assert got == expected
+        for pool in pools.values():  # the store's scope: the namespace id and rank suffix
+            assert pool.plan.context.namespace == pool.plan.namespace.id + pool.plan.rank_suffix
+    finally:
+        storage.close()

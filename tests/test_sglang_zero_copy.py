@@ -10,7 +10,6 @@ loopback (``kvtier.testing.mooncake``).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from sglang_host_pool import (
 
 from kvtier.core.specs import Feature
 from kvtier.plugins.manager import default_registry
+from kvtier.testing import require
 from kvtier.testing.mooncake import MooncakeMaster, mooncake_unavailable_reason, use_client_env
 
 sglang_or_skip()
@@ -41,18 +41,9 @@ def _require(name: str) -> None:
     if name == "uring":
         from kvtier.backends.uring import URING_SPEC
 
-        reason = URING_SPEC.unavailable_reason()
-        flag = "KVTIER_REQUIRE_URING"
+        require(name, URING_SPEC.unavailable_reason())  # KVTIER_REQUIRE_URING
     elif name == "mooncake":
-        reason = mooncake_unavailable_reason()
-        flag = "KVTIER_REQUIRE_MOONCAKE"
-    else:
-        return
-    if reason is None:
-        return
-    if os.environ.get(flag) == "1":
-        pytest.fail(f"{flag}=1 but the {name} backend cannot run here: {reason}")
-    pytest.skip(f"{name} backend unavailable here: {reason}")
+        require(name, mooncake_unavailable_reason())  # KVTIER_REQUIRE_MOONCAKE
 
 
 @pytest.fixture(scope="module")

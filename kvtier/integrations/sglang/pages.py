@@ -4,7 +4,8 @@
 pool, an SWA pool) to a :class:`~kvtier.core.pagestore.PageStore` with no copy;
 :class:`SlotPages` serves a state pool (Mamba) in place through the runs its
 ``get_page_buffer_meta`` names; :class:`StatePages` moves a state pool that names none by
-value, one flat page (SGLang's ``get_data_page``) at a time.
+value, one flat page (SGLang's ``get_data_page``) at a time; :func:`flat_page` checks a
+caller's page tensor on SGLang's generic path.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "SGLangPages",
     "SlotPages",
     "StatePages",
+    "flat_page",
     "in_place_refusal",
     "page_ids",
     "pool_geometry_fields",
@@ -184,6 +186,35 @@ def page_ids(host_indices: Any, count: int, ps: int, num_pages: int) -> list[int
             value=rows[row].tolist(),
         )
     return [int(i) for i in (first // ps).tolist()]
+
+
+def flat_page(tensor: Any, geometry: KVGeometry, *, writable: bool) -> torch.Tensor:
+    """A caller's flat page tensor (SGLang's generic path), checked to hold one page.
+
+    A strided tensor is copied for a put; a get fills the tensor in place, so it must be
+    contiguous.
+    """
+    expected = geometry.bytes_per_page
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+        raise TransferError(
+            f"expected a CPU tensor holding one page, got {type(tensor).__name__}",
+            value=type(tensor).__name__,
+        )
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes != expected:
+        raise TransferError(
+            f"a page tensor of {nbytes} bytes cannot hold a page of "
+            f"{geometry.describe()}; it takes {expected} bytes",
+            value=nbytes,
+        )
+    if tensor.is_contiguous():
+        return tensor
+    if writable:
+        raise TransferError(
+            "legacy get fills the target tensor in place, so it must be contiguous",
+            value=tuple(tensor.stride()),
+        )
+    return tensor.contiguous()
 
 
 class _InPlacePages:

@@ -1,19 +1,22 @@
-"""The extra host pools of hybrid models (Mamba state, sliding-window KV) behind SGLang's v2 calls.
+"""The host pools kvtier serves for SGLang, each behind its own plan and page store.
 
-Each extra pool gets its own kvtier plan, built like the KV pool's (``resolve()`` then
-``open_page_store()``): its own key namespace (the model id carries ``pool=<name>``), its
-own geometry and fingerprint, and the same envelope, verified on every get. A KV-shaped
-pool (an SWA pool: ``kv_buffer`` with heads) is served in place like the KV pool; a state
-pool (Mamba) is served in place through its ``get_page_buffer_meta`` runs, or, where it
-has none, moved by value through SGLang's ``get_data_page`` / ``set_from_flat_data_page``;
-its page is described as a one-layer geometry of its bytes.
+:class:`AttachedPool` is one registered host pool: the KV pool (``register_mem_pool_host``)
+or an extra pool of a hybrid model (``register_mem_host_pool_v2``: Mamba state,
+sliding-window KV). Each has its own plan, built like the KV pool's
+(:mod:`kvtier.integrations.sglang.plan`): its own key namespace (an extra pool's model id
+carries ``pool=<name>``), geometry and fingerprint, and the same envelope, verified on
+every get. A KV-shaped pool (an SWA pool: ``kv_buffer`` with heads) is served in place like
+the KV pool; a state pool (Mamba) is served in place through its ``get_page_buffer_meta``
+runs, or, where it has none, moved by value through SGLang's ``get_data_page`` /
+``set_from_flat_data_page``; its page is described as a one-layer geometry of its bytes.
+The v2 hit rules (``restorable_prefixes``, ``leading_run``) live here too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -25,7 +28,8 @@ from kvtier.core.pagestore import PageStore
 from kvtier.integrations.sglang.pages import SGLangPages, SlotPages, StatePages
 
 __all__ = [
-    "ExtraPool",
+    "AttachedPool",
+    "first_slots",
     "is_kv_shaped",
     "is_per_rank",
     "leading_count",
@@ -76,12 +80,17 @@ def state_geometry_fields(
     )
 
 
-@dataclass
-class ExtraPool:
-    """One extra host pool, registered through ``register_mem_host_pool_v2``."""
+#: How a pool's pages are served: in place (KV-shaped, or state runs), or by value.
+P = TypeVar("P", bound=SGLangPages | SlotPages | StatePages)
 
+
+@dataclass
+class AttachedPool(Generic[P]):
+    """One registered host pool with its plan and page store: the KV pool, or an extra one."""
+
+    #: SGLang's name for the pool: ``"kv"``, ``"mamba"``, ``"swa"``, ...
     name: str
-    pages: SGLangPages | SlotPages | StatePages
+    pages: P
     store: PageStore
     plan: ResolvedPlan
     #: Whether this rank writes the pool's pages (its own pages, or the shared writer).
@@ -93,15 +102,68 @@ class ExtraPool:
         return not isinstance(self.pages, StatePages)
 
     def keys(self, raw: Sequence[str]) -> list[str]:
-        """SGLang's page hashes in this pool's namespace (and rank suffix)."""
+        """SGLang's page hashes in this pool's namespace, with the plan's rank suffix."""
         return [external_key(self.plan.namespace, key, self.plan.rank_suffix) for key in raw]
 
+    def move(self, op: str, keys: list[str], host_indices: Any, firsts: list[int]) -> list[bool]:
+        """Get or put (``op``) the pages at SGLang's ``host_indices`` (``firsts``: each
+        page's first slot): in place, or by value for a state pool that names no memory.
+
+        By value, a get is a leading run and only verified pages reach the pool (through
+        SGLang's ``set_from_flat_data_page``).
+        """
+        if not keys:
+            return []
+        names = self.keys(keys)
+        pages = self.pages
+        if not isinstance(pages, StatePages):
+            ids = pages.pages_of(host_indices, len(keys))
+            return self.store.get(names, ids) if op == "get" else self.store.put(names, ids)
+        host = pages.host_pool
+        if op == "put":
+            tensors = [
+                host.get_data_page(first, flat=True).contiguous().view(torch.uint8)
+                for first in firsts
+            ]
+        else:
+            tensors = [host.get_dummy_flat_data_page().view(torch.uint8) for _ in firsts]
+        ids = pages.add(tensors)
+        try:
+            if op == "put":
+                results: list[bool] = self.store.put(names, ids)
+            else:
+                results = leading_run(self.store.get(names, ids))
+        finally:
+            pages.drop(ids)
+        if op == "get":
+            for first, tensor, ok in zip(firsts, tensors, results, strict=True):
+                if ok:
+                    host.set_from_flat_data_page(first, tensor)
+        return results
+
+    def stats(self, prefix: str = "") -> dict[str, int | float]:
+        """The page store's counters and the backend's (``backend_*``), under ``prefix``."""
+        stats = {f"{prefix}{k}": v for k, v in self.store.stats().items()}
+        backend = self.store.backend_stats()
+        stats.update({f"{prefix}backend_{k}": v for k, v in backend.items()})
+        return stats
+
     def close(self) -> None:
+        """Close the page store (and its backend). Idempotent."""
         if self.closed:
             return
         self.closed = True
         self.store.close()
-        self.store.backend.close()
+
+
+def first_slots(page_size: int, host_indices: Any, count: int) -> list[int] | None:
+    """The first host slot of each of ``count`` pages, or None where SGLang's
+    ``host_indices`` do not hold ``page_size`` indices per page (its v2 contract)."""
+    got = 0 if host_indices is None else int(torch.as_tensor(host_indices).numel())
+    if got != count * page_size:
+        return None
+    flat = torch.as_tensor(host_indices).reshape(-1).to(device="cpu", dtype=torch.int64)
+    return [int(i) for i in flat[::page_size].tolist()] if count else []
 
 
 def restorable_prefixes(

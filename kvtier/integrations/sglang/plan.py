@@ -1,0 +1,238 @@
+"""SGLang's storage config and host pools turned into kvtier plans and page stores.
+
+The one place the adapter resolves: :meth:`SGLangSetup.resolve` builds the plan of the KV
+pool and of every extra pool, and :meth:`SGLangSetup.attach` opens its page store, through
+core's ``resolve()`` and ``open_page_store()``. Ranks are spelt with core's
+:func:`~kvtier.core.keys.rank_suffix`; the namespaces are the ones stored pages carry.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.core.capabilities import ResolvedPlan, check_backend, open_page_store, resolve
+from kvtier.core.config import EngineConfig, load_engine_config
+from kvtier.core.errors import UnsupportedCombinationError
+from kvtier.core.geometry import AttentionKind
+from kvtier.core.keys import rank_suffix
+from kvtier.core.specs import BackendSpec
+from kvtier.core.storage import Counters
+from kvtier.integrations.identity import weights_digest
+from kvtier.integrations.sglang.pages import (
+    SGLangPages,
+    SlotPages,
+    StatePages,
+    in_place_refusal,
+    pool_geometry_fields,
+    pool_layout,
+    unsupported_pool,
+)
+from kvtier.integrations.sglang.pools import (
+    AttachedPool,
+    P,
+    is_kv_shaped,
+    is_per_rank,
+    state_geometry_fields,
+)
+from kvtier.integrations.sglang.settings import LABEL, OPTIONS_AT, SGLangSection
+from kvtier.plugins.registry import Registry
+
+__all__ = ["SGLangSetup", "check_parallelism", "model_id", "rank_tag"]
+
+log = logging.getLogger(__name__)
+
+#: What a state pool must offer to be paged by value (SGLang's MambaPoolHost does).
+_STATE_POOL_METHODS = (
+    "page_size",
+    "get_data_page",
+    "get_dummy_flat_data_page",
+    "set_from_flat_data_page",
+)
+
+
+def rank_tag(axis: str, rank: int, size: int) -> str:
+    """``|<axis><rank>of<size>`` for a parallel axis of several ranks, else ``""``.
+
+    Spelt from core's rank suffix (``_r<rank>of<size>``, empty for one rank), so a rank is
+    written one way; the namespaces stored pages carry read ``|pp1of2``, ``|cp0of2`` and
+    ``|tp1of2``, and must keep reading so.
+    """
+    suffix = rank_suffix(AttentionKind.MHA, int(rank), int(size))  # "": a single rank
+    return f"|{axis}{suffix.removeprefix('_r')}" if suffix else ""
+
+
+def model_id(settings: SGLangSection, config: Any) -> str:
+    """The model's part of the namespace: the declared ``kvtier.model``, else SGLang's
+    model name with a digest of its weight files where it names a local path; then the
+    pipeline stage and context-parallel rank, each where there are several."""
+    name = settings.model or config.model_name or "default"
+    weights = None if settings.model else weights_digest(config.model_name or "")
+    if weights is not None:
+        name = f"{name}#{weights}"
+    pp = rank_tag("pp", getattr(config, "pp_rank", 0), getattr(config, "pp_size", 1))
+    cp = rank_tag("cp", getattr(config, "attn_cp_rank", 0), getattr(config, "attn_cp_size", 1))
+    return name + pp + cp
+
+
+def check_parallelism(config: Any) -> None:
+    """Refuse the parallel set-ups whose pages kvtier cannot store whole."""
+    if getattr(config, "should_split_heads", False):
+        raise UnsupportedCombinationError(
+            "SGLang asks storage to split heads across heterogeneous TP sizes "
+            "(tp_lcm_size); kvtier keys whole pages per rank",
+            value="tp_lcm_size",
+            supported=[
+                "the same --tp-size on every instance sharing the store "
+                "(remove tp_lcm_size from the extra-config)"
+            ],
+        )
+    if getattr(config, "dcp_size", 1) != 1:
+        raise UnsupportedCombinationError(
+            "SGLang decode context parallelism (DCP) splits each page across ranks; "
+            "kvtier stores whole pages",
+            value=config.dcp_size,
+            supported=["decode context parallel size 1"],
+        )
+
+
+@dataclass(frozen=True)
+class SGLangSetup:
+    """One SGLang rank's kvtier set-up: what every pool's plan is resolved from."""
+
+    settings: SGLangSection
+    registry: Registry
+    attention: AttentionKind
+    #: The KV pool's model id (an extra pool's adds ``|pool=<name>``).
+    model: str
+    tp_rank: int
+    tp_size: int
+    #: The storage backend, checked (name, availability, options) at construction.
+    spec: BackendSpec
+
+    @classmethod
+    def for_rank(cls, config: Any, settings: SGLangSection, registry: Registry) -> SGLangSetup:
+        """Check what needs no host pool, as ``resolve()`` will: SGLang constructs the
+        storage first and hands its host pool over in ``register_mem_pool_host``."""
+        attention = AttentionKind.MLA if config.is_mla_model else AttentionKind.MHA
+        model = model_id(settings, config)
+        tp_rank, tp_size = int(config.tp_rank), int(config.tp_size)
+        engine = _engine_config(settings, attention, model, tp_rank, tp_size)
+        spec, _ = check_backend(
+            engine, registry.backends, registry.io_backends, options_at=OPTIONS_AT
+        )
+        check_parallelism(config)
+        return cls(settings, registry, attention, model, tp_rank, tp_size, spec)
+
+    def resolve(self, *, layout: str, model: str | None = None, **geometry: Any) -> ResolvedPlan:
+        """The plan of one host pool: its layout, geometry fields and model id (default:
+        the KV pool's). Every pool's plan comes from here."""
+        config = _engine_config(
+            self.settings,
+            self.attention,
+            self.model if model is None else model,
+            self.tp_rank,
+            self.tp_size,
+            layout=layout,
+            **geometry,
+        )
+        return resolve(
+            config, self.registry.backends, self.registry.io_backends, options_at=OPTIONS_AT
+        )
+
+    def attach(self, name: str, plan: ResolvedPlan, pages: P, *, writes: bool) -> AttachedPool[P]:
+        """Open ``plan``'s page store over ``pages`` (the section's bounds and threads)."""
+        store = open_page_store(plan, pages, **self.settings.page_store_options())
+        return AttachedPool(name, pages, store, plan, writes=writes)
+
+    def kv_pool(self, pool: Any, *, writes: bool) -> AttachedPool[SGLangPages]:
+        """SGLang's KV host pool, checked against the backend, with its page store."""
+        if getattr(pool, "kv_buffer", None) is None:
+            raise unsupported_pool(pool, "it has no kv_buffer (a logical-only anchor pool)")
+        if getattr(pool, "dcp_size", 1) != 1:
+            raise unsupported_pool(pool, "its pages are split by decode context parallelism")
+        plan, pages = self._in_place(pool, self.model)
+        return self.attach("kv", plan, pages, writes=writes)
+
+    def extra_pool(
+        self, name: str, pool: Any, *, writer: bool, counters: Counters
+    ) -> AttachedPool[Any]:
+        """A hybrid model's extra host pool (Mamba state, SWA KV), with its page store.
+
+        Its namespace names the pool; where its pages differ per rank but core's rank
+        suffix does not separate them (the Mamba state of an MLA model), the namespace
+        carries the TP rank as well.
+        """
+        per_rank = is_per_rank(name, self.attention)
+        model = f"{self.model}|pool={name}"
+        if per_rank and not rank_suffix(self.attention, self.tp_rank, self.tp_size):
+            model += rank_tag("tp", self.tp_rank, self.tp_size)
+        writes = writer or per_rank
+        if is_kv_shaped(pool):
+            plan, pages = self._in_place(pool, model)
+            return self.attach(name, plan, pages, writes=writes)
+        missing = [attr for attr in _STATE_POOL_METHODS if not hasattr(pool, attr)]
+        if missing:
+            raise UnsupportedCombinationError(
+                f"SGLang registered the extra host pool {name!r} "
+                f"({type(pool).__name__}), which has no {', '.join(missing)}; kvtier "
+                "stores extra pools that are KV-shaped (kv_buffer with heads, as SWA "
+                "pools) or that page their state (as MambaPoolHost)",
+                value=name,
+                supported=["a Mamba or SWA host pool of SGLang's HostKVCache shape"],
+            )
+        dummy = pool.get_dummy_flat_data_page()
+        page_bytes = int(dummy.numel() * dummy.element_size())
+        fields = state_geometry_fields(name, pool, page_bytes, self.attention)
+        refusal = in_place_refusal(pool, page_bytes)
+        if refusal is not None:
+            # by value the bytes are SGLang's flat data page; a namespace of their own
+            # keeps them apart from pages served in place, whatever either's order
+            model += "|by-value"
+            counters.add("state_pools_by_value")
+            log.warning(
+                "kvtier: SGLang state pool %r (%s) cannot be served in place (%s); its "
+                "pages are copied through SGLang's get_data_page / "
+                "set_from_flat_data_page (counted as state_pages_copied)",
+                name,
+                type(pool).__name__,
+                refusal,
+            )
+        plan = self.resolve(layout="page_first", model=model, **fields)
+        state = SlotPages(pool, page_bytes) if refusal is None else StatePages(pool, page_bytes)
+        return self.attach(name, plan, state, writes=writes)
+
+    def _in_place(self, pool: Any, model: str) -> tuple[ResolvedPlan, SGLangPages]:
+        """The plan and in-place pages of a KV-shaped pool, its memory checked now."""
+        layout = pool_layout(pool, self.attention)
+        fields = pool_geometry_fields(pool, self.attention, self.settings.dtype)
+        plan = self.resolve(layout=layout.value, model=model, **fields)
+        pages = SGLangPages(pool, plan.layout, plan.geometry)
+        pages.extents(0)  # the pool's memory matches the geometry: checked now, not later
+        return plan, pages
+
+
+def _engine_config(
+    settings: SGLangSection,
+    attention: AttentionKind,
+    model: str,
+    tp_rank: int,
+    tp_size: int,
+    **plan: Any,
+) -> EngineConfig:
+    """kvtier's engine config for an SGLang rank; ``plan`` adds layout and geometry."""
+    return load_engine_config(
+        {
+            "backend": settings.backend,
+            "extra_config": settings.extra_config,
+            "attention": attention.value,
+            "model": model,
+            "tenant": settings.tenant,
+            "verify": settings.verify,
+            "tp_rank": tp_rank,
+            "tp_size": tp_size,
+            **plan,
+        },
+        source=LABEL,
+    )

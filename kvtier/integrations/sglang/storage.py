@@ -1,0 +1,401 @@
+"""The HiCache storage class SGLang loads: its v1, v2 and generic calls, over kvtier pools.
+
+SGLang calls this class; it keeps only what SGLang's calls need (which pool, which keys,
+whether this rank writes) and delegates the rest: the section to
+:mod:`~kvtier.integrations.sglang.settings`, plans and page stores to
+:mod:`~kvtier.integrations.sglang.plan`, the pools' pages to
+:mod:`~kvtier.integrations.sglang.pools`, what it reports to
+:mod:`~kvtier.integrations.sglang.metrics`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvtier.cache.metrics import identity_of, store_collector
+from kvtier.core.errors import StorageError, TransferError
+from kvtier.core.storage import Counters
+from kvtier.integrations.sglang.metrics import TransferWindows, kvtier_stats
+from kvtier.integrations.sglang.pages import SGLangPages, flat_page
+from kvtier.integrations.sglang.plan import SGLangSetup
+from kvtier.integrations.sglang.pools import (
+    AttachedPool,
+    first_slots,
+    leading_run,
+    restorable_prefixes,
+)
+from kvtier.integrations.sglang.settings import DOCS, read_section
+from kvtier.plugins.manager import default_registry
+
+try:
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheStorage,
+        HiCacheStorageConfig,
+        PoolTransferResult,
+    )
+except ImportError as exc:  # pragma: no cover - exercised only without SGLang
+    raise ImportError(
+        "kvtier.integrations.sglang needs SGLang's HiCache storage module "
+        f"(sglang.srt.mem_cache.hicache_storage), which failed to import: {exc}. "
+        "Install the extra with `pip install 'kvtier[sglang]'`, or load this class from "
+        "inside the SGLang server (--hicache-storage-backend dynamic)"
+    ) from exc
+
+__all__ = ["KvtierHiCacheStorage"]
+
+log = logging.getLogger(__name__)
+
+
+class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
+    """SGLang HiCache storage on a kvtier backend; load it with the ``dynamic`` backend."""
+
+    def __init__(
+        self,
+        storage_config: HiCacheStorageConfig,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.storage_config = storage_config
+        extra = storage_config.extra_config
+        registry = default_registry()
+        self.settings = read_section(extra, registry)
+        self.setup = SGLangSetup.for_rank(storage_config, self.settings, registry)
+        self.spec = self.setup.spec
+        writer = getattr(storage_config, "is_storage_writer", None)
+        #: Whether this rank writes: every MHA rank, one rank for MLA (SGLang decides).
+        self.is_writer = bool(
+            writer
+            if writer is not None
+            else not storage_config.is_mla_model or storage_config.tp_rank == 0
+        )
+        self.zero_copy = bool((extra or {}).get("interface_v1"))
+        if not self.zero_copy:
+            log.warning(
+                'kvtier: the SGLang extra-config has no "interface_v1": 1, so SGLang uses '
+                "its generic path (a fresh tensor per page and copies in and out of the "
+                'host pool); add "interface_v1": 1 for the zero-copy path (%s). Pages '
+                "moved this way are counted as generic_path_pages.",
+                DOCS,
+            )
+        self._counters = Counters()
+        self._windows = TransferWindows(bool(storage_config.enable_storage_metrics))
+        self._lock = threading.Lock()
+        self._state: AttachedPool[SGLangPages] | None = None
+        #: The extra host pools of a hybrid model, by SGLang's pool name (v2 interface).
+        self._extra: dict[str, AttachedPool[Any]] = {}
+        self._warned: set[str] = set()
+
+    # --- set-up ---------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Check SGLang's host pool against the backend, then build the backend over it."""
+        super().register_mem_pool_host(mem_pool_host)
+        state = self.setup.kv_pool(mem_pool_host, writes=self.is_writer)
+        with self._lock:
+            old, self._state = self._state, state
+        if old is not None:
+            old.close()
+        plan = state.plan
+        log.info(
+            "kvtier: SGLang HiCache storage on backend %r, layout %s, %s, namespace %s, "
+            "%s, zero-copy %s",
+            self.spec.name,
+            plan.layout.value,
+            plan.geometry.describe(),
+            plan.context.namespace,
+            "writer" if self.is_writer else "reader (another rank writes)",
+            "on" if self.zero_copy else "off",
+        )
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Accept the KV pool again under its v2 name; build an extra pool's own store.
+
+        A hybrid model's extra pool (Mamba state, SWA KV) gets a plan of its own, resolved
+        as the KV pool's is (:meth:`SGLangSetup.extra_pool`): its namespace names the pool,
+        its geometry describes its pages, and its pages carry the same verified envelope.
+        """
+        name = str(host_pool_name)
+        state = self._state
+        same_pool = state is not None and host_pool is state.pages.host_pool
+        if name == "kv" or same_pool:
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+            return
+        if state is None or state.closed:
+            raise StorageError(
+                f"SGLang registered the extra host pool {name!r} before the KV pool: "
+                "register_mem_pool_host(kv_pool) comes first (SGLang's controller does so)",
+                value=name,
+            )
+        extra = self.setup.extra_pool(
+            name, host_pool, writer=self.is_writer, counters=self._counters
+        )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        with self._lock:
+            old, self._extra[name] = self._extra.get(name), extra
+        if old is not None:
+            old.close()
+        log.info(
+            "kvtier: SGLang extra host pool %r (%s) on backend %r, %s, %s, namespace %s",
+            name,
+            type(host_pool).__name__,
+            self.spec.name,
+            "in place" if extra.in_place else "by value (copied through SGLang's page calls)",
+            extra.plan.geometry.describe(),
+            extra.plan.context.namespace,
+        )
+
+    def _pool(self, name: Any) -> AttachedPool[Any]:
+        found = self._extra.get(str(name))
+        if found is None or found.closed:
+            raise StorageError(
+                f"SGLang asked for host pool {str(name)!r}, which was never registered "
+                f"(registered: 'kv'{''.join(', ' + repr(n) for n in self._extra)}); "
+                "SGLang registers each pool with register_mem_host_pool_v2 first",
+                value=str(name),
+            )
+        return found
+
+    def _require(self) -> AttachedPool[SGLangPages]:
+        state = self._state
+        if state is None or state.closed:
+            raise StorageError(
+                "kvtier SGLang storage has no host pool: SGLang calls "
+                "register_mem_pool_host(pool) right after construction; call it before any "
+                "transfer (and do not use the object after close())",
+                value=None,
+            )
+        return state
+
+    def _keys(self, state: AttachedPool[Any], keys: Sequence[str]) -> list[str]:
+        return state.keys(keys)
+
+    # --- zero-copy (v1) path ----------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many leading keys are stored (SGLang's prefix-hit query)."""
+        state = self._require()
+        return state.store.prefix_hits(state.keys(keys))
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        """Fill the host pages at ``host_indices`` in place; False for a miss or a bad page."""
+        return self._v1("get", keys, host_indices)
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        """Store the host pages at ``host_indices`` from their memory; True where stored."""
+        return self._v1("put", keys, host_indices)
+
+    def _v1(self, op: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        state = self._require()
+        names = state.keys(keys)
+        pages = state.pages.pages_of(host_indices, len(names))
+        if not names:
+            return []
+        if op == "put" and not self.is_writer:
+            self._counters.add("skipped_not_writer", len(names))
+            return [True] * len(names)
+        start = time.perf_counter()
+        results = state.store.get(names, pages) if op == "get" else state.store.put(names, pages)
+        moved = sum(results)
+        self._windows.record(
+            "prefetch" if op == "get" else "backup",
+            moved,
+            moved * state.pages.geometry.bytes_per_page,
+            time.perf_counter() - start,
+        )
+        return results
+
+    # --- v2 (hybrid models: KV plus extra pools) ------------------------------------------
+
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
+    ) -> Any:
+        """The usable prefix: KV pages, cut where a needed pool's pages are missing.
+
+        Each transfer's pool is checked over the KV hit by its hit policy (``all_pages``:
+        every page; ``trailing_pages``: the last ``len(transfer.keys)``); a prefix length
+        counts only when every pool allows it.
+        """
+        state = self._require()
+        kv_pages = state.store.prefix_hits(state.keys(keys))
+        hits: dict[Any, int] = {"kv": kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            if str(transfer.name) == "kv":
+                continue
+            pool = self._pool(transfer.name)
+            wanted = keys[:kv_pages] if restorable else []
+            present = pool.store.exists(pool.keys(wanted)) if wanted else []
+            policy = getattr(transfer.hit_policy, "value", transfer.hit_policy)
+            allowed, boundary = restorable_prefixes(present, str(policy), len(transfer.keys or []))
+            if boundary:
+                hits[transfer.name] = boundary
+            restorable &= allowed
+        lengths = sorted(restorable)
+        return PoolTransferResult(lengths[-1] if lengths else 0, hits, lengths)
+
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Fill each transfer's host pages; a missing or invalid page ends its pool's run."""
+        return {t.name: leading_run(self._v2("get", t, extra_info)) for t in transfers}
+
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Store each transfer's host pages under its pool's keys; True where stored."""
+        return {t.name: self._v2("put", t, extra_info) for t in transfers}
+
+    def _v2(self, op: str, transfer: Any, extra_info: Any) -> list[bool]:
+        """One pool's transfer: the KV pool's through v1, an extra pool's through its store."""
+        keys = list(transfer.keys or [])
+        if str(transfer.name) == "kv":
+            return self._v1(op, keys, transfer.host_indices)
+        pool = self._pool(transfer.name)
+        firsts = first_slots(pool.pages.page_size, transfer.host_indices, len(keys))
+        if firsts is None:
+            self._index_mismatch(pool, transfer.host_indices, len(keys))
+            return [False] * len(keys)
+        if op == "put" and not pool.writes:
+            self._counters.add("skipped_not_writer", len(keys))
+            return [True] * len(keys)
+        results = pool.move(op, keys, transfer.host_indices, firsts)
+        if keys and not pool.in_place:
+            self._counters.add("state_pages_copied", len(keys) if op == "put" else sum(results))
+        return results
+
+    def _index_mismatch(self, pool: AttachedPool[Any], indices: Any, count: int) -> None:
+        """Count (and once, log) a v2 transfer whose indices are not whole pages."""
+        self._counters.add("v2_index_mismatch")
+        if "v2_index_mismatch" in self._warned:
+            return
+        self._warned.add("v2_index_mismatch")
+        log.warning(
+            "kvtier: SGLang passed %d host indices for %d %r pages of page_size %d; "
+            "those pages are reported not moved (SGLang's v2 contract; counted as "
+            "v2_index_mismatch)",
+            0 if indices is None else int(torch.as_tensor(indices).numel()),
+            count,
+            pool.name,
+            pool.pages.page_size,
+        )
+
+    # --- legacy (generic) path --------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        """Whether one key is stored."""
+        state = self._require()
+        return state.store.exists(state.keys([key]))[0]
+
+    def get(
+        self, key: str, target_location: Any = None, target_sizes: Any = None
+    ) -> torch.Tensor | None:
+        """Read one page into ``target_location`` (a flat page tensor); None on a miss."""
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        """Read pages into the given flat page tensors; None for a miss or a bad page."""
+        state = self._require()
+        names = state.keys(keys)
+        if target_locations is None or len(target_locations) != len(names):
+            raise TransferError(
+                "kvtier's legacy get reads into the caller's tensors: pass one flat page "
+                "tensor per key (SGLang passes host_pool.get_dummy_flat_data_page())",
+                value=None if target_locations is None else len(target_locations),
+            )
+        geometry = state.pages.geometry
+        tensors = [flat_page(t, geometry, writable=True) for t in target_locations]
+        results = self._generic(state, "get", names, tensors)
+        return [t if ok else None for t, ok in zip(target_locations, results, strict=True)]
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        """Store one flat page tensor."""
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        """Store flat page tensors; True only if every page was stored."""
+        state = self._require()
+        names = state.keys(keys)
+        if values is None or len(values) != len(names):
+            raise TransferError(
+                "kvtier's legacy set stores the given tensors: pass one flat page tensor "
+                "per key (SGLang passes host_pool.get_data_page(index))",
+                value=None if values is None else len(values),
+            )
+        if not self.is_writer:
+            self._counters.add("skipped_not_writer", len(names))
+            return True
+        geometry = state.pages.geometry
+        tensors = [flat_page(v, geometry, writable=False) for v in values]
+        return all(self._generic(state, "put", names, tensors))
+
+    def _generic(
+        self,
+        state: AttachedPool[SGLangPages],
+        op: str,
+        names: list[str],
+        tensors: list[torch.Tensor],
+    ) -> list[bool]:
+        self._counters.add("generic_path_pages", len(names))
+        ids = state.pages.add_scratch(tensors)
+        try:
+            return state.store.get(names, ids) if op == "get" else state.store.put(names, ids)
+        finally:
+            state.pages.drop_scratch(ids)
+
+    # --- housekeeping -----------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Remove this model's (and, for MHA, this rank's) pages; MLA: the writer only."""
+        state = self._state
+        if state is None or state.closed:
+            return
+        pools = [state] if self.is_writer else []
+        pools += [p for p in self._extra.values() if p.writes and not p.closed]
+        if not self.is_writer:
+            log.info("kvtier: clear() left to the storage writer rank (MLA pages are shared)")
+        for pool in pools:
+            if not pool.store.clear():  # counted and logged by the page store
+                self._counters.add("clear_failures")
+                log.warning("kvtier: backend %r failed to clear pool %r", self.spec.name, pool.name)
+
+    def get_stats(self) -> Any:
+        """Pages and GB/s per transfer since the last call, as SGLang's StorageMetrics."""
+        return self._windows.take()
+
+    def kvtier_stats(self) -> dict[str, int | float]:
+        """kvtier's counters: the page store's, the backend's (``backend_*``) and ours.
+
+        An extra pool's counters carry its name: ``mamba_invalid``, ``mamba_backend_puts``.
+        """
+        return kvtier_stats(self._counters, self._state, list(self._extra.values()))
+
+    def prometheus_collector(self) -> Any:
+        """A prometheus_client collector of this storage's page store (``kvtier_*`` families,
+        the names and labels a TieredCache's storage tier has; docs/operating.md)."""
+        state = self._require()
+        return store_collector(state.store, identity_of(state.plan))
+
+    def close(self) -> None:
+        """Stop the checksum threads and close the backend. Idempotent."""
+        with self._lock:
+            state = self._state
+            extra = list(self._extra.values())
+        for pool in extra:
+            pool.close()
+        if state is not None:
+            state.close()
