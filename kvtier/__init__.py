@@ -1,143 +1,57 @@
 """kvtier: tiered, pluggable KV-cache storage for LLM serving engines.
 
-The names here are grouped by who needs them:
+This face is for **embedding kvtier in an engine**: open a :class:`TieredCache` from one
+config over the engine's device pool, back pages up, prefetch and load them, read its
+stats. The other audiences have faces of their own:
 
-- **embedding kvtier in an engine**: open a :class:`TieredCache` from one config; an
-  engine adapter that drives its own pools resolves the plan and builds from it with the
-  one construction path (:func:`resolve`, then :func:`open_page_store` and friends);
-- **writing a storage backend**: declare it with :data:`hookimpl` and a
-  :class:`BackendSpec`, implement :class:`StorageBackend`;
-- **writing an IO backend**: declare what it executes with an :class:`IOBackendSpec`,
-  implement :class:`IOBackend`;
-- **errors**, for everyone: one hierarchy under :class:`KvtierError`.
+- **engine-adapter authors** who drive their own pools build from a resolved plan with
+  the one construction path: :mod:`kvtier.adapters` (``resolve``, ``open_page_store``,
+  ``PageStore``, the builders);
+- **writing a storage backend**, **writing an IO backend** or a policy: declare it with
+  :data:`hookimpl` and a spec, implement the contract: :mod:`kvtier.plugins` (specs,
+  contracts, features), proved by the conformance kit in :mod:`kvtier.testing`;
+- **errors**, for everyone: one hierarchy under :class:`KvtierError`, every class in
+  :mod:`kvtier.errors`.
 
-Everything else lives in its own module (``kvtier.core.keys``, ``kvtier.core.envelope``,
-...) and is not part of this face. Importing kvtier loads no plugin: the registry is built
-on first use (:func:`kvtier.plugins.manager.default_registry`, or through TieredCache).
+Importing kvtier loads no plugin: the registry is built on first use.
 """
 
 from __future__ import annotations
 
 from kvtier._version import __version__
 from kvtier.cache import BackupHandle, CacheOptions, PrefetchHandle, TieredCache, open_cache
-from kvtier.core.capabilities import (
-    ResolvedPlan,
-    build_backend,
-    build_host_pool,
-    build_io_backend,
-    open_page_store,
-    resolve,
-)
 from kvtier.core.config import EngineConfig, load_engine_config
 from kvtier.core.device_pool import DevicePool, MHADevicePool, MLADevicePool, TorchDevicePool
-from kvtier.core.errors import (
-    BackendUnavailableError,
-    CacheClosedError,
-    ConfigError,
-    DuplicatePluginError,
-    ExtentError,
-    ExtraConfigSyntaxError,
-    IntegrityError,
-    InvalidFieldError,
-    InvalidKeyError,
-    KvtierError,
-    MissingFieldError,
-    NotAnObjectError,
-    OperationNotDeclaredError,
-    PageError,
-    PluginError,
-    PoolExhaustedError,
-    PrometheusMissingError,
-    StorageError,
-    TransferError,
-    UnknownKeyError,
-    UnknownNameError,
-    UnsupportedCombinationError,
-)
-from kvtier.core.extents import Extent
+from kvtier.core.errors import ConfigError, KvtierError, StorageError
 from kvtier.core.geometry import AttentionKind, KVGeometry
-from kvtier.core.host_pool import HostPool
-from kvtier.core.io import IOBackend, TransferPlan
 from kvtier.core.layout import Layout
-from kvtier.core.pagestore import PageMemory, PageStore
-from kvtier.core.specs import (
-    ALL_ATTENTION,
-    ALL_LAYOUTS,
-    ALL_OPERATIONS,
-    BackendSpec,
-    Capability,
-    Feature,
-    IOBackendSpec,
-    Operation,
-)
-from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBackend
+from kvtier.core.specs import Operation
 from kvtier.plugins.hookspecs import hookimpl
 
 __all__ = [  # noqa: RUF022 - grouped by audience, as the docstring says
     "__version__",
-    # embedding kvtier in an engine
-    "AttentionKind",
-    "BackupHandle",
+    # embedding kvtier in an engine: the cache and its handles
+    "TieredCache",
+    "open_cache",
     "CacheOptions",
-    "DevicePool",
+    "BackupHandle",
+    "PrefetchHandle",
+    # its config and what it describes
     "EngineConfig",
+    "load_engine_config",
     "KVGeometry",
+    "AttentionKind",
     "Layout",
+    "Operation",
+    # the engine's device pool
+    "DevicePool",
     "MHADevicePool",
     "MLADevicePool",
-    "Operation",
-    "PageMemory",
-    "PageStore",
-    "PrefetchHandle",
-    "ResolvedPlan",
-    "TieredCache",
     "TorchDevicePool",
-    "build_backend",
-    "build_host_pool",
-    "build_io_backend",
-    "load_engine_config",
-    "open_cache",
-    "open_page_store",
-    "resolve",
-    # writing a storage backend
-    "ALL_ATTENTION",
-    "ALL_LAYOUTS",
-    "ALL_OPERATIONS",
-    "BackendContext",
-    "BackendSpec",
-    "Counters",
-    "Extent",
-    "Feature",
-    "PageBuffers",
-    "StorageBackend",
+    # declaring a plugin (its contracts: kvtier.plugins)
     "hookimpl",
-    # writing an IO backend
-    "Capability",
-    "HostPool",
-    "IOBackend",
-    "IOBackendSpec",
-    "TransferPlan",
-    # errors
-    "BackendUnavailableError",
-    "CacheClosedError",
-    "ConfigError",
-    "DuplicatePluginError",
-    "ExtentError",
-    "ExtraConfigSyntaxError",
-    "IntegrityError",
-    "InvalidFieldError",
-    "InvalidKeyError",
+    # errors (all of them: kvtier.errors)
     "KvtierError",
-    "MissingFieldError",
-    "NotAnObjectError",
-    "OperationNotDeclaredError",
-    "PageError",
-    "PluginError",
-    "PoolExhaustedError",
-    "PrometheusMissingError",
+    "ConfigError",
     "StorageError",
-    "TransferError",
-    "UnknownKeyError",
-    "UnknownNameError",
-    "UnsupportedCombinationError",
 ]

@@ -2,7 +2,8 @@
 
 - Layering: ``core/`` imports nothing above it; ``plugins/`` only ``core/``; backends
   only ``core/`` and the hook markers; nothing imports the package's face
-  (``kvtier/__init__.py``) from inside the package.
+  (``kvtier/__init__.py``) from inside the package; the import graph has no cycle, and
+  only the command itself and ``__main__`` entry scripts import ``kvtier.cli``.
 - One construction path: only :mod:`kvtier.core.capabilities` calls a plugin's factory.
 - Privacy: no private module (``_name``) is imported from outside its package.
 - One home per concept: every public error class lives in ``core/errors.py``; every
@@ -112,13 +113,121 @@ def test_backends_use_only_core_and_the_hook_markers(path: Path) -> None:
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_nothing_inside_imports_the_package_face(path: Path) -> None:
-    if path == PACKAGE / "__init__.py":
+    # the faces: kvtier (embedders), kvtier.adapters, kvtier.errors, kvtier.plugins' names
+    if path in (PACKAGE / "__init__.py", PACKAGE / "adapters.py", PACKAGE / "errors.py"):
         return
-    faces = {"kvtier", *(f"kvtier.{name}" for name in kvtier.__all__)}
+    import kvtier.adapters
+    import kvtier.errors
+    import kvtier.plugins
+
+    faces = {"kvtier", "kvtier.adapters", "kvtier.errors"}
+    for face in (kvtier, kvtier.adapters, kvtier.errors, kvtier.plugins):
+        faces.update(f"{face.__name__}.{name}" for name in face.__all__)
     bad = [name for name in _imports(path) if name in faces]
     assert not bad, (
-        f"{path.relative_to(ROOT)} imports {bad} from the package's face; import from the "
-        "module that defines it (the face only re-exports)"
+        f"{path.relative_to(ROOT)} imports {bad} from a face of the package; import from "
+        "the module that defines it (a face only re-exports)"
+    )
+
+
+def test_the_faces_are_small_and_each_name_is_defined_below_them() -> None:
+    import kvtier.adapters
+    import kvtier.errors
+    import kvtier.plugins
+
+    assert len(kvtier.__all__) <= 25, "the embedders' face holds about 25 names at most"
+    for face in (kvtier, kvtier.adapters, kvtier.errors, kvtier.plugins):
+        for name in face.__all__:
+            value = getattr(face, name)
+            home = getattr(value, "__module__", None)
+            assert home is None or home != face.__name__ or name == "__version__", (face, name)
+
+
+#: Every module of the package by dotted name (a package by its ``__init__.py``).
+MODULES = {_module_name(path): path for path in SOURCES}
+
+
+def _dynamic_imports(path: Path) -> list[str]:
+    """Modules ``path`` imports by a literal name at run time: ``import_module("kvtier.x")``."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not (isinstance(node, ast.Call) and node.args):
+            continue
+        func = node.func
+        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        first = node.args[0]
+        if (
+            called == "import_module"
+            and isinstance(first, ast.Constant)
+            and isinstance(first.value, str)
+        ):
+            names.append(first.value)
+    return names
+
+
+def _module_of(name: str) -> str | None:
+    """The package module an imported name loads: ``kvtier.core.config.AUTO`` -> its module."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports: at the top, inside a function, or by name."""
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        targets = {_module_of(n) for n in (*_imports(path), *_dynamic_imports(path))}
+        graph[name] = {t for t in targets if t is not None and t != name}
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle as ``[a, b, ..., a]``, or ``[]`` when there is none."""
+    state: dict[str, str] = {}  # "open" while on the current path, then "done"
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = "open"
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == "open":
+                return [*path[path.index(target) :], target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[node] = "done"
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return []
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+    cycle = _find_cycle(_import_graph())
+    assert not cycle, (
+        f"import cycle: {' -> '.join(cycle)} (deferred and import_module() imports count); "
+        "make the dependency run one way, from the layer above to the one below"
+    )
+
+
+def test_only_entry_points_import_the_command() -> None:
+    def is_cli(name: str) -> bool:
+        return name == "kvtier.cli" or name.startswith("kvtier.cli.")
+
+    bad = sorted(
+        name
+        for name, targets in _import_graph().items()
+        if any(is_cli(t) for t in targets) and not is_cli(name) and not name.endswith(".__main__")
+    )
+    assert not bad, (
+        f"{bad} import kvtier.cli; the command sits on top of everything, so only it and "
+        "`python -m` entry scripts (__main__.py) may import it"
     )
 
 

@@ -181,7 +181,7 @@ def _collect(
             if not isinstance(spec, spec_type):
                 raise PluginError(
                     f"plugin {_plugin!r} passed {spec!r} to register() in {hook_name}; "
-                    f"it takes a kvtier.{spec_type.__name__}",
+                    f"it takes a kvtier.plugins.{spec_type.__name__}",
                     value=spec,
                 )
             if spec.name in found:

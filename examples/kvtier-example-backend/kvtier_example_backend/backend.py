@@ -7,14 +7,14 @@ import sqlite3
 import threading
 from collections.abc import Sequence
 
-import kvtier
+import kvtier.plugins
 from kvtier_example_backend.plugin import SqliteConfig
 
 
-class SqliteBackend(kvtier.StorageBackend):
+class SqliteBackend(kvtier.plugins.StorageBackend):
     """Pages as BLOB rows keyed by page key. A row replace is atomic, so puts are too."""
 
-    def __init__(self, config: SqliteConfig, context: kvtier.BackendContext) -> None:
+    def __init__(self, config: SqliteConfig, context: kvtier.plugins.BackendContext) -> None:
         self.config = config
         self.namespace = context.namespace
         fd = os.open(config.path, os.O_CREAT | os.O_RDWR, 0o600)
@@ -39,7 +39,7 @@ class SqliteBackend(kvtier.StorageBackend):
             }
         return [key in found for key in keys]
 
-    def get(self, keys: Sequence[str], pages: Sequence[kvtier.PageBuffers]) -> list[bool]:
+    def get(self, keys: Sequence[str], pages: Sequence[kvtier.plugins.PageBuffers]) -> list[bool]:
         results = []
         for key, page in zip(keys, pages, strict=True):
             with self._lock:
@@ -56,7 +56,7 @@ class SqliteBackend(kvtier.StorageBackend):
             results.append(True)
         return results
 
-    def put(self, keys: Sequence[str], pages: Sequence[kvtier.PageBuffers]) -> list[bool]:
+    def put(self, keys: Sequence[str], pages: Sequence[kvtier.plugins.PageBuffers]) -> list[bool]:
         rows = [
             (self.namespace, key, b"".join(extent.view for extent in page))
             for key, page in zip(keys, pages, strict=True)

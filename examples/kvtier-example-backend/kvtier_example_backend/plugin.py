@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-import kvtier
+import kvtier.plugins
 
 
 class SqliteConfig(BaseModel):
@@ -23,10 +23,10 @@ class SqliteConfig(BaseModel):
 
 
 @kvtier.hookimpl
-def kvtier_register_backends(register: Callable[[kvtier.BackendSpec], None]) -> None:
+def kvtier_register_backends(register: Callable[[kvtier.plugins.BackendSpec], None]) -> None:
     """Declare the ``example_sqlite`` backend."""
     register(
-        kvtier.BackendSpec(
+        kvtier.plugins.BackendSpec(
             name="example_sqlite",
             factory="kvtier_example_backend.backend:SqliteBackend",
             config_model=SqliteConfig,
@@ -35,9 +35,11 @@ def kvtier_register_backends(register: Callable[[kvtier.BackendSpec], None]) -> 
             install_hint="SQLite ships with CPython; rebuild Python with sqlite3 support",
             # Declarations are conservative: list what the backend supports. It stores
             # opaque bytes, so every layout, attention kind and operation works.
-            layouts=kvtier.ALL_LAYOUTS,
-            attention=kvtier.ALL_ATTENTION,
-            operations=kvtier.ALL_OPERATIONS,
-            features=frozenset({kvtier.Feature.PERSISTENT, kvtier.Feature.SHARED_PROCESSES}),
+            layouts=kvtier.plugins.ALL_LAYOUTS,
+            attention=kvtier.plugins.ALL_ATTENTION,
+            operations=kvtier.plugins.ALL_OPERATIONS,
+            features=frozenset(
+                {kvtier.plugins.Feature.PERSISTENT, kvtier.plugins.Feature.SHARED_PROCESSES}
+            ),
         )
     )
