@@ -1,43 +1,42 @@
-"""kvtier behind SGLang's HiCache (zero-copy v1 path) vs raw os.pwritev / os.preadv and
-vs SGLang's own HiCacheFile.
+"""kvtier behind SGLang's own HiCacheController and host pool, vs SGLang's own HiCacheFile
+behind the same, and vs raw os.pwritev / os.preadv.
 
 Usage: ``python benchmarks/sglang.py [--quick] [--root DIR] [--reps N]``. One JSON object
-per line on stdout, a table on stderr.
+per line on stdout, a table on stderr. It needs SGLang's KV classes, which import only in the
+SGLang test environment (``scripts/install-sglang.sh``: ``.venv-sglang``); started with
+another python it runs itself again with that environment's.
 
 Pages of 8 MiB (MHA, 32 layers, 8 KV heads, head_dim 128, bf16, 64 tokens, SGLang's
-default ``page_first`` layout): 256 of them, 32 with ``--quick``. Our side is the path a
-SGLang server takes: ``StorageBackendFactory.create_backend("dynamic", ...)`` builds
-``KvtierHiCacheStorage`` on the ``file`` backend, and the cache controller's calls move the
-pages (``batch_set_v1`` for backup, ``batch_exists`` + ``batch_get_v1`` for prefetch, in
-SGLang's batches of 128), with the envelope and full checksum verification on. The
-baseline moves the very same regions (each page's 4096-byte envelope slot and its K and V
-blocks in the host pool) with one ``open`` + ``os.pwritev`` / ``os.preadv`` + ``close``
-per page file, one request at a time in this thread. Cases:
+default ``page_first`` layout): 256 of them, 32 with ``--quick``, in SGLang's own
+``MHATokenToKVPoolHost`` (built from its ``MHATokenToKVPool`` on the CPU, unpinned). Each
+side is attached to SGLang's own ``HiCacheController`` the way a server attaches it, and
+every transfer goes through the controller's threads: ``write_storage`` -> the backup
+thread, ``prefetch`` -> the prefetch thread's hit query, a prefetch operation -> the
+prefetch I/O thread; the benchmark waits for the controller's acknowledgements. Ours is
+``--hicache-storage-backend dynamic`` with kvtier on its ``file`` backend and
+``"interface_v1": 1`` (the controller calls ``batch_set_v1`` / ``batch_exists`` /
+``batch_get_v1``), envelope and full checksum verification on. The peer is
+``--hicache-storage-backend file`` (SGLang's ``HiCacheFile``), for which the controller
+takes its generic page path (``batch_set`` of ``get_data_page`` tensors, ``batch_get`` into
+``get_dummy_flat_data_page`` tensors copied back with ``set_from_flat_data_page``).
 
-- ``put``: write every page (ours replaces the previous repetition's pages atomically);
-- ``get warm``: read every page back with the files in the page cache, every page's
-  payload checksum verified (the default, ``verify: full``);
-- ``get warm, verify=header``: the same files read with ``verify: header`` (envelope
-  header checked, payload checksum skipped), to show what the checksum costs; no target;
-- ``get warm, generic path``: the same through SGLang's generic path (no
-  ``interface_v1``: a fresh tensor per page and copies), for comparison, no target.
-
-Peer comparison, same pages, same run: SGLang's own ``HiCacheFile`` (``--hicache-storage-
-backend file``), built by SGLang's ``StorageBackendFactory`` and driven through the generic
-page path its cache controller takes for it (``batch_set`` of ``get_data_page`` tensors;
-``batch_exists``, then ``batch_get`` into ``get_dummy_flat_data_page`` tensors copied back
-with ``set_from_flat_data_page``). ``ratio`` is kvtier's v1 path (full verification on) over
-``HiCacheFile``:
+Every get loads into host pages zeroed beforehand (untimed) and every byte is compared with
+what was stored (untimed, an xxh3-128 digest per page), on both sides. Cases:
 
 - ``put vs HiCacheFile``: both stores emptied (untimed) before each repetition, since
   ``HiCacheFile`` skips keys it already has; target 1.1;
 - ``get warm vs HiCacheFile``: files in the page cache; target 2.0;
 - ``get cold vs HiCacheFile``: every file of both stores written back and evicted from the
-  page cache (``posix_fadvise(DONTNEED)``, untimed) before each repetition; no target.
+  page cache (``posix_fadvise(DONTNEED)``, untimed) before each repetition; no target;
+- ``exists vs HiCacheFile``: the prefetch thread's hit query over every page (``ms``, the
+  ratio is HiCacheFile's time over ours); no target;
+- ``put`` / ``get warm`` against raw ``open`` + ``os.pwritev`` / ``os.preadv`` + ``close``
+  of the same regions (each page's 4096-byte envelope slot and its K and V blocks in the
+  host pool), one page at a time in this thread; target 0.85;
+- ``get warm, verify=header`` and ``get warm, generic path`` (kvtier without
+  ``interface_v1``), against the same raw reads, for comparison; no target.
 
-The host pool is the test stand-in with SGLang's ``MHATokenToKVPoolHost`` buffer shapes
-(``tests/sglang_host_pool.py``; the real class needs GPU dependencies to import). Both sides
-run interleaved in each repetition after a warm-up; the median is reported.
+Both sides run interleaved in each repetition after a warm-up; the median is reported.
 """
 
 from __future__ import annotations
@@ -63,6 +62,21 @@ import sglang_host_pool as shp  # noqa: E402
 
 MiB = 1024 * 1024
 TARGET = 0.85
+
+
+def _in_sglang_env() -> None:
+    """Run again with the SGLang environment's python where SGLang's KV classes are absent."""
+    try:
+        shp.load_kv_classes()
+    except ImportError as exc:
+        python = shp.VENV / "bin" / "python"
+        if shp.in_sglang_env() or not python.exists():
+            raise SystemExit(
+                f"benchmarks/sglang.py needs SGLang's KV classes ({exc}); run "
+                "scripts/install-sglang.sh, which makes the SGLang environment "
+                f"{shp.VENV}"
+            ) from None
+        os.execv(str(python), [str(python), __file__, *sys.argv[1:]])
 
 
 def _extra(root: Path, *, zero_copy: bool, section: dict[str, Any]) -> dict[str, Any]:
@@ -96,7 +110,7 @@ def _raw_get(paths: list[Path], pages: list[list[Any]]) -> None:
 
 
 class Case(NamedTuple):
-    """One measured case: our side, the baseline, and an untimed step before each run."""
+    """One measured case: our side, the baseline, and untimed steps before and after each run."""
 
     name: str
     ours: Callable[[], None]
@@ -104,12 +118,23 @@ class Case(NamedTuple):
     baseline_name: str
     target: float | None
     setup: Callable[[], None] | None = None
+    #: checks what a run of either side left in the host pool (untimed)
+    check: Callable[[], None] | None = None
+    #: "GB/s" (higher is better) or "ms" (a time: the ratio is baseline over ours)
+    unit: str = "GB/s"
 
 
 def _timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def _digests(pool: Any, starts: list[int]) -> list[bytes]:
+    """An xxh3-128 digest of each page's bytes in the host pool."""
+    import xxhash
+
+    return [xxhash.xxh3_128_digest(shp.page_content(pool, s).numpy()) for s in starts]
 
 
 def main() -> int:
@@ -121,6 +146,7 @@ def main() -> int:
     parser.add_argument("--checksum-workers", type=int, default=None)
     parser.add_argument("--io-threads", type=int, default=None, help="file backend threads")
     args = parser.parse_args()
+    _in_sglang_env()
     section: dict[str, Any] = {}
     if args.checksum_workers is not None:
         section["checksum_workers"] = args.checksum_workers
@@ -128,25 +154,26 @@ def main() -> int:
     reps = args.reps or (3 if args.quick else 5)
 
     os.environ.setdefault("KVTIER_DISABLE_PLUGIN_AUTOLOAD", "1")
-    shp.load_sglang()
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorage
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    from kvtier.integrations.sglang import KvtierHiCacheStorage
 
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-sglang-", dir=args.root))
+    controllers: list[shp.Controller] = []
     try:
-        pool = shp.MHAHostPool(
-            layer_num=32,
-            head_num=8,
-            head_dim=128,
-            page_size=64,
-            pages=count,
-            layout="page_first",
+        pool = shp.mha_host_pool(
+            layer_num=32, head_num=8, head_dim=128, page_size=64, pages=count, layout="page_first"
         )
+        assert type(pool) is MHATokenToKVPoolHost
         ps = pool.page_size
-        page_mib = pool.page_bytes() / MiB
+        page_mib = shp.page_bytes(pool) / MiB
         indices = pool.alloc(count * ps)
-        for i in range(count):
-            pool.fill_random(int(indices[i * ps]), i)
-        hashes = shp.page_hashes(list(range(count * ps)), ps)
+        starts = shp.starts(pool, indices)
+        for i, start in enumerate(starts):
+            shp.fill_random(pool, start, i)
+        stored = _digests(pool, starts)
+        chain = shp.page_hashes(list(range(count * ps)), ps)
 
         def attach(name: str, *, zero_copy: bool, verify: str = "full") -> shp.Controller:
             extra = _extra(workdir / name, zero_copy=zero_copy, section=section)
@@ -154,45 +181,57 @@ def main() -> int:
             if args.io_threads is not None:
                 extra["kvtier"]["extra_config"]["io_threads"] = args.io_threads
             controller = shp.Controller.attach(shp.storage_config(extra_config=extra), pool)
-            assert isinstance(controller.storage, HiCacheStorage)
+            assert isinstance(controller.storage, KvtierHiCacheStorage)
+            assert controller.zero_copy == zero_copy
+            controllers.append(controller)
             return controller
 
         def attach_peer() -> shp.Controller:
-            from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-
             extra = {"file_storage_path": str(workdir / "peer")}
             config = shp.storage_config(extra_config=extra)
-            storage = StorageBackendFactory.create_backend("file", config, pool)
-            storage.register_mem_pool_host(pool)
-            return shp.Controller(storage, config, pool, zero_copy=False)
+            controller = shp.Controller.attach(config, pool, backend="file")
+            assert type(controller.storage) is HiCacheFile and not controller.zero_copy
+            controllers.append(controller)
+            return controller
 
         ours = attach("ours", zero_copy=True)
         peer = attach_peer()
         header_only = attach("ours", zero_copy=True, verify="header")  # the same files
         generic = attach("generic", zero_copy=False)
+        assert isinstance(peer.storage, HiCacheStorage)
         pages = [ours.storage._require().pages.page_buffers(i) for i in range(count)]
         raw_dir = workdir / "raw"
         raw_dir.mkdir()
         raw_paths = [raw_dir / f"page-{i:05d}" for i in range(count)]
         nbytes = sum(r.length for regions in pages for r in regions)
+        peer_bytes = count * shp.page_bytes(pool)
 
-        def our_put() -> None:
-            assert ours.backup(hashes, indices) == count * ps
+        def put(side: shp.Controller) -> Callable[[], None]:
+            def run() -> None:
+                assert side.backup(chain, indices) == count * ps
 
-        def our_get() -> None:
-            assert ours.prefetch(ours.hit_query(hashes), indices) == count
+            return run
 
-        def header_get() -> None:
-            assert header_only.prefetch(header_only.hit_query(hashes), indices) == count
+        def get(side: shp.Controller) -> Callable[[], None]:
+            def run() -> None:
+                assert side.prefetch(chain, indices) == count
 
-        def generic_get() -> None:
-            assert generic.prefetch(generic.hit_query(hashes), indices) == count
+            return run
 
-        def peer_put() -> None:
-            assert peer.backup(hashes, indices) == count * ps
+        def exists(side: shp.Controller) -> Callable[[], None]:
+            def run() -> None:
+                assert side.hit_query(chain) == chain
 
-        def peer_get() -> None:
-            assert peer.prefetch(peer.hit_query(hashes), indices) == count
+            return run
+
+        def zero_pool() -> None:
+            for start in starts:
+                shp.zero_page(pool, start)
+
+        def check_pool() -> None:
+            got = _digests(pool, starts)
+            bad = [i for i, (a, b) in enumerate(zip(got, stored, strict=True)) if a != b]
+            assert not bad, f"pages {bad[:8]} came back with other bytes"
 
         def empty_both() -> None:
             ours.storage.clear()
@@ -208,74 +247,116 @@ def main() -> int:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 finally:
                     os.close(fd)
+            zero_pool()
 
-        # warm-up: every file written and read once, every buffer touched
-        peer_put()
-        peer_get()
-        our_put()
+        # warm-up: every file written and read once (every byte checked), every buffer touched
+        for side in (peer, ours, generic):
+            put(side)()
+            zero_pool()
+            get(side)()
+            check_pool()
         _raw_put(raw_paths, pages)
-        assert generic.backup(hashes, indices) == count * ps
-        our_get()
         _raw_get(raw_paths, pages)
-        generic_get()
+        check_pool()
 
         raw_put = lambda: _raw_put(raw_paths, pages)  # noqa: E731
         raw_get = lambda: _raw_get(raw_paths, pages)  # noqa: E731
         peer_name = "sglang HiCacheFile (generic path)"
         cases: list[Case] = [
-            Case("put", our_put, raw_put, "os.pwritev", TARGET),
-            Case("get warm", our_get, raw_get, "os.preadv", TARGET),
-            Case("get warm, verify=header", header_get, raw_get, "os.preadv", None),
-            Case("get warm, generic path", generic_get, raw_get, "os.preadv", None),
-            Case("put vs HiCacheFile", our_put, peer_put, peer_name, 1.1, empty_both),
-            Case("get warm vs HiCacheFile", our_get, peer_get, peer_name, 2.0),
-            Case("get cold vs HiCacheFile", our_get, peer_get, peer_name, None, evict_both),
+            Case("put vs HiCacheFile", put(ours), put(peer), peer_name, 1.1, empty_both),
+            Case(
+                "get warm vs HiCacheFile",
+                get(ours),
+                get(peer),
+                peer_name,
+                2.0,
+                zero_pool,
+                check_pool,
+            ),
+            Case(
+                "get cold vs HiCacheFile",
+                get(ours),
+                get(peer),
+                peer_name,
+                None,
+                evict_both,
+                check_pool,
+            ),
+            Case("exists vs HiCacheFile", exists(ours), exists(peer), peer_name, None, unit="ms"),
+            Case("put", put(ours), raw_put, "os.pwritev", TARGET),
+            Case("get warm", get(ours), raw_get, "os.preadv", TARGET, zero_pool, check_pool),
+            Case(
+                "get warm, verify=header",
+                get(header_only),
+                raw_get,
+                "os.preadv",
+                None,
+                zero_pool,
+                check_pool,
+            ),
+            Case(
+                "get warm, generic path",
+                get(generic),
+                raw_get,
+                "os.preadv",
+                None,
+                zero_pool,
+                check_pool,
+            ),
         ]
         rows = []
-        for case, mine, raw, raw_name, target, setup in cases:
-            if args.only not in case:
+        for case in cases:
+            if args.only not in case.name:
                 continue
             times_ours: list[float] = []
-            times_raw: list[float] = []
+            times_base: list[float] = []
             for rep in range(reps):
-                order = [(times_raw, raw), (times_ours, mine)]
+                order = [(times_base, case.baseline), (times_ours, case.ours)]
                 for times, fn in order if rep % 2 else order[::-1]:
-                    if setup is not None:
-                        setup()
+                    if case.setup is not None:
+                        case.setup()
                     times.append(_timed(fn))
-            if "vs HiCacheFile" in case:
+                    if case.check is not None:
+                        case.check()
+            if case.setup is empty_both:
                 # the put case emptied both stores: leave every page stored for the gets
-                our_put()
-                peer_put()
-            ours_gbs = nbytes / statistics.median(times_ours) / 1e9
-            raw_gbs = nbytes / statistics.median(times_raw) / 1e9
+                put(ours)()
+                put(peer)()
+            t_ours, t_base = statistics.median(times_ours), statistics.median(times_base)
+            if case.unit == "ms":
+                mine, base, ratio = t_ours * 1e3, t_base * 1e3, t_base / t_ours
+            else:
+                base_bytes = peer_bytes if "HiCacheFile" in case.name else nbytes
+                mine, base = nbytes / t_ours / 1e9, base_bytes / t_base / 1e9
+                ratio = mine / base
             row = {
                 "bench": "sglang",
-                "case": f"{case} {count}x{page_mib:g}MiB",
-                "ours": round(ours_gbs, 3),
-                "baseline": round(raw_gbs, 3),
-                "baseline_name": raw_name,
-                "unit": "GB/s",
-                "ratio": round(ours_gbs / raw_gbs, 3),
-                "target": target,
+                "case": f"{case.name} {count}x{page_mib:g}MiB",
+                "ours": round(mine, 3),
+                "baseline": round(base, 3),
+                "baseline_name": case.baseline_name,
+                "unit": case.unit,
+                "ratio": round(ratio, 3),
+                "target": case.target,
             }
             print(json.dumps(row), flush=True)
             rows.append(row)
         stats = ours.storage.kvtier_stats()
         assert stats["invalid"] == 0 and stats["backend_errors"] == 0, stats
+        assert stats.get("backend_staged_pages", 0) == 0, stats
         print(
-            f"{'case':<40}{'kvtier GB/s':>12}{'baseline GB/s':>15}{'ratio':>8}  baseline",
+            f"{'case':<44}{'kvtier':>10}{'baseline':>10}{'unit':>6}{'ratio':>8}  baseline",
             file=sys.stderr,
         )
         for row in rows:
             print(
-                f"{row['case']:<40}{row['ours']:>12.2f}{row['baseline']:>15.2f}"
-                f"{row['ratio']:>8.2f}  {row['baseline_name']}",
+                f"{row['case']:<44}{row['ours']:>10.2f}{row['baseline']:>10.2f}"
+                f"{row['unit']:>6}{row['ratio']:>8.2f}  {row['baseline_name']}",
                 file=sys.stderr,
             )
-        for controller in (ours, header_only, generic):
-            controller.storage.close()
     finally:
+        for controller in controllers:
+            controller.close()
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
 

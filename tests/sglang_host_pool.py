@@ -1,43 +1,46 @@
-"""SGLang test support: the real storage module, a stand-in host pool, and the cache
-controller's storage calls in the controller's order.
+"""SGLang test support: SGLang's own KV classes on the CPU, and its own cache controllers.
 
-Real SGLang code used here: ``sglang.srt.mem_cache.hicache_storage`` (``HiCacheStorage``,
-``HiCacheStorageConfig``, ``HiCacheStorageExtraInfo``, ``STORAGE_BATCH_SIZE``,
-``PoolName``) and ``sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory``
-(the ``dynamic`` loader), imported from the installed wheel the way a user imports them
-(``import sglang`` runs; ``scripts/install-sglang.sh`` installs what it needs).
+Everything KV-related here is the installed SGLang release's own code, imported as SGLang
+imports it: the device pools (``MHATokenToKVPool``, ``MLATokenToKVPool``, built with
+``device="cpu"``), the host pools built from them the way SGLang's assembler builds them
+(``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``, ``MambaPoolHost``: the device pool's
+buffer info, ``device_capacity_tokens``, ``start_layer``, ``end_layer``, ``pin_memory=False``),
+the token allocator (``PagedTokenToKVPoolAllocator``), ``HiCacheController`` and, for hybrid
+models, ``HybridCacheController`` over a ``HostPoolGroup``. The controllers run their own
+storage threads (prefetch, prefetch I/O, prefetch sync, backup) and call kvtier's
+``batch_exists`` / ``batch_get_v1`` / ``batch_set_v1`` (and the v2 calls) exactly as in a
+server; :class:`Controller` only puts operations on the controller's queues, where
+SGLang's scheduler puts them, and waits for the controller's acknowledgements.
 
-Not real: SGLang's host pools (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``), its
-``HiCacheController`` and its ``StorageMetricsCollector``. Their modules import
-``sglang.srt.mem_cache.memory_pool`` / ``sglang.srt.configs``, whose ``__init__`` imports
-``sglang/srt/multimodal/internvl_utils.py``, whose line 5 is ``import
-torchvision.transforms``; torchvision's Linux wheels on PyPI link ``libtorch_cuda.so`` and
-``libc10_cuda.so``, which the CPU torch build does not have, so that import fails on a
-CPU-only machine (``docs/sglang.md`` has the chain). :class:`MHAHostPool` and
-:class:`MLAHostPool` have the attributes and page methods of those classes that storage
-backends use, with the same buffer shapes per layout: ``kv_buffer``, ``layout``,
-``page_size``, ``size``, ``page_num``, ``dtype``, ``layer_num``,
-``head_num``/``head_dim``/``v_head_dim`` (MHA), ``kv_lora_rank``/``qk_rope_head_dim``/
-``kv_cache_dim`` (MLA), ``dcp_size``, ``alloc``, ``free``, ``get_data_page``,
-``get_dummy_flat_data_page`` and ``set_from_flat_data_page``.
+What is not SGLang's: the scheduler around the controller (the radix tree that decides
+what to back up and to prefetch), replaced by those few queue operations, and the device
+side of the controller (``write`` / ``load``: device-to-host copies through
+``sgl_kernel``, CUDA only), which no storage test needs.
 
-For hybrid models (the v2 interface), :class:`MambaHostPool` stands in for SGLang's
-``MambaPoolHost`` (``sglang.srt.mem_cache.pool_host.mamba``, which imports the same
-chain and, beyond it, ``transformers``): one state slot per host index (``page_size`` 1),
-a float32 temporal state and bfloat16 conv states per slot in its ``page_first`` buffers,
-and its ``get_data_page`` / ``get_dummy_flat_data_page`` / ``set_from_flat_data_page``,
-which gather a slot into a fresh flat byte tensor and scatter it back. SGLang's SWA host
-pool is an ``MHATokenToKVPoolHost`` over the sliding-window layers (``build_kv_host_pool``
-in ``hybrid_pool_assembler.py``), so :class:`MHAHostPool` stands in for it too.
+SGLang's KV modules import ``torchvision`` (through ``sglang.srt.configs``), which loads
+only beside its own torch build; ``scripts/install-sglang.sh`` installs that torch (SGLang's
+pinned ``torch==2.14.1``, a CUDA build that runs on the CPU) with ``torchvision`` into the
+SGLang test environment (``.venv-sglang``, or ``$KVTIER_SGLANG_VENV``). In kvtier's own
+environment (the CPU torch) these tests skip, and ``tests/test_sglang_env.py`` runs them
+with that environment's python; ``KVTIER_REQUIRE_SGLANG=1`` makes a missing environment a
+failure.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
+import itertools
+import os
+import sys
+import threading
 import types
-from dataclasses import dataclass
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from queue import Empty
 from typing import Any
 
 import torch
@@ -45,6 +48,25 @@ import torch
 SGLANG_VERSION = "0.5.23"
 MODULE_PATH = "kvtier.integrations.sglang"
 CLASS_NAME = "KvtierHiCacheStorage"
+ROOT = Path(__file__).resolve().parent.parent
+#: The SGLang test environment scripts/install-sglang.sh makes.
+VENV = Path(os.environ.get("KVTIER_SGLANG_VENV", ROOT / ".venv-sglang"))
+#: How long a test waits for one of the controller's threads before it fails.
+WAIT_S = 60.0
+
+#: SGLang's KV modules whose classes the tests drive (and assert are SGLang's own).
+KV_MODULES = (
+    "sglang.srt.mem_cache.memory_pool",
+    "sglang.srt.mem_cache.pool_host.mha",
+    "sglang.srt.mem_cache.pool_host.mla",
+    "sglang.srt.mem_cache.pool_host.mamba",
+    "sglang.srt.mem_cache.pool_host.group",
+    "sglang.srt.mem_cache.allocator",
+    "sglang.srt.mem_cache.device_pool_info",
+    "sglang.srt.managers.cache_controller",
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller",
+    "sglang.srt.observability.metrics_collector",
+)
 
 
 def load_sglang() -> types.ModuleType:
@@ -57,8 +79,30 @@ def load_sglang() -> types.ModuleType:
     return importlib.import_module("sglang.srt.mem_cache.hicache_storage")
 
 
-def sglang_or_skip() -> types.ModuleType:
-    """:func:`load_sglang`, skipping the test where SGLang is absent (failing if required)."""
+def load_kv_classes() -> dict[str, types.ModuleType]:
+    """Import SGLang's KV modules (:data:`KV_MODULES`); raises ImportError naming the cause."""
+    load_sglang()
+    import warnings
+
+    modules = {}
+    with warnings.catch_warnings():
+        # SGLang's quantization modules warn at import that CUDA kernels are absent
+        warnings.simplefilter("ignore")
+        for name in KV_MODULES:
+            try:
+                modules[name] = importlib.import_module(name)
+            except Exception as exc:
+                raise ImportError(f"{name} failed to import: {exc!r}") from exc
+    return modules
+
+
+def in_sglang_env() -> bool:
+    """Whether this interpreter is the SGLang test environment's."""
+    return Path(sys.prefix).resolve() == VENV.resolve()
+
+
+def sglang_storage_or_skip() -> types.ModuleType:
+    """SGLang's storage module (``import sglang`` works): kvtier's own environment has it."""
     from kvtier.testing import require
 
     try:
@@ -68,268 +112,275 @@ def sglang_or_skip() -> types.ModuleType:
         raise  # not reached: require skipped or failed
 
 
-# --- stand-in host pools --------------------------------------------------------------------
+def sglang_or_skip() -> types.ModuleType:
+    """SGLang's storage module, once SGLang's KV classes import here; else skip.
 
+    In kvtier's own environment (CPU torch, no torchvision) the KV classes cannot import:
+    the test skips there, because ``tests/test_sglang_env.py`` runs it with the SGLang
+    environment's python. Without that environment, or inside it when the classes still
+    fail, it skips, and fails under ``KVTIER_REQUIRE_SGLANG=1``.
+    """
+    import pytest
 
-class _HostPool:
-    """The parts of SGLang's HostKVCache that storage uses: sizes, allocator, page views."""
+    from kvtier.testing import require
 
-    layer_num: int
-    kv_buffer: torch.Tensor
-
-    def __init__(self, *, dtype: torch.dtype, page_size: int, pages: int, layout: str) -> None:
-        self.dtype = dtype
-        self.page_size = page_size
-        self.page_num = pages
-        self.size = pages * page_size
-        self.layout = layout
-        self.dcp_size = 1
-        self.device = "cpu"
-        self.pin_memory = False
-        self.kv_buffer = self.init_kv_buffer()
-        self.free_slots = torch.arange(self.size, dtype=torch.int64)
-
-    def init_kv_buffer(self) -> torch.Tensor:
-        raise NotImplementedError
-
-    def alloc(self, need_size: int) -> torch.Tensor | None:
-        """Token indices of ``need_size // page_size`` whole pages (SGLang's host alloc)."""
-        assert need_size % self.page_size == 0
-        if need_size > len(self.free_slots):
-            return None
-        picked, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
-        return picked
-
-    def free(self, indices: torch.Tensor) -> int:
-        self.free_slots = torch.cat([self.free_slots, indices.cpu()])
-        return len(indices)
-
-    def page_bytes(self) -> int:
-        return self.get_dummy_flat_data_page().numel() * self.dtype.itemsize
-
-    def get_dummy_flat_data_page(self) -> torch.Tensor:
-        raise NotImplementedError
-
-    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
-        raise NotImplementedError
-
-    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        target = self.get_data_page(index, flat=False)
-        target.copy_(data_page.reshape(target.shape))
-
-    def fill_random(self, index: int, seed: int) -> torch.Tensor:
-        """Write random bytes into the page at token ``index``; returns a copy of them."""
-        gen = torch.Generator().manual_seed(seed)
-        page = torch.randint(0, 256, (self.page_bytes(),), dtype=torch.uint8, generator=gen)
-        self.set_from_flat_data_page(index, page.view(self.dtype))
-        return page
-
-    def page_content(self, index: int) -> torch.Tensor:
-        """A copy of the page at token ``index`` as flat bytes."""
-        return self.get_data_page(index, flat=True).contiguous().view(torch.uint8).clone()
-
-    def zero_page(self, index: int) -> None:
-        self.get_data_page(index, flat=False).zero_()
-
-
-class MHAHostPool(_HostPool):
-    """Stand-in for SGLang's MHATokenToKVPoolHost (same kv_buffer shapes per layout)."""
-
-    def __init__(
-        self,
-        *,
-        layer_num: int = 4,
-        head_num: int = 2,
-        head_dim: int = 64,
-        dtype: torch.dtype = torch.bfloat16,
-        page_size: int = 16,
-        pages: int = 32,
-        layout: str = "page_first",
-    ) -> None:
-        self.layer_num = layer_num
-        self.head_num = head_num
-        self.head_dim = head_dim
-        self.v_head_dim = head_dim
-        super().__init__(dtype=dtype, page_size=page_size, pages=pages, layout=layout)
-
-    def init_kv_buffer(self) -> torch.Tensor:
-        L, H, D, ps = self.layer_num, self.head_num, self.head_dim, self.page_size
-        dims = {
-            "layer_first": (2, L, self.size, H, D),
-            "page_first": (2, self.size, L, H, D),
-            "page_first_direct": (2, self.page_num, L, ps, H, D),
-            "page_head": (2, self.page_num, H, ps, L, D),
-        }[self.layout]
-        return torch.zeros(dims, dtype=self.dtype)
-
-    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
-        ps = self.page_size
-        if self.layout == "layer_first":
-            page = self.kv_buffer[:, :, index : index + ps]
-        elif self.layout == "page_first":
-            page = self.kv_buffer[:, index : index + ps]
-        else:
-            page = self.kv_buffer[:, index // ps : index // ps + 1]
-        return page.flatten() if flat else page
-
-    def get_dummy_flat_data_page(self) -> torch.Tensor:
-        shape = (2, self.layer_num, self.page_size, self.head_num, self.head_dim)
-        return torch.zeros(shape, dtype=self.dtype).flatten()
-
-
-class MLAHostPool(_HostPool):
-    """Stand-in for SGLang's MLATokenToKVPoolHost (same kv_buffer shapes per layout)."""
-
-    def __init__(
-        self,
-        *,
-        layer_num: int = 4,
-        kv_lora_rank: int = 96,
-        qk_rope_head_dim: int = 32,
-        dtype: torch.dtype = torch.bfloat16,
-        page_size: int = 16,
-        pages: int = 32,
-        layout: str = "page_first",
-    ) -> None:
-        self.layer_num = layer_num
-        self.kv_lora_rank = kv_lora_rank
-        self.qk_rope_head_dim = qk_rope_head_dim
-        self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
-        super().__init__(dtype=dtype, page_size=page_size, pages=pages, layout=layout)
-
-    def init_kv_buffer(self) -> torch.Tensor:
-        L, D, ps = self.layer_num, self.kv_cache_dim, self.page_size
-        dims = {
-            "layer_first": (L, self.size, 1, D),
-            "page_first": (self.size, L, 1, D),
-            "page_first_direct": (self.page_num, L, ps, 1, D),
-        }[self.layout]
-        return torch.zeros(dims, dtype=self.dtype)
-
-    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
-        ps = self.page_size
-        if self.layout == "layer_first":
-            page = self.kv_buffer[:, index : index + ps]
-        elif self.layout == "page_first":
-            page = self.kv_buffer[index : index + ps]
-        else:
-            page = self.kv_buffer[index // ps : index // ps + 1]
-        return page.flatten() if flat else page
-
-    def get_dummy_flat_data_page(self) -> torch.Tensor:
-        shape = (self.layer_num, self.page_size, 1, self.kv_cache_dim)
-        return torch.zeros(shape, dtype=self.dtype).flatten()
-
-
-class MambaHostPool:
-    """Stand-in for SGLang's MambaPoolHost: state slots moved as flat byte pages."""
-
-    def __init__(
-        self,
-        *,
-        layers: int = 3,
-        temporal_shape: tuple[int, ...] = (2, 8, 4),
-        conv_shapes: tuple[tuple[int, ...], ...] = ((16, 3), (8, 3)),
-        slots: int = 16,
-        layout: str = "page_first",
-        side_states: bool = False,
-    ) -> None:
-        assert layout in ("page_first", "page_first_direct")
-        self.page_size = 1
-        self.size = slots
-        self.layout = layout
-        self.device = "cpu"
-        self.num_mamba_layers = layers
-        self.temporal_dtype = torch.float32
-        self.conv_dtype = torch.bfloat16
-        self.dtype = self.conv_dtype
-        self.temporal_buffer = torch.zeros((slots, layers, 1, *temporal_shape))
-        self.conv_buffer = [
-            torch.zeros((slots, layers, 1, *shape), dtype=self.conv_dtype) for shape in conv_shapes
-        ]
-        self.kv_buffer = [self.temporal_buffer, *self.conv_buffer]  # a list, as SGLang's
-        #: registered slot side states (SGLang's ``slot_state_buffers``): no zero-copy meta
-        self.slot_state_buffers = (
-            [torch.zeros((slots, 6), dtype=torch.uint8)] if side_states else []
+    storage = sglang_storage_or_skip()
+    try:
+        load_kv_classes()
+    except ImportError as exc:
+        if not in_sglang_env() and (VENV / "bin" / "python").exists():
+            pytest.skip(
+                f"SGLang's KV classes cannot be imported in this environment ({exc}); "
+                f"tests/test_sglang_env.py runs this test with {VENV}/bin/python",
+                allow_module_level=True,
+            )
+        require(
+            "sglang",
+            f"SGLang's KV classes cannot be imported ({exc}) and there is no SGLang "
+            f"environment at {VENV}: run scripts/install-sglang.sh",
         )
-        buffers = self.get_hybrid_pool_buffer()
-        self.size_per_token = sum(b[0].numel() * b.element_size() for b in buffers)
-        self.free_slots = torch.arange(slots, dtype=torch.int64)
+        raise
+    return storage
 
-    def alloc(self, need_size: int) -> torch.Tensor | None:
-        if need_size > len(self.free_slots):
-            return None
-        picked, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
-        return picked
 
-    def _page_tensors(self, index: int) -> list[torch.Tensor]:
-        return [
-            self.temporal_buffer[index],
-            *(conv[index] for conv in self.conv_buffer),
-            *(state[index] for state in self.slot_state_buffers),
-        ]
+# --- SGLang's pools, on the CPU ---------------------------------------------------------------
 
-    def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
-        """Every host tensor a backend would register (SGLang's list, in its order)."""
-        return [self.temporal_buffer, *self.conv_buffer, *self.slot_state_buffers]
+#: The device pool each host pool was built from (SGLang keeps it in the pool entry).
+_DEVICE: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
-    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
-        """``(pointers, sizes)`` of each slot's states, temporal first (SGLang's zero-copy
-        meta); refused with side states, as SGLang refuses."""
-        if self.slot_state_buffers:
-            raise NotImplementedError("Mamba storage zero-copy does not carry slot side states")
-        ptrs, sizes = [], []
-        for index in indices.tolist():
-            for tensor in self._page_tensors(index):
-                ptrs.append(tensor.data_ptr())
-                sizes.append(tensor.numel() * tensor.element_size())
-        return ptrs, sizes
 
-    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
-        """A fresh flat byte tensor of the slot's states (SGLang's ``torch.cat``)."""
-        return torch.cat(
-            [t.contiguous().view(torch.uint8).reshape(-1) for t in self._page_tensors(index)]
+@contextmanager
+def _host_memory_budget() -> Iterator[None]:
+    """Size host pools against the memory this machine has free, without the 10 GiB that
+    SGLang keeps back for a serving host (its own ``host_memory_budget_scope``)."""
+    import psutil
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    with host_memory_budget_scope(int(psutil.virtual_memory().available)):
+        yield
+
+
+def mha_host_pool(
+    *,
+    layer_num: int = 4,
+    head_num: int = 2,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.bfloat16,
+    page_size: int = 16,
+    pages: int = 32,
+    layout: str = "page_first",
+    head_group_num: int = 1,
+) -> Any:
+    """SGLang's ``MHATokenToKVPoolHost`` of ``pages`` pages over its ``MHATokenToKVPool``.
+
+    Built as ``build_kv_host_pool`` builds it (``_mha_host_inputs``: the device pool's buffer
+    info, ``device_capacity_tokens``, ``start_layer``, ``end_layer``), on the CPU, unpinned.
+    ``dtype`` is the model's KV dtype: fp8 pools keep raw bytes (``torch.uint8``), as SGLang's.
+    """
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+
+    device = MHATokenToKVPool(
+        size=4 * page_size,
+        page_size=page_size,
+        dtype=dtype,
+        head_num=head_num,
+        head_dim=head_dim,
+        layer_num=layer_num,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+    info = device.get_device_pool_infos()[0].buffer_info
+    with _host_memory_budget():
+        host = get_mha_host_pool_cls(info)(
+            info,
+            1.0,
+            0,
+            page_size,
+            layout,
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=device.size,
+            start_layer=device.start_layer,
+            end_layer=device.end_layer,
+            write_back_staging=device.hicache_write_back_staging,
+            head_group_num=head_group_num,
+            host_token_capacity=pages * page_size,
         )
-
-    def get_dummy_flat_data_page(self) -> torch.Tensor:
-        return torch.zeros(self.page_size * self.size_per_token, dtype=torch.uint8)
-
-    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        flat = data_page.contiguous().view(torch.uint8).reshape(-1)
-        assert flat.numel() == self.page_size * self.size_per_token
-        start = 0
-        for tensor in self._page_tensors(index):
-            n = tensor.numel() * tensor.element_size()
-            tensor.copy_(flat[start : start + n].clone().view(tensor.dtype).reshape(tensor.shape))
-            start += n
-
-    def fill_random(self, index: int, seed: int) -> torch.Tensor:
-        """Random (finite) state values in slot ``index``; returns its bytes."""
-        gen = torch.Generator().manual_seed(seed)
-        for tensor in self._page_tensors(index):
-            tensor.copy_(torch.randn(tensor.shape, generator=gen).to(tensor.dtype))
-        return self.page_content(index)
-
-    def page_content(self, index: int) -> torch.Tensor:
-        return self.get_data_page(index).clone()
-
-    def zero_page(self, index: int) -> None:
-        for tensor in self._page_tensors(index):
-            tensor.zero_()
+    _DEVICE[host] = device
+    return host
 
 
-# --- the cache controller's storage calls ----------------------------------------------------
+def mla_host_pool(
+    *,
+    layer_num: int = 4,
+    kv_lora_rank: int = 96,
+    qk_rope_head_dim: int = 32,
+    dtype: torch.dtype = torch.bfloat16,
+    page_size: int = 16,
+    pages: int = 32,
+    layout: str = "page_first",
+) -> Any:
+    """SGLang's ``MLATokenToKVPoolHost`` of ``pages`` pages over its ``MLATokenToKVPool``
+    (as ``_build_mha_mla_host_pool`` builds it), on the CPU, unpinned."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    device = MLATokenToKVPool(
+        size=4 * page_size,
+        page_size=page_size,
+        dtype=dtype,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=qk_rope_head_dim,
+        layer_num=layer_num,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    with _host_memory_budget():
+        host = MLATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info,
+            1.0,
+            0,
+            page_size,
+            layout,
+            pin_memory=False,
+            device="cpu",
+            override_kv_cache_dim=device.kv_cache_dim,
+            device_capacity_tokens=device.size,
+            start_layer=device.start_layer,
+            end_layer=device.end_layer,
+            target_layer_num=device.layer_num,
+            host_token_capacity=pages * page_size,
+        )
+    _DEVICE[host] = device
+    return host
 
 
-def page_hashes(tokens: list[int], page_size: int, prior: str | None = None) -> list[str]:
-    """Chained SHA-256 hex page hashes, the form of SGLang's ``get_hash_str`` keys."""
-    out = []
-    for start in range(0, len(tokens) - page_size + 1, page_size):
-        h = hashlib.sha256(bytes.fromhex(prior) if prior else b"")
-        h.update(torch.tensor(tokens[start : start + page_size], dtype=torch.int32).numpy())
-        prior = h.hexdigest()
-        out.append(prior)
-    return out
+def mamba_host_pool(
+    *,
+    layers: int = 3,
+    temporal_shape: tuple[int, ...] = (2, 8, 4),
+    conv_shapes: tuple[tuple[int, ...], ...] = ((16, 3), (8, 3)),
+    slots: int = 16,
+    layout: str = "page_first",
+    side_states: bool = False,
+) -> Any:
+    """SGLang's ``MambaPoolHost`` over device state buffers of a Mamba model (float32
+    temporal state, bfloat16 conv states), as ``build_mamba_host_pool`` builds it from the
+    device pool's ``MambaStateBufferInfo``; ``side_states`` registers a slot side state
+    (``extra_checkpoint_buffers``), which SGLang's zero-copy page meta refuses.
+    """
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    device_slots = slots // 2
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros((layers, device_slots, *temporal_shape), dtype=torch.float32),
+        conv=tuple(
+            torch.zeros((layers, device_slots, *shape), dtype=torch.bfloat16)
+            for shape in conv_shapes
+        ),
+        extra_checkpoint_buffers=(
+            (torch.zeros((device_slots, 6), dtype=torch.uint8),) if side_states else ()
+        ),
+    )
+    with _host_memory_budget():
+        host = MambaPoolHost(
+            info,
+            2.0,
+            0,
+            device_capacity=device_slots,
+            pin_memory=False,
+            device="cpu",
+            layout=layout,
+        )
+    _DEVICE[host] = info
+    return host
+
+
+#: The names test modules outside this folder's SGLang tests use for the KV pools.
+MHAHostPool = mha_host_pool
+MLAHostPool = mla_host_pool
+
+
+def is_mla(pool: Any) -> bool:
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    return isinstance(pool, MLATokenToKVPoolHost)
+
+
+def device_pool_of(pool: Any) -> Any:
+    """The device pool (or, for Mamba, the device state buffers) ``pool`` was built from."""
+    return _DEVICE[pool]
+
+
+def page_bytes(pool: Any) -> int:
+    """Bytes of one of the pool's flat data pages (SGLang's ``get_dummy_flat_data_page``)."""
+    dummy = pool.get_dummy_flat_data_page()
+    return int(dummy.numel() * dummy.element_size())
+
+
+def fill_random(pool: Any, index: int, seed: int) -> torch.Tensor:
+    """Write random bytes into the page at host slot ``index`` with SGLang's
+    ``set_from_flat_data_page``; returns a copy of them."""
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (page_bytes(pool),), dtype=torch.uint8, generator=gen)
+    pool.set_from_flat_data_page(index, data.view(pool.dtype))
+    return data
+
+
+def page_content(pool: Any, index: int) -> torch.Tensor:
+    """A copy of the page at host slot ``index`` as flat bytes (SGLang's ``get_data_page``)."""
+    return pool.get_data_page(index, flat=True).contiguous().view(torch.uint8).clone()
+
+
+def zero_page(pool: Any, index: int) -> None:
+    """Zero the page at host slot ``index``."""
+    zeros = torch.zeros(page_bytes(pool), dtype=torch.uint8)
+    pool.set_from_flat_data_page(index, zeros.view(pool.dtype))
+
+
+def starts(pool: Any, indices: torch.Tensor) -> list[int]:
+    """The first host slot of each page of ``indices``."""
+    return [int(i) for i in indices[:: pool.page_size]]
+
+
+# --- page hashes, as SGLang computes them ---------------------------------------------------
+
+
+class Chain(list[str]):
+    """SGLang's page hashes of ``tokens`` (``get_storage_hash_str``), with the tokens: the
+    controller's prefetch thread hashes the tokens again itself. ``tokens`` may be
+    SGLang's ``RadixKey`` carrying a request's ``extra_key`` and ``cache_salt``."""
+
+    tokens: Any
+
+    @classmethod
+    def of(cls, tokens: Any, page_size: int) -> Chain:
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        chain = cls(get_storage_hash_str(tokens, None, page_size=page_size))
+        chain.tokens = tokens
+        return chain
+
+
+def page_hashes(tokens: Sequence[int], page_size: int) -> Chain:
+    """SGLang's storage page hashes of ``tokens`` (chained SHA-256 hex, one per page)."""
+    return Chain.of(list(tokens), page_size)
+
+
+def radix_key(
+    tokens: Sequence[int], *, extra_key: str | None = None, salt: str | None = None
+) -> Any:
+    """SGLang's ``RadixKey`` of a request's tokens with its namespace (``extra_key``, which
+    carries the LoRA id, and ``cache_salt``)."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    return RadixKey(list(tokens), extra_key=extra_key, cache_salt=salt)
+
+
+# --- SGLang's cache controllers ---------------------------------------------------------------
 
 
 def storage_config(
@@ -342,7 +393,11 @@ def storage_config(
     model_name: str | None = "test/model",
     metrics: bool = True,
 ) -> Any:
-    """The HiCacheStorageConfig SGLang's controller builds (``_generate_storage_config``)."""
+    """A HiCacheStorageConfig as SGLang's controller generates it (``_generate_storage_config``).
+
+    :meth:`Controller.attach` has the real controller generate its own from these fields
+    (checked equal); tests that build the storage without a controller use it as is.
+    """
     hs = load_sglang()
     return hs.HiCacheStorageConfig(
         tp_rank=tp_rank,
@@ -359,92 +414,223 @@ def storage_config(
     )
 
 
+@contextmanager
+def _parallel(config: Any) -> Iterator[None]:
+    """SGLang's parallel context of one rank, as its launcher publishes it, while a
+    controller generates its storage config from it."""
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(
+        tp_rank=config.tp_rank,
+        tp_size=config.tp_size,
+        attn_tp_rank=config.tp_rank,
+        attn_tp_size=config.tp_size,
+        pp_rank=config.pp_rank,
+        pp_size=config.pp_size,
+        attn_dcp_rank=0,
+        attn_dcp_size=1,
+    ):
+        yield
+
+
+_REQUESTS = itertools.count()
+
+
 @dataclass
 class Controller:
-    """What SGLang's HiCacheController does with a storage backend, call for call."""
+    """SGLang's own ``HiCacheController`` with kvtier (or any backend) attached, and the
+    scheduler's side of its queues."""
 
-    storage: Any
-    config: Any
-    pool: _HostPool
-    zero_copy: bool
+    controller: Any
+    pool: Any
+    #: The extra pools' hits of the last :meth:`prefetch` (its PrefetchAcks' ``pool_hits``).
+    pool_hits: dict[Any, int] = field(default_factory=dict)
+    _acked: dict[int, Any] = field(default_factory=dict)
 
     @classmethod
-    def attach(cls, config: Any, pool: _HostPool) -> Controller:
-        """``attach_storage_backend``: factory, then host-pool registration, in that order."""
-        load_sglang()
+    def attach(cls, config: Any, pool: Any, *, backend: str = "dynamic") -> Controller:
+        """Build SGLang's ``HiCacheController`` over ``pool`` (and the device pool it was
+        built from) with the storage backend attached at start-up, as the scheduler does:
+        the controller generates its storage config from the rank's parallel context,
+        ``model_name`` and the extra-config, builds the backend through SGLang's factory,
+        registers the host pool and starts its storage threads. ``config`` gives the
+        fields; the controller's own config is checked to agree."""
+        load_kv_classes()
+        from sglang.srt.managers.cache_controller import HiCacheController
+
+        controller = _build(HiCacheController, config, pool, backend, group=None)
+        return cls(controller, pool)
+
+    @property
+    def storage(self) -> Any:
+        return self.controller.storage_backend
+
+    @property
+    def config(self) -> Any:
+        return self.controller.storage_config
+
+    @property
+    def zero_copy(self) -> bool:
+        return self.controller.page_get_func.__name__ == "_page_get_zero_copy"
+
+    def backup(
+        self,
+        hashes: Sequence[str],
+        host_indices: torch.Tensor,
+        *,
+        prefix_keys: Sequence[str] | None = None,
+        extra_pools: list[Any] | None = None,
+    ) -> int:
+        """``write_storage`` (what the radix tree calls): the backup thread stores the pages
+        (``batch_set_v1``, or the generic ``batch_set``; v2 for ``extra_pools``); returns
+        the tokens it completed. ``prefix_keys``: the hashes of the pages before them."""
+        kwargs = {"extra_pools": extra_pools} if extra_pools is not None else {}
+        op_id = self.controller.write_storage(
+            host_indices,
+            [],
+            hash_value=list(hashes),
+            prefix_keys=None if prefix_keys is None else list(prefix_keys),
+            **kwargs,
+        )
+        return int(self._acked_backup(op_id).completed_tokens)
+
+    def _acked_backup(self, op_id: int) -> Any:
+        while op_id not in self._acked:
+            try:
+                op = self.controller.ack_backup_queue.get(timeout=WAIT_S)
+            except Empty:
+                raise AssertionError("SGLang's backup thread never acknowledged") from None
+            self._acked[op.id] = op
+        return self._acked.pop(op_id)
+
+    def hit_query(self, chain: Chain, *, extra_pools: list[Any] | None = None) -> list[str]:
+        """``prefetch`` (what the radix tree calls): the prefetch thread hashes the chain's
+        tokens and asks storage which leading pages it has (``batch_exists``, v2 with
+        ``extra_pools``); returns the hashes of the hit."""
+        return list(self.query(chain, extra_pools=extra_pools).hash_value)
+
+    def query(self, chain: Chain, *, extra_pools: list[Any] | None = None) -> Any:
+        """The prefetch thread's hit query: the operation, with its hit recorded."""
+        operation = self._prefetch_op(chain.tokens, extra_pools)
+        self.controller.prefetch_queue.put(operation)
+        try:
+            hit = self.controller.prefetch_hit_queue.get(timeout=WAIT_S)
+        except Empty:
+            raise AssertionError("SGLang's prefetch thread never answered") from None
+        assert hit is operation
+        return hit
+
+    def _prefetch_op(self, tokens: Any, extra_pools: list[Any] | None) -> Any:
+        rid = f"req-{next(_REQUESTS)}"
+        if extra_pools is None and not isinstance(self, HybridController):
+            from sglang.srt.managers.cache_controller import PrefetchOperation
+
+            return PrefetchOperation(rid, tokens)
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+            PrefetchOperation as HybridPrefetchOperation,
+        )
+
+        return HybridPrefetchOperation(
+            CacheRequestHandle(rid, 0), tokens, pool_transfers=extra_pools
+        )
+
+    def prefetch(
+        self, hashes: Sequence[str], host_indices: torch.Tensor, *, operation: Any = None
+    ) -> int:
+        """The scheduler hands a hit's operation, with host slots for it, to the prefetch
+        I/O thread, which loads the pages (``batch_get_v1`` or the generic ``batch_get``;
+        v2 for the operation's extra pools); returns the pages SGLang counts as loaded."""
+        if operation is None:
+            operation = self._prefetch_op([], None)
+        operation.hash_value = list(hashes)
+        operation.host_indices = host_indices
+        self.controller.prefetch_buffer.put(operation)
+        tokens = 0
+        self.pool_hits = {}
+        while True:
+            try:
+                ack = self.controller.ack_prefetch_queue.get(timeout=WAIT_S)
+            except Empty:
+                raise AssertionError("SGLang's prefetch I/O thread never finished") from None
+            assert ack.operation is operation
+            if ack.completed_tokens is not None:
+                tokens = int(ack.completed_tokens)
+            if ack.pool_hits:
+                self.pool_hits.update(ack.pool_hits)
+            if ack.completed_req:
+                return tokens // self.controller.page_size
+
+    def close(self) -> None:
+        """``detach_storage_backend``: stop the storage threads and close the backend."""
+        self.controller.detach_storage_backend()
+
+
+def _allocator(device: Any) -> Any:
+    """SGLang's token allocator over ``device`` (the controller reads ``get_kvcache()``)."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+    return PagedTokenToKVPoolAllocator(
+        device.size, device.page_size, device.dtype, "cpu", device, need_sort=False
+    )
+
+
+def _build(cls: Any, config: Any, pool: Any, backend: str, *, group: Any) -> Any:
+    """One of SGLang's controllers over ``pool`` (``group``: its HostPoolGroup)."""
+    device = device_pool_of(pool)
+    extra = dict(config.extra_config or {})
+    with _parallel(config):
+        controller = cls(
+            _allocator(device),
+            group if group is not None else pool,
+            pool.page_size,
+            None,  # tp_group: one rank, no collectives
+            threading.Event(),
+            io_backend="direct",
+            storage_backend=backend,
+            model_name=config.model_name,
+            storage_backend_extra_config=extra,
+            enable_storage_metrics=config.enable_storage_metrics,
+        )
+    made = controller.storage_config
+    assert (made.tp_rank, made.tp_size, made.is_mla_model, made.model_name) == (
+        config.tp_rank,
+        config.tp_size,
+        config.is_mla_model,
+        config.model_name,
+    ), (made, config)
+    return controller
+
+
+class HybridController(Controller):
+    """SGLang's own ``HybridCacheController`` over a ``HostPoolGroup`` of the KV pool and
+    extra pools (``[(PoolName, host pool), ...]``): ``attach_storage_backend`` registers
+    every pool with ``register_mem_host_pool_v2``, and the backup and prefetch threads move
+    the extra pools' pages with ``batch_set_v2`` / ``batch_exists_v2`` / ``batch_get_v2``."""
+
+    @classmethod
+    def attach_group(
+        cls, config: Any, pool: Any, extra: Sequence[tuple[Any, Any]]
+    ) -> HybridController:
+        load_kv_classes()
         from sglang.srt.mem_cache.hicache_storage import PoolName
-        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+            HybridCacheController,
+        )
+        from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
 
-        storage = StorageBackendFactory.create_backend("dynamic", config, pool)
-        storage.register_mem_pool_host(pool)
-        storage.register_mem_host_pool_v2(pool, PoolName.KV)  # HybridCacheController's KV entry
-        storage.on_host_pools_registered()
-        zero_copy = bool(config.extra_config.get("interface_v1", 0))
-        return cls(storage, config, pool, zero_copy)
+        def entry(name: Any, host: Any, anchor: bool) -> Any:
+            device = device_pool_of(host)
+            return PoolEntry(
+                name=name,
+                host_pool=host,
+                device_pool=device,
+                layer_mapper=lambda layer: layer,
+                is_primary_index_anchor=anchor,
+            )
 
-    def _batches(self, hashes: list[str]) -> list[tuple[int, list[str]]]:
-        from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE
-
-        return [
-            (i, hashes[i : i + STORAGE_BATCH_SIZE])
-            for i in range(0, len(hashes), STORAGE_BATCH_SIZE)
-        ]
-
-    def backup(self, hashes: list[str], host_indices: torch.Tensor) -> int:
-        """``_page_backup`` from the backup thread; returns the completed tokens."""
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
-
-        if not self.config.is_storage_writer:  # backup_skip
-            return 0
-        ps, done, prefix = self.pool.page_size, 0, []
-        for i, batch in self._batches(hashes):
-            indices = host_indices[i * ps : (i + len(batch)) * ps]
-            info = HiCacheStorageExtraInfo(prefix_keys=list(prefix))
-            if self.zero_copy:
-                ok = all(self.storage.batch_set_v1(batch, indices, info))
-            else:
-                data = [self.pool.get_data_page(indices[j * ps]) for j in range(len(batch))]
-                ok = self.storage.batch_set(batch, data)
-            if not ok:
-                break
-            prefix += batch
-            done += ps * len(batch)
-        return done
-
-    def hit_query(self, hashes: list[str]) -> list[str]:
-        """``_storage_hit_query`` from the prefetch thread: the hashes of the stored prefix."""
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
-
-        found: list[str] = []
-        prefix: list[str] = []
-        for _, batch in self._batches(hashes):
-            hits = self.storage.batch_exists(batch, HiCacheStorageExtraInfo(prefix_keys=prefix))
-            found += batch[:hits]
-            if hits < len(batch):
-                break
-            prefix = prefix + batch
-        return found
-
-    def prefetch(self, hashes: list[str], host_indices: torch.Tensor) -> int:
-        """``_page_transfer`` from the prefetch I/O thread; returns the completed pages."""
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
-
-        ps, completed = self.pool.page_size, 0
-        for i, batch in self._batches(hashes):
-            indices = host_indices[i * ps : (i + len(batch)) * ps]
-            info = HiCacheStorageExtraInfo(prefix_keys=hashes[:i])
-            if self.zero_copy:
-                results = self.storage.batch_get_v1(batch, indices, info)
-            else:
-                dummies = [self.pool.get_dummy_flat_data_page() for _ in batch]
-                pages = self.storage.batch_get(batch, dummies)
-                results = []
-                for j, page in enumerate(pages):
-                    if page is not None:
-                        self.pool.set_from_flat_data_page(int(indices[j * ps]), page)
-                    results.append(page is not None)
-            hits = results.index(False) if False in results else len(results)
-            completed += hits
-            if hits < len(batch):
-                break
-        return completed
+        group = HostPoolGroup(
+            [entry(PoolName.KV, pool, True), *(entry(n, p, False) for n, p in extra)]
+        )
+        controller = _build(HybridCacheController, config, pool, "dynamic", group=group)
+        return cls(controller, pool)

@@ -1,12 +1,13 @@
-"""kvtier behind SGLang's HiCache ``dynamic`` storage backend, against the real SGLang module.
+"""kvtier behind SGLang's HiCache ``dynamic`` storage backend, driven by SGLang's own classes.
 
-SGLang's ``HiCacheStorage``, ``HiCacheStorageConfig`` and ``StorageBackendFactory`` (the
-``dynamic`` loader) are the installed release's own, imported with ``import sglang``. The
-host pool is a stand-in with the attributes and page methods of SGLang's
-``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost``, whose modules import torchvision,
-which cannot load beside the CPU torch (``docs/sglang.md``, "How this is tested", names the
-chain). Every data-path test drives the storage through the calls SGLang's
-cache controller makes, in its order (:class:`sglang_host_pool.Controller`).
+Everything KV-related is the installed SGLang release's own code, on the CPU: its
+``HiCacheStorage``, ``HiCacheStorageConfig`` and ``StorageBackendFactory`` (the ``dynamic``
+loader), its host pools (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``) built from its
+device pools (``MHATokenToKVPool``, ``MLATokenToKVPool``), its ``HiCacheController`` with
+its storage threads, and its ``StorageMetrics``. Every data-path test puts operations on the
+controller's queues where SGLang's scheduler puts them (:class:`sglang_host_pool.Controller`),
+and the controller's backup and prefetch threads call kvtier. These tests run in the SGLang
+test environment (``scripts/install-sglang.sh``; ``tests/test_sglang_env.py`` runs them).
 """
 
 from __future__ import annotations
@@ -22,13 +23,20 @@ import torch
 from sglang_host_pool import (
     CLASS_NAME,
     MODULE_PATH,
+    Chain,
     Controller,
-    MHAHostPool,
-    MLAHostPool,
+    fill_random,
+    is_mla,
+    page_content,
     page_hashes,
+    radix_key,
     sglang_or_skip,
+    starts,
     storage_config,
+    zero_page,
 )
+from sglang_host_pool import mha_host_pool as MHAHostPool
+from sglang_host_pool import mla_host_pool as MLAHostPool
 
 from kvtier.core.errors import (
     BackendUnavailableError,
@@ -93,30 +101,29 @@ def attach(tmp_path: Path) -> Any:
         **config: Any,
     ) -> Controller:
         extra = extra or extra_config(backend, root or tmp_path / "store")
-        is_mla = isinstance(pool, MLAHostPool)
-        cfg = storage_config(extra_config=extra, is_mla=is_mla, layout=pool.layout, **config)
+        cfg = storage_config(extra_config=extra, is_mla=is_mla(pool), layout=pool.layout, **config)
         controller = Controller.attach(cfg, pool)
         made.append(controller)
         return controller
 
     yield make
     for controller in made:
-        controller.storage.close()
+        controller.close()
 
 
 def _fill(pool: Any, count: int, seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Allocate ``count`` host pages and fill them with random bytes."""
     indices = pool.alloc(count * pool.page_size)
     assert indices is not None
-    data = [pool.fill_random(int(indices[i * pool.page_size]), seed + i) for i in range(count)]
+    data = [fill_random(pool, int(indices[i * pool.page_size]), seed + i) for i in range(count)]
     return indices, data
 
 
-def _starts(pool: Any, indices: torch.Tensor) -> list[int]:
-    return [int(i) for i in indices[:: pool.page_size]]
+_starts = starts
 
 
-def _hashes(count: int, page_size: int, salt: int = 0) -> list[str]:
+def _hashes(count: int, page_size: int, salt: int = 0) -> Chain:
+    """SGLang's storage hashes of ``count`` pages of tokens ``salt, salt + 1, ...``."""
     return page_hashes(list(range(salt, salt + count * page_size)), page_size)
 
 
@@ -146,12 +153,12 @@ def test_round_trip_mha(backend: str, layout: str, attach: Any) -> None:
     assert controller.backup(hashes, indices) == 5 * pool.page_size
     assert controller.hit_query(hashes) == hashes
     for start in _starts(pool, indices):
-        pool.zero_page(start)
+        zero_page(pool, start)
     # SGLang loads into freshly allocated host pages, not the ones it backed up from
     target = pool.alloc(5 * pool.page_size)
     assert controller.prefetch(hashes, target) == 5
     for start, expected in zip(_starts(pool, target), data, strict=True):
-        assert torch.equal(pool.page_content(start), expected)
+        assert torch.equal(page_content(pool, start), expected)
     stats = controller.storage.kvtier_stats()
     assert stats["hits"] == 5 and stats["puts"] == 5 and stats["invalid"] == 0
 
@@ -166,7 +173,44 @@ def test_round_trip_mla(backend: str, layout: str, attach: Any) -> None:
     target = pool.alloc(3 * pool.page_size)
     assert controller.prefetch(controller.hit_query(hashes), target) == 3
     for start, expected in zip(_starts(pool, target), data, strict=True):
-        assert torch.equal(pool.page_content(start), expected)
+        assert torch.equal(page_content(pool, start), expected)
+
+
+def test_the_classes_driven_here_are_sglangs_own(attach: Any) -> None:
+    import inspect
+
+    import sglang
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+    from sglang_host_pool import device_pool_of
+
+    installed = Path(sglang.__file__).resolve().parent
+    mha, mla = MHAHostPool(), MLAHostPool()
+    controller = attach("memory", mha)
+    indices, _ = _fill(mha, 1)
+    controller.backup(_hashes(1, 16), indices)
+    driven = {
+        MHATokenToKVPoolHost: mha,
+        MLATokenToKVPoolHost: mla,
+        MHATokenToKVPool: device_pool_of(mha),
+        MLATokenToKVPool: device_pool_of(mla),
+        HiCacheController: controller.controller,
+        PagedTokenToKVPoolAllocator: controller.controller.mem_pool_device_allocator,
+        StorageMetrics: controller.storage.get_stats(),
+    }
+    for cls, obj in driven.items():
+        assert type(obj) is cls, (cls, type(obj))
+        assert cls.__module__.startswith("sglang.srt."), cls
+        assert Path(inspect.getfile(cls)).resolve().is_relative_to(installed), cls
+    # the controller took SGLang's zero-copy path and runs its own storage threads
+    assert controller.zero_copy
+    assert controller.controller.backup_thread.is_alive()
+    assert controller.controller.prefetch_io_aux_thread.is_alive()
+    assert controller.storage.kvtier_stats()["metrics_fallback"] == 0
 
 
 def test_prefix_hits(backend: str, attach: Any) -> None:
@@ -191,11 +235,11 @@ def test_prefix_hits_span_sglang_batches(attach: Any) -> None:
     indices, _ = _fill(pool, 300)
     assert controller.backup(hashes[:200], indices[:200]) == 200
     assert controller.hit_query(hashes) == hashes[:200]
-    expected = [pool.page_content(i) for i in range(200)]
+    expected = [page_content(pool, int(i)) for i in indices[:200]]
     target = pool.alloc(200)
     assert controller.prefetch(hashes[:200], target) == 200  # two batch_get_v1 calls
     for page, start in enumerate(target.tolist()):
-        assert torch.equal(pool.page_content(start), expected[page])
+        assert torch.equal(page_content(pool, start), expected[page])
 
 
 def test_backup_and_prefetch_threads_run_together(attach: Any) -> None:
@@ -220,7 +264,7 @@ def test_backup_and_prefetch_threads_run_together(attach: Any) -> None:
         thread.join()
     assert done == {"backup": 256, "loaded": 16}
     for start, expected in zip(_starts(pool, target), old_data, strict=True):
-        assert torch.equal(pool.page_content(start), expected)
+        assert torch.equal(page_content(pool, start), expected)
     assert controller.hit_query(new) == new
 
 
@@ -249,7 +293,7 @@ def test_corrupt_page_reads_as_a_miss(backend: str, damage: str, attach: Any) ->
     assert controller.hit_query(hashes) == hashes  # it exists; only reading finds it bad
     target = pool.alloc(3 * ps)
     assert controller.prefetch(hashes, target) == 1  # page 0 loads; the prefix ends at 1
-    assert torch.equal(pool.page_content(int(target[0])), data[0])
+    assert torch.equal(page_content(pool, int(target[0])), data[0])
     stats = storage.kvtier_stats()
     assert stats["hits"] == 2  # pages 0 and 2 were read in the same batch
     assert stats["invalid"] + stats["misses"] == 1
@@ -297,7 +341,7 @@ def test_mla_single_writer(backend: str, attach: Any, tmp_path: Path) -> None:
     target = pools[1].alloc(32)
     assert ranks[1].prefetch(ranks[1].hit_query(hashes), target) == 2
     for start, expected in zip(_starts(pools[1], target), data, strict=True):
-        assert torch.equal(pools[1].page_content(start), expected)
+        assert torch.equal(page_content(pools[1], start), expected)
 
 
 def test_mha_ranks_keep_their_own_pages(attach: Any, tmp_path: Path) -> None:
@@ -314,7 +358,7 @@ def test_mha_ranks_keep_their_own_pages(attach: Any, tmp_path: Path) -> None:
         target = pool.alloc(32)
         assert ranks[rank].prefetch(hashes, target) == 2
         for start, expected in zip(_starts(pool, target), written[rank], strict=True):
-            assert torch.equal(pool.page_content(start), expected)
+            assert torch.equal(page_content(pool, start), expected)
     ranks[0].storage.clear()
     assert ranks[0].hit_query(hashes) == []
     assert ranks[1].hit_query(hashes) == hashes
@@ -361,6 +405,94 @@ def test_weights_changed_in_place_never_hit_the_old_pages(attach: Any, tmp_path:
     )
 
 
+# --- tenants: SGLang's request namespace and kvtier's tenant ----------------------------------
+
+
+def test_two_requests_of_different_namespaces_never_share_a_page(
+    backend: str, attach: Any, tmp_path: Path
+) -> None:
+    """A request's ``cache_salt`` and ``extra_key`` (LoRA id) seed SGLang's storage hash chain
+    (``storage_namespace_seed``); the controller's prefetch thread hashes the request's
+    ``RadixKey`` itself, so another namespace's hit query finds none of the pages."""
+    pool = MHAHostPool()
+    controller = attach(backend, pool)
+    tokens = list(range(3 * 16))
+    team_a = Chain.of(radix_key(tokens, salt="team-a"), 16)
+    indices, data = _fill(pool, 3)
+    assert controller.backup(team_a, indices) == 48  # as the radix tree hashes its node
+    assert controller.hit_query(team_a) == team_a
+    others = [
+        radix_key(tokens, salt="team-b"),
+        radix_key(tokens),  # no namespace at all
+        radix_key(tokens, extra_key="lora-1", salt="team-a"),  # same tenant, a LoRA adapter
+        radix_key(tokens, extra_key="", salt="team-a"),
+    ]
+    for key in others:
+        chain = Chain.of(key, 16)
+        assert set(chain).isdisjoint(team_a)
+        assert controller.hit_query(chain) == [], key
+    target = pool.alloc(48)
+    assert controller.prefetch(controller.hit_query(team_a), target) == 3
+    for start, expected in zip(_starts(pool, target), data, strict=True):
+        assert torch.equal(page_content(pool, start), expected)
+
+
+def test_what_reaches_the_storage_of_a_request(
+    attach: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang 0.5.23 hands storage no tenant: ``extra_info`` carries only ``prefix_keys``,
+    so a request's namespace reaches kvtier as the seed of its page hashes."""
+    pool = MHAHostPool()
+    controller = attach("memory", pool)
+    seen: list[Any] = []
+    storage = controller.storage
+    for name in ("batch_exists", "batch_get_v1", "batch_set_v1"):
+        call = getattr(storage, name)
+
+        def spy(*args: Any, _call: Any = call, **kwargs: Any) -> Any:
+            seen.append(args[-1] if len(args) in (2, 3) and not kwargs else kwargs)
+            return _call(*args, **kwargs)
+
+        monkeypatch.setattr(storage, name, spy)
+    chain = Chain.of(radix_key(range(32), salt="team-a"), 16)
+    indices, _ = _fill(pool, 2)
+    assert controller.backup(chain, indices) == 32
+    assert controller.prefetch(controller.hit_query(chain), pool.alloc(32)) == 2
+    assert len(seen) == 3
+    for info in seen:
+        assert isinstance(info, hs.HiCacheStorageExtraInfo)
+        assert info.extra_info is None and info.prefix_keys is None
+
+
+@pytest.mark.parametrize("backend", ["file", "uring"])
+def test_kvtier_tenants_never_share_a_page(backend: str, attach: Any, tmp_path: Path) -> None:
+    """``kvtier.tenant`` keys every page of a server: two servers on one store with the same
+    SGLang hashes (same tokens, no salt) each read only their own bytes."""
+    if backend == "uring":
+        _uring_or_skip()
+    root = tmp_path / "shared"
+    pools = {name: MHAHostPool() for name in ("team-a", "team-b")}
+    servers = {
+        name: attach(backend, pool, extra=extra_config(backend, root, tenant=name))
+        for name, pool in pools.items()
+    }
+    hashes = _hashes(2, 16)
+    assert servers["team-a"].backup(hashes, _fill(pools["team-a"], 2, seed=1)[0]) == 32
+    assert servers["team-b"].hit_query(hashes) == []
+    written = {}
+    for name, seed in (("team-b", 2), ("team-a", 3)):
+        indices, written[name] = _fill(pools[name], 2, seed=seed)
+        assert servers[name].backup(hashes, indices) == 32
+    for name, server in servers.items():
+        pool = pools[name]
+        target = pool.alloc(32)
+        assert server.prefetch(server.hit_query(hashes), target) == 2
+        for start, expected in zip(_starts(pool, target), written[name], strict=True):
+            assert torch.equal(page_content(pool, start), expected)
+    untenanted = attach(backend, MHAHostPool(), root=root)
+    assert untenanted.hit_query(hashes) == []
+
+
 def test_generic_path_interoperates_with_v1(
     backend: str, attach: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -378,7 +510,7 @@ def test_generic_path_interoperates_with_v1(
     target = pool.alloc(48)
     assert generic.prefetch(hashes, target) == 3
     for start, expected in zip(_starts(pool, target), data, strict=True):
-        assert torch.equal(pool.page_content(start), expected)
+        assert torch.equal(page_content(pool, start), expected)
     if backend == "memory":
         return
     # a zero-copy instance over another pool reads what the generic path wrote
@@ -387,7 +519,7 @@ def test_generic_path_interoperates_with_v1(
     target = other.alloc(48)
     assert v1.prefetch(v1.hit_query(hashes), target) == 3
     for start, expected in zip(_starts(other, target), data, strict=True):
-        assert torch.equal(other.page_content(start), expected)
+        assert torch.equal(page_content(other, start), expected)
 
 
 def test_legacy_get_of_a_missing_page_is_none(attach: Any) -> None:
@@ -543,13 +675,104 @@ def test_section_as_json_text_and_toml_file(tmp_path: Path) -> None:
     assert _create(_with_section(f"@{toml}")).settings.tenant == "team-a"
 
 
-def test_split_heads_is_refused_at_construction() -> None:
-    load_config = storage_config(extra_config=extra_config("memory", None))
-    load_config.should_split_heads = True
+def _refusal(info: pytest.ExceptionInfo[ValueError]) -> BaseException:
+    """kvtier's error behind SGLang's controller, which re-raises a ValueError from the
+    storage backend as ``Failed to create storage backend: <message>``."""
+    assert str(info.value).startswith("Failed to create storage backend: ")
+    assert info.value.__cause__ is not None
+    return info.value.__cause__
+
+
+def _lcm_extra(backend: str, root: Path, lcm: int, *, zero_copy: bool = True) -> dict[str, Any]:
+    extra = extra_config(backend, root)
+    extra["tp_lcm_size"] = lcm  # SGLang's controller pops it and decides should_split_heads
+    if not zero_copy:
+        del extra["interface_v1"]
+    return extra
+
+
+def _heads_of(pool: Any, page_start: int, first: int, count: int) -> torch.Tensor:
+    """Bytes of heads ``[first, first + count)`` of a page_head page (K then V)."""
+    page = pool.get_data_page(page_start, flat=False)[:, :, first : first + count]
+    return page.contiguous().view(torch.uint8).flatten().clone()
+
+
+@pytest.mark.parametrize("backend", ["file", "uring"])
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["v1", "generic"])
+def test_heterogeneous_tp_instances_share_pages(
+    backend: str, zero_copy: bool, attach: Any, tmp_path: Path
+) -> None:
+    """SGLang's heterogeneous TP (``tp_lcm_size``): a TP-1 instance (4 KV heads) and a TP-2
+    instance (2 heads per rank) on one store. SGLang's controller has the TP-1 rank split
+    heads (``should_split_heads``), and kvtier stores each of its pages as the two pages
+    the TP-2 ranks hold, so each side reads what the other wrote."""
+    if backend == "uring":
+        _uring_or_skip()
+    root = tmp_path / "shared"
+    whole = MHAHostPool(layout="page_head", head_num=4)
+    one = attach(backend, whole, extra=_lcm_extra(backend, root, 2, zero_copy=zero_copy))
+    assert one.config.should_split_heads and one.config.tp_lcm_size == 2
+    halves = [MHAHostPool(layout="page_head", head_num=2) for _ in range(2)]
+    two = [
+        attach(
+            backend,
+            halves[r],
+            extra=_lcm_extra(backend, root, 2, zero_copy=zero_copy),
+            tp_rank=r,
+            tp_size=2,
+        )
+        for r in range(2)
+    ]
+    assert not two[0].config.should_split_heads  # the widest instance keeps whole pages
+    hashes = _hashes(3, 16)
+    indices, _ = _fill(whole, 3, seed=4)
+    assert one.backup(hashes, indices) == 48
+    stats = one.storage.kvtier_stats()
+    assert stats["puts"] == 6  # 3 pages, 2 head slices each
+    for rank, (controller, pool) in enumerate(zip(two, halves, strict=True)):
+        target = pool.alloc(48)
+        assert controller.prefetch(controller.hit_query(hashes), target) == 3
+        for src, dst in zip(_starts(whole, indices), _starts(pool, target), strict=True):
+            assert torch.equal(page_content(pool, dst), _heads_of(whole, src, 2 * rank, 2))
+    # and back: the TP-2 ranks write, the TP-1 instance reads whole pages
+    other = _hashes(2, 16, salt=500)
+    written = []
+    for controller, pool in zip(two, halves, strict=True):
+        got, _ = _fill(pool, 2, seed=len(written) + 20)
+        written.append([page_content(pool, start) for start in _starts(pool, got)])
+        assert controller.backup(other, got) == 32
+    target = whole.alloc(32)
+    assert one.prefetch(one.hit_query(other), target) == 2
+    for page, start in enumerate(_starts(whole, target)):
+        for rank in range(2):
+            assert torch.equal(_heads_of(whole, start, 2 * rank, 2), written[rank][page])
+    # one missing slice is a missing page: a TP-1 instance never loads half a page
+    two[1].storage.clear()  # rank 1's store: the slices of heads 2-3 of every page
+    extra = _lcm_extra(backend, root, 2, zero_copy=zero_copy)
+    fresh = attach(backend, MHAHostPool(layout="page_head", head_num=4), extra=extra)
+    assert fresh.hit_query(other) == [] and fresh.hit_query(hashes) == []
+    assert fresh.storage.batch_exists(hashes) == 0
+
+
+def test_split_heads_needs_page_head_and_mha(attach: Any) -> None:
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    with pytest.raises(UnsupportedCombinationError, match="tp_lcm_size"):
-        StorageBackendFactory.create_backend("dynamic", load_config, None)
+    config = storage_config(extra_config=extra_config("memory", None))
+    config.should_split_heads, config.tp_lcm_size = True, 2
+    storage = StorageBackendFactory.create_backend("dynamic", config, None)
+    try:
+        with pytest.raises(UnsupportedCombinationError, match="page_head"):
+            storage.register_mem_pool_host(MHAHostPool(layout="page_first"))
+        with pytest.raises(UnsupportedCombinationError, match="heads divisible"):
+            storage.register_mem_pool_host(MHAHostPool(layout="page_head", head_num=3))
+    finally:
+        storage.close()
+    config.is_mla_model = True
+    with pytest.raises(UnsupportedCombinationError, match="MLA"):
+        StorageBackendFactory.create_backend("dynamic", config, None)
+    config.is_mla_model, config.tp_size, config.tp_lcm_size = False, 2, 3
+    with pytest.raises(InvalidFieldError, match="tp_lcm_size"):
+        StorageBackendFactory.create_backend("dynamic", config, None)
 
 
 def test_unavailable_backend_gives_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -561,17 +784,24 @@ def test_unavailable_backend_gives_the_reason(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_unsupported_host_pool_layout_is_refused_at_registration(attach: Any) -> None:
-    pool = MHAHostPool()
-    pool.layout = "page_unified"
-    with pytest.raises(UnsupportedCombinationError, match="page_unified") as info:
+    # SGLang's own page_unified pool: its get_data_page and get_page_buffer_meta raise
+    # "Unsupported layout: page_unified", so no SGLang storage backend can page it either
+    pool = MHAHostPool(layout="page_unified", head_num=4, head_group_num=2)
+    with pytest.raises(ValueError, match="Unsupported layout"):
+        pool.get_data_page(0, flat=False)
+    with pytest.raises(ValueError) as info:
         attach("memory", pool)
-    assert "--hicache-mem-layout page_first" in str(info.value)
+    error = _refusal(info)
+    assert isinstance(error, UnsupportedCombinationError) and "page_unified" in str(error)
+    assert "--hicache-mem-layout page_first" in str(error)
 
 
 def test_raw_byte_pool_needs_the_kv_dtype(attach: Any, tmp_path: Path) -> None:
-    pool = MHAHostPool(dtype=torch.uint8)
-    with pytest.raises(InvalidFieldError, match="float8_e4m3fn"):
+    pool = MHAHostPool(dtype=torch.float8_e4m3fn)  # SGLang keeps fp8 KV as raw bytes
+    assert pool.dtype == torch.uint8
+    with pytest.raises(ValueError) as info:
         attach("memory", pool)
+    assert isinstance(_refusal(info), InvalidFieldError) and "float8_e4m3fn" in str(info.value)
     extra = extra_config("memory", None, dtype="fp8")
     controller = attach("memory", pool, extra=extra)
     indices, data = _fill(pool, 1)
@@ -579,15 +809,16 @@ def test_raw_byte_pool_needs_the_kv_dtype(attach: Any, tmp_path: Path) -> None:
     assert controller.backup(hashes, indices) == 16
     target = pool.alloc(16)
     assert controller.prefetch(hashes, target) == 1
-    assert torch.equal(pool.page_content(int(target[0])), data[0])
+    assert torch.equal(page_content(pool, int(target[0])), data[0])
 
 
 def test_o_direct_plan_is_checked_at_registration(attach: Any, tmp_path: Path) -> None:
     extra = extra_config("file", tmp_path / "store")
     extra["kvtier"]["extra_config"]["o_direct"] = True
     pool = MHAHostPool(layout="layer_first", head_dim=8)  # 16 x 2 x 8 x 2 = 512-byte extents
-    with pytest.raises(InvalidFieldError, match="O_DIRECT"):
+    with pytest.raises(ValueError) as info:
         attach("file", pool, extra=extra)
+    assert isinstance(_refusal(info), InvalidFieldError) and "O_DIRECT" in str(info.value)
 
 
 def test_an_extra_pool_that_is_neither_kv_shaped_nor_paged_is_refused(attach: Any) -> None:

@@ -15,9 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from sglang_host_pool import CLASS_NAME, MODULE_PATH, sglang_or_skip
+from sglang_host_pool import CLASS_NAME, KV_MODULES, MODULE_PATH, VENV, sglang_storage_or_skip
 
-sglang_or_skip()
+from kvtier.testing import require
+
+sglang_storage_or_skip()
 
 # What a user runs after installing: SGLang's own loader builds kvtier's class by name.
 _DYNAMIC = """
@@ -36,10 +38,12 @@ storage.close()
 """
 
 
-def _fresh(code: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _fresh(
+    code: str, *args: str, cwd: Path, python: str = sys.executable
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run(
-        [sys.executable, "-I", "-c", code, *args],
+        [python, "-I", "-c", code, *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -76,3 +80,33 @@ def test_sglangs_own_packages_import(tmp_path: Path, name: str) -> None:
     # SGLang's (orjson, psutil, triton, ...) fails here with its name.
     result = _fresh(f"import {name}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+# SGLang's KV classes, as the SGLang test environment imports them, and where from.
+_KV_CLASSES = """
+import inspect, json, sys, warnings
+from pathlib import Path
+warnings.simplefilter("ignore")
+import importlib, sglang, torch, torchvision.ops
+found = {}
+for name in sys.argv[1:]:
+    module = importlib.import_module(name)
+    found[name] = str(Path(inspect.getfile(module)).resolve())
+found["sglang"] = str(Path(sglang.__file__).resolve().parent)
+found["torch"] = torch.__version__
+print(json.dumps(found))
+"""
+
+
+def test_sglangs_kv_classes_import_in_the_sglang_environment(tmp_path: Path) -> None:
+    # scripts/install-sglang.sh made it: SGLang's pinned torch, the torchvision built for
+    # it, and the modules its KV classes import; every module is the installed SGLang's
+    python = VENV / "bin" / "python"
+    require("sglang", None if python.exists() else f"no SGLang environment at {VENV}")
+    result = _fresh(_KV_CLASSES, *KV_MODULES, cwd=tmp_path, python=str(python))
+    assert result.returncode == 0, result.stderr[-2000:]
+    found = json.loads(result.stdout.splitlines()[-1])
+    assert found.pop("torch").split("+")[0] == "2.14.1"
+    installed = Path(found.pop("sglang"))
+    for name, path in found.items():
+        assert Path(path).is_relative_to(installed), (name, path)

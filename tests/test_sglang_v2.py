@@ -1,12 +1,14 @@
 """SGLang's v2 storage calls for hybrid models: KV plus Mamba-state and sliding-window pools.
 
-Real SGLang parts: ``HiCacheStorage`` (the adapter's base), the ``dynamic`` loader, and the
-v2 types the hybrid cache controller passes (``PoolTransfer``, ``PoolName``,
-``PoolHitPolicy``, ``PoolTransferResult``, ``count_pool_hits``), and SGLang's own
-``HiCacheFile`` as the reference for the hit policies. The host pools are
-stand-ins (``sglang_host_pool.py`` says why): :class:`MambaHostPool` has the shape and page
-methods of SGLang's ``MambaPoolHost``; SGLang's SWA pool is an ``MHATokenToKVPoolHost``
-over the sliding-window layers, so :class:`MHAHostPool` plays it.
+All SGLang's own: ``HiCacheStorage`` (the adapter's base), the ``dynamic`` loader, the host
+pools on the CPU (``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost`` for KV and for the
+sliding-window layers, as ``build_hybrid_swa_group`` builds the SWA pool, and
+``MambaPoolHost`` for the state), grouped in its ``HostPoolGroup`` under its
+``HybridCacheController``, which registers every pool (``register_mem_host_pool_v2``) and
+whose backup and prefetch threads move the extra pools with ``batch_set_v2``,
+``batch_exists_v2`` and ``batch_get_v2``; the v2 types (``PoolTransfer``, ``PoolName``,
+``PoolHitPolicy``, ``PoolTransferResult``, ``count_pool_hits``); and SGLang's ``HiCacheFile``
+as the reference for the hit policies.
 """
 
 from __future__ import annotations
@@ -21,14 +23,18 @@ import torch
 from sglang_host_pool import (
     CLASS_NAME,
     MODULE_PATH,
-    Controller,
-    MambaHostPool,
-    MHAHostPool,
-    MLAHostPool,
+    Chain,
+    HybridController,
+    fill_random,
+    page_content,
     page_hashes,
     sglang_or_skip,
     storage_config,
+    zero_page,
 )
+from sglang_host_pool import mamba_host_pool as MambaHostPool
+from sglang_host_pool import mha_host_pool as MHAHostPool
+from sglang_host_pool import mla_host_pool as MLAHostPool
 
 from kvtier.core.errors import StorageError, UnsupportedCombinationError
 from kvtier.testing import require
@@ -98,15 +104,15 @@ class Hybrid:
             else MHAHostPool(layer_num=2, head_num=1, page_size=PS, pages=16)
         )
         cfg = storage_config(extra_config=extra, is_mla=mla, layout=self.kv.layout, **config)
-        # attach_storage_backend: the anchor pool, then the v2 burst over the group's entries
-        self.controller = Controller.attach(cfg, self.kv)
+        # SGLang's HybridCacheController: attach_storage_backend registers the anchor pool,
+        # then every entry of the HostPoolGroup with register_mem_host_pool_v2
+        self.controller = HybridController.attach_group(
+            cfg, self.kv, [(MAMBA, self.mamba), (SWA, self.swa)]
+        )
         self.storage: KvtierHiCacheStorage = self.controller.storage
-        self.storage.register_mem_host_pool_v2(self.mamba, MAMBA)
-        self.storage.register_mem_host_pool_v2(self.swa, SWA)
-        self.storage.on_host_pools_registered()
 
     def close(self) -> None:
-        self.storage.close()
+        self.controller.close()
 
 
 @pytest.fixture
@@ -122,31 +128,34 @@ def hybrid(tmp_path: Path) -> Any:
         item.close()
 
 
-def _hashes(count: int, salt: int = 0) -> list[str]:
+def _hashes(count: int, salt: int = 0) -> Chain:
     return page_hashes(list(range(salt, salt + count * PS)), PS)
 
 
 def _store(h: Hybrid, hashes: list[str]) -> dict[str, Any]:
-    """Back up 4 KV pages, Mamba states after pages 2 and 4, SWA pages 3-4 (a 2-page window)."""
+    """Back up 4 KV pages, Mamba states after pages 2 and 4, SWA pages 3-4 (a 2-page window),
+    through the hybrid controller's backup thread: two write_storage calls, as the radix
+    tree backs up a node and then its child (``prefix_keys``: the parent's hashes)."""
     kv_idx = h.kv.alloc(4 * PS)
-    kv_data = [h.kv.fill_random(int(kv_idx[i * PS]), i) for i in range(4)]
-    assert h.controller.backup(hashes, kv_idx) == 4 * PS
+    kv_data = [fill_random(h.kv, int(kv_idx[i * PS]), i) for i in range(4)]
     slots = h.mamba.alloc(2)
-    mamba_data = [h.mamba.fill_random(int(s), 10 + i) for i, s in enumerate(slots)]
+    mamba_data = [fill_random(h.mamba, int(s), 10 + i) for i, s in enumerate(slots)]
     swa_idx = h.swa.alloc(2 * PS)
-    swa_data = [h.swa.fill_random(int(swa_idx[i * PS]), 20 + i) for i in range(2)]
-    results = h.storage.batch_set_v2(
-        [
-            hs.PoolTransfer(
-                name=MAMBA, host_indices=slots[:1], keys=hashes[1:2], hit_policy=TRAILING
-            ),
-            hs.PoolTransfer(
-                name=MAMBA, host_indices=slots[1:], keys=hashes[3:4], hit_policy=TRAILING
-            ),
-            hs.PoolTransfer(name=SWA, host_indices=swa_idx, keys=hashes[2:4], hit_policy=TRAILING),
-        ]
+    swa_data = [fill_random(h.swa, int(swa_idx[i * PS]), 20 + i) for i in range(2)]
+    parent = [
+        hs.PoolTransfer(name=MAMBA, host_indices=slots[:1], keys=hashes[1:2], hit_policy=TRAILING)
+    ]
+    assert h.controller.backup(hashes[:2], kv_idx[: 2 * PS], extra_pools=parent) == 2 * PS
+    child = [
+        hs.PoolTransfer(name=MAMBA, host_indices=slots[1:], keys=hashes[3:4], hit_policy=TRAILING),
+        hs.PoolTransfer(name=SWA, host_indices=swa_idx, keys=hashes[2:4], hit_policy=TRAILING),
+    ]
+    done = h.controller.backup(
+        hashes[2:4], kv_idx[2 * PS :], prefix_keys=hashes[:2], extra_pools=child
     )
-    assert results == {MAMBA: [True], SWA: [True, True]}
+    assert done == 2 * PS
+    stats = h.storage.kvtier_stats()
+    assert stats["mamba_puts"] >= 2 and stats["swa_puts"] >= 2, stats
     return {"kv": kv_data, "mamba": mamba_data, "swa": swa_data}
 
 
@@ -209,33 +218,35 @@ def test_hybrid_round_trip_is_bit_exact(any_backend: dict[str, Any], hybrid: Any
     assert result.kv_hit_pages == 4
     assert result.restorable_prefix_pages == [4]
     assert result.extra_pool_hit_pages == {KV: 4, MAMBA: 4, SWA: 4}
-    # SGLang loads into fresh host slots
+    # the hybrid controller's prefetch thread asks the same (batch_exists_v2) ...
+    operation = h.controller.query(hashes, extra_pools=_query())
+    assert operation.hash_value == hashes and operation.storage_hit_count == 4 * PS
+    # ... the scheduler gives the hit fresh host slots in every pool ...
     kv_target = h.kv.alloc(4 * PS)
-    assert h.controller.prefetch(hashes, kv_target) == 4
     slot = h.mamba.alloc(1)
     swa_target = h.swa.alloc(2 * PS)
-    got = h.storage.batch_get_v2(
-        [
-            hs.PoolTransfer(name=MAMBA, host_indices=slot, keys=hashes[3:4], hit_policy=TRAILING),
-            hs.PoolTransfer(
-                name=SWA, host_indices=swa_target, keys=hashes[2:4], hit_policy=TRAILING
-            ),
-        ]
-    )
-    assert hs.count_pool_hits(got) == {MAMBA: 1, SWA: 2}
+    mamba_transfer, swa_transfer = operation.pool_transfers
+    mamba_transfer.host_indices, swa_transfer.host_indices = slot, swa_target
+    # ... and its prefetch I/O thread loads KV (batch_get_v1), then the trailing state
+    # and window of the hit (batch_get_v2, keys re-aligned by _sync_trailing_keys)
+    assert h.controller.prefetch(operation.hash_value, kv_target, operation=operation) == 4
+    assert mamba_transfer.keys == hashes[3:4] and swa_transfer.keys == hashes[2:4]
+    assert h.controller.pool_hits[MAMBA.value] == 1
+    assert h.controller.pool_hits[SWA.value] == 2
     for i in range(4):
-        assert torch.equal(h.kv.page_content(int(kv_target[i * PS])), data["kv"][i])
-    assert torch.equal(h.mamba.page_content(int(slot[0])), data["mamba"][1])
+        assert torch.equal(page_content(h.kv, int(kv_target[i * PS])), data["kv"][i])
+    assert torch.equal(page_content(h.mamba, int(slot[0])), data["mamba"][1])
     for i in range(2):
-        assert torch.equal(h.swa.page_content(int(swa_target[i * PS])), data["swa"][i])
-    # the earlier Mamba checkpoint (after page 2) round-trips too
+        assert torch.equal(page_content(h.swa, int(swa_target[i * PS])), data["swa"][i])
+    # the earlier Mamba checkpoint (after page 2) round-trips too: a hit of 2 pages
+    operation = h.controller.query(_hashes(2), extra_pools=_query((MAMBA,)))
+    assert operation.storage_hit_count == 2 * PS
     slot2 = h.mamba.alloc(1)
-    assert h.storage.batch_get_v2(
-        [hs.PoolTransfer(name=MAMBA, host_indices=slot2, keys=hashes[1:2], hit_policy=TRAILING)]
-    ) == {MAMBA: [True]}
-    assert torch.equal(h.mamba.page_content(int(slot2[0])), data["mamba"][0])
+    operation.pool_transfers[0].host_indices = slot2
+    assert h.controller.prefetch(operation.hash_value, h.kv.alloc(2 * PS), operation=operation) == 2
+    assert torch.equal(page_content(h.mamba, int(slot2[0])), data["mamba"][0])
     stats = h.storage.kvtier_stats()
-    assert stats["mamba_hits"] == 2 and stats["swa_hits"] == 2 and stats["hits"] == 4
+    assert stats["mamba_hits"] == 2 and stats["swa_hits"] == 2 and stats["hits"] == 6
     assert stats["mamba_invalid"] == stats["swa_invalid"] == stats["invalid"] == 0
     # every pool in place: Mamba slots through SGLang's get_page_buffer_meta runs
     assert stats.get("state_pages_copied", 0) == 0 and h.storage._pool(MAMBA).in_place
@@ -251,7 +262,7 @@ def test_state_pool_without_zero_copy_meta_moves_by_value(
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="kvtier.integrations.sglang"):
         h = hybrid(backend, side_states=True)
-    assert "'mamba' (MambaHostPool) cannot be served in place" in caplog.text
+    assert "'mamba' (MambaPoolHost) cannot be served in place" in caplog.text
     assert "slot side states" in caplog.text
     mamba = h.storage._pool(MAMBA)
     assert not mamba.in_place and "|by-value" in mamba.plan.namespace.model
@@ -264,15 +275,15 @@ def test_state_pool_without_zero_copy_meta_moves_by_value(
     )
     assert got == {MAMBA: [True, True]}
     for i in range(2):
-        assert torch.equal(h.mamba.page_content(int(slot[i])), data["mamba"][i])
+        assert torch.equal(page_content(h.mamba, int(slot[i])), data["mamba"][i])
     # a bad page never reaches the slot: it is filled from a verified copy only
     _flip(h, "mamba", hashes[3])
-    h.mamba.zero_page(int(slot[1]))
+    zero_page(h.mamba, int(slot[1]))
     got = h.storage.batch_get_v2(
         [hs.PoolTransfer(name=MAMBA, host_indices=slot[1:], keys=hashes[3:], hit_policy=TRAILING)]
     )
     assert got == {MAMBA: [False]}
-    assert not h.mamba.page_content(int(slot[1])).any()
+    assert not page_content(h.mamba, int(slot[1])).any()
     stats = h.storage.kvtier_stats()
     assert stats["state_pools_by_value"] == 1
     assert stats["state_pages_copied"] == 2 + 2  # 2 stored, 2 loaded (the bad one is not)
@@ -318,7 +329,7 @@ def test_all_pages_policy_cuts_at_the_first_missing_page(backend: str, hybrid: A
     h.storage.register_mem_host_pool_v2(indexer, hs.PoolName.INDEXER)
     idx = indexer.alloc(4 * PS)
     for i in range(4):
-        indexer.fill_random(int(idx[i * PS]), 30 + i)
+        fill_random(indexer, int(idx[i * PS]), 30 + i)
     stored = h.storage.batch_set_v2(
         [hs.PoolTransfer(name=hs.PoolName.INDEXER, host_indices=idx, keys=hashes)]
     )
@@ -384,7 +395,7 @@ def test_mamba_state_is_per_rank_under_mla(hybrid: Any) -> None:
     assert swa[0].plan.namespace.id == swa[1].plan.namespace.id  # shared, like MLA KV
     hashes = _hashes(2)
     slot = ranks[1].mamba.alloc(1)
-    ranks[1].mamba.fill_random(int(slot[0]), 3)
+    fill_random(ranks[1].mamba, int(slot[0]), 3)
     idx = ranks[1].swa.alloc(PS)
     out = ranks[1].storage.batch_set_v2(
         [
@@ -459,7 +470,7 @@ def test_hit_answers_match_sglangs_own_file_backend(seed: int, hybrid: Any, tmp_
     kv_idx, slots, swa_idx = h.kv.alloc(count * PS), h.mamba.alloc(count), h.swa.alloc(count * PS)
     for i, key in enumerate(hashes):
         if gen.random() < 0.9:
-            h.kv.fill_random(int(kv_idx[i * PS]), i)
+            fill_random(h.kv, int(kv_idx[i * PS]), i)
             page = kv_idx[i * PS : (i + 1) * PS]
             assert h.storage.batch_set_v1([key], page) == [True]
             assert ref.set(key, h.kv.get_data_page(int(page[0])))
@@ -605,7 +616,12 @@ def test_keys_and_namespaces_are_the_ones_stored_pages_carry(case: str) -> None:
     )
     cfg.pp_rank, cfg.pp_size = config.get("pp", (0, 1))
     cfg.attn_cp_rank, cfg.attn_cp_size = config.get("cp", (0, 1))
-    storage = Controller.attach(cfg, kv).storage
+    # what attach_storage_backend does (the pipeline and context-parallel ranks come from
+    # process groups a one-process test has not got)
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    storage = StorageBackendFactory.create_backend("dynamic", cfg, kv)
+    storage.register_mem_pool_host(kv)
     try:
         swa: Any = (
             MLAHostPool(layer_num=2, page_size=PS, pages=16)

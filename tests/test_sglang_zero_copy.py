@@ -1,6 +1,9 @@
 """Every built-in backend behind SGLang's v1 path: bit-exact, and zero-copy where declared.
 
-The adapter serves SGLang's own host-pool memory to the backend. Backends that read and
+SGLang's own host pools (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``, on the CPU)
+and its ``HiCacheController``, whose backup and prefetch threads make the calls
+(``sglang_host_pool.Controller``). The adapter serves SGLang's own host-pool memory to the
+backend. Backends that read and
 write extents in place (file, uring) need nothing more; Mooncake needs that memory
 registered, which ``open_page_store`` does through the pool's ``memory_regions()``, so no
 page goes through Mooncake's staging buffer. Mooncake runs against a real master on
@@ -20,8 +23,11 @@ from sglang_host_pool import (
     CLASS_NAME,
     MODULE_PATH,
     Controller,
-    MHAHostPool,
-    MLAHostPool,
+    fill_random,
+    is_mla,
+    mha_host_pool,
+    mla_host_pool,
+    page_content,
     page_hashes,
     sglang_or_skip,
     storage_config,
@@ -82,8 +88,7 @@ def controller_for(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[A
             "interface_v1": 1,
             "kvtier": {"backend": name, "extra_config": _options(name, request, tmp_path)},
         }
-        is_mla = isinstance(pool, MLAHostPool)
-        cfg = storage_config(extra_config=extra, is_mla=is_mla, layout=pool.layout)
+        cfg = storage_config(extra_config=extra, is_mla=is_mla(pool), layout=pool.layout)
         controller = Controller.attach(cfg, pool)
         made.append(controller)
         return controller
@@ -91,7 +96,7 @@ def controller_for(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[A
     make.backend = name  # type: ignore[attr-defined]
     yield make
     for controller in made:
-        controller.storage.close()
+        controller.close()
 
 
 def _zero_copy(name: str) -> bool:
@@ -101,9 +106,9 @@ def _zero_copy(name: str) -> bool:
 @pytest.mark.parametrize(
     "pool_factory",
     [
-        lambda: MHAHostPool(layout="page_first"),
-        lambda: MHAHostPool(layout="layer_first"),
-        lambda: MLAHostPool(layout="page_first_direct"),
+        lambda: mha_host_pool(layout="page_first"),
+        lambda: mha_host_pool(layout="layer_first"),
+        lambda: mla_host_pool(layout="page_first_direct"),
     ],
     ids=["mha-page_first", "mha-layer_first", "mla-page_first_direct"],
 )
@@ -115,13 +120,13 @@ def test_round_trip_is_bit_exact_and_unstaged(
         controller = controller_for(pool)
         count = 4
         indices = pool.alloc(count * pool.page_size)
-        data = [pool.fill_random(int(indices[i * pool.page_size]), 40 + i) for i in range(count)]
+        data = [fill_random(pool, int(indices[i * pool.page_size]), 40 + i) for i in range(count)]
         hashes = page_hashes(list(range(1000, 1000 + count * pool.page_size)), pool.page_size)
         assert controller.backup(hashes, indices) == count * pool.page_size
         target = pool.alloc(count * pool.page_size)
         assert controller.prefetch(controller.hit_query(hashes), target) == count
     for i, expected in enumerate(data):
-        assert torch.equal(pool.page_content(int(target[i * pool.page_size])), expected)
+        assert torch.equal(page_content(pool, int(target[i * pool.page_size])), expected)
     stats = controller.storage.kvtier_stats()
     assert stats["hits"] == count and stats["invalid"] == 0
     if _zero_copy(controller_for.backend):

@@ -37,6 +37,9 @@ Keys: SGLang's page hashes are used as given, prefixed by kvtier's namespace (mo
 host-pool layout, geometry fingerprint, tenant) and, for MHA under tensor parallelism,
 suffixed by the rank. MLA pages are identical on every rank, so they are shared and written
 only by the rank SGLang names the storage writer (``HiCacheStorageConfig.is_storage_writer``).
+Under SGLang's heterogeneous TP (``tp_lcm_size``, ``page_head``), a rank that SGLang asks to
+split heads stores each page as the head slices the ranks of a ``tp_lcm_size``-way instance
+hold, each in that rank's namespace and store, so instances of different TP sizes share pages.
 
 The real SGLang host pools this reads are ``MHATokenToKVPoolHost`` and
 ``MLATokenToKVPoolHost``; the attributes used are ``kv_buffer``, ``layout``, ``page_size``,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -102,16 +102,20 @@ class TransferWindows:
 
 
 def kvtier_stats(
-    counters: Counters, kv: AttachedPool[Any] | None, extra: Iterable[AttachedPool[Any]]
+    counters: Counters, kv: Sequence[AttachedPool[Any]], extra: Iterable[AttachedPool[Any]]
 ) -> dict[str, int | float]:
-    """kvtier's counters: the adapter's, the KV pool's page store and backend
-    (``backend_*``), and each extra pool's under its name (``mamba_invalid``,
+    """kvtier's counters: the adapter's, the KV pool's page stores and backends
+    (``backend_*``; summed over the head slices where SGLang splits heads, so they count
+    stored objects), and each extra pool's under its name (``mamba_invalid``,
     ``mamba_backend_puts``)."""
     stats = zeroed("sglang")
     stats["metrics_fallback"] = int(storage_metrics_class() is StorageMetricsShape)
     stats.update(counters.snapshot())
-    if kv is not None:
-        stats.update(kv.stats())
+    kv_stats: dict[str, int | float] = {}
+    for shard in kv:
+        for name, value in shard.stats().items():
+            kv_stats[name] = kv_stats.get(name, 0) + value
+    stats.update(kv_stats)
     for pool in extra:
         stats.update(pool.stats(f"{pool.name}_"))
     return stats

@@ -5,7 +5,8 @@ pool, an SWA pool) to a :class:`~kvtier.core.pagestore.PageStore` with no copy;
 :class:`SlotPages` serves a state pool (Mamba) in place through the runs its
 ``get_page_buffer_meta`` names; :class:`StatePages` moves a state pool that names none by
 value, one flat page (SGLang's ``get_data_page``) at a time; :func:`flat_page` checks a
-caller's page tensor on SGLang's generic path.
+caller's page tensor on SGLang's generic path. :class:`HeadSlicePages` serves one head slice
+of each page, for SGLang's heterogeneous tensor parallelism (``tp_lcm_size``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvtier.core.host_pool import aligned_empty
 from kvtier.core.layout import Layout, layouts_for
 
 __all__ = [
+    "HeadSlicePages",
     "SGLangPages",
     "SlotPages",
     "StatePages",
@@ -188,13 +190,15 @@ def page_ids(host_indices: Any, count: int, ps: int, num_pages: int) -> list[int
     return [int(i) for i in (first // ps).tolist()]
 
 
-def flat_page(tensor: Any, geometry: KVGeometry, *, writable: bool) -> torch.Tensor:
-    """A caller's flat page tensor (SGLang's generic path), checked to hold one page.
+def flat_page(tensor: Any, pages: SGLangPages, *, writable: bool) -> torch.Tensor:
+    """A caller's flat page tensor (SGLang's generic path), checked to hold one of
+    ``pages``' host pages (:attr:`SGLangPages.page_bytes`).
 
     A strided tensor is copied for a put; a get fills the tensor in place, so it must be
     contiguous.
     """
-    expected = geometry.bytes_per_page
+    geometry = pages.geometry
+    expected = pages.page_bytes
     if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
         raise TransferError(
             f"expected a CPU tensor holding one page, got {type(tensor).__name__}",
@@ -203,8 +207,8 @@ def flat_page(tensor: Any, geometry: KVGeometry, *, writable: bool) -> torch.Ten
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes != expected:
         raise TransferError(
-            f"a page tensor of {nbytes} bytes cannot hold a page of "
-            f"{geometry.describe()}; it takes {expected} bytes",
+            f"a page tensor of {nbytes} bytes cannot hold a host page of "
+            f"{geometry.describe()}{pages.slice_note}; it takes {expected} bytes",
             value=nbytes,
         )
     if tensor.is_contiguous():
@@ -298,6 +302,23 @@ class SGLangPages(_InPlacePages):
     def layout(self) -> Layout:
         return self._layout
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one whole host page (SGLang's flat data page)."""
+        return self.geometry.bytes_per_page
+
+    #: What the pages are of, in errors: "" (whole pages) or a head slice.
+    slice_note = ""
+
+    def page_view(self, page: int) -> torch.Tensor:
+        """The strided view of what this view stores of host page ``page``."""
+        view: torch.Tensor = self.host_pool.get_data_page(page * self.page_size, flat=False)
+        return view
+
+    def scratch_runs(self, tensor: torch.Tensor) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of what this view stores of a caller's flat page tensor."""
+        return [(tensor.data_ptr(), tensor.numel() * tensor.element_size())]
+
     def memory_regions(self) -> list[Extent]:
         """SGLang's whole ``kv_buffer`` and the envelope slab: registered once by backends
         that need registered memory (Mooncake), so every page moves zero-copy."""
@@ -314,14 +335,13 @@ class SGLangPages(_InPlacePages):
         cached = self._extent_cache.get(page)
         if cached is None:
             self._check_page(page)
-            view = self.host_pool.get_data_page(page * self.page_size, flat=False)
-            runs = _runs(view)
+            runs = _runs(self.page_view(page))
             total = sum(length for _, length in runs)
             outside = [a for a, n in runs if a < self._low or a + n > self._high]
             if outside or total != self.geometry.bytes_per_page:
                 raise TransferError(
-                    f"SGLang host page {page} is {total} bytes in {len(runs)} runs"
-                    f"{' partly outside kv_buffer' if outside else ''}; the pool's geometry "
+                    f"SGLang host page {page}{self.slice_note} is {total} bytes in {len(runs)} "
+                    f"runs{' partly outside kv_buffer' if outside else ''}; the pool's geometry "
                     f"({self.geometry.describe()}) says {self.geometry.bytes_per_page}: "
                     "this host pool is not one kvtier understands",
                     value=page,
@@ -345,8 +365,8 @@ class SGLangPages(_InPlacePages):
             for i, tensor in enumerate(tensors):
                 page = next(self._scratch_ids)
                 header = _extent_at(slab.data_ptr() + i * ENVELOPE_BYTES, ENVELOPE_BYTES)
-                length = tensor.numel() * tensor.element_size()
-                self._scratch[page] = (header, _extent_at(tensor.data_ptr(), length))
+                runs = [_extent_at(a, n) for a, n in self.scratch_runs(tensor)]
+                self._scratch[page] = (header, *runs)
                 self._scratch_keep[page] = slab
                 ids.append(page)
         return ids
@@ -357,6 +377,43 @@ class SGLangPages(_InPlacePages):
             for page in ids:
                 self._scratch.pop(page, None)
                 self._scratch_keep.pop(page, None)
+
+
+class HeadSlicePages(SGLangPages):
+    """Head slice ``index`` of ``slices`` of every page of an SGLang ``page_head`` host pool.
+
+    Under SGLang's heterogeneous tensor parallelism (``tp_lcm_size``: instances of different
+    ``--tp-size`` share one store), a rank of ``tp_size`` ranks stores each page as the
+    ``tp_lcm_size // tp_size`` pages the ranks of a ``tp_lcm_size``-way instance hold: slice
+    ``index`` is heads ``[index * h, (index + 1) * h)`` of the page (``h``: the pool's heads
+    over ``slices``), its K run then its V run, the regions SGLang's
+    ``get_split_heads_page_buffer_meta`` names. ``geometry`` is the slice's (``h`` heads): a
+    slice is byte for byte the ``page_head`` page of that rank.
+    """
+
+    def __init__(
+        self, pool: Any, layout: Layout, geometry: KVGeometry, index: int, slices: int
+    ) -> None:
+        self.index, self.slices = index, slices
+        self.slice_note = f" (head slice {index} of {slices})"
+        super().__init__(pool, layout, geometry)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.geometry.bytes_per_page * self.slices
+
+    def _heads(self, view: torch.Tensor) -> torch.Tensor:
+        # page_head: [kv, page, head, token-in-page, layer, dim]
+        per = view.shape[2] // self.slices
+        return view[:, :, self.index * per : (self.index + 1) * per]
+
+    def page_view(self, page: int) -> torch.Tensor:
+        return self._heads(super().page_view(page))
+
+    def scratch_runs(self, tensor: torch.Tensor) -> list[tuple[int, int]]:
+        pool = self.host_pool
+        shape = (2, 1, int(pool.head_num), self.page_size, int(pool.layer_num), -1)
+        return _runs(self._heads(tensor.view(shape)))
 
 
 class SlotPages(_InPlacePages):

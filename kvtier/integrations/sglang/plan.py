@@ -14,13 +14,14 @@ from typing import Any
 
 from kvtier.core.capabilities import ResolvedPlan, check_backend, open_page_store, resolve
 from kvtier.core.config import EngineConfig, load_engine_config
-from kvtier.core.errors import UnsupportedCombinationError
+from kvtier.core.errors import InvalidFieldError, UnsupportedCombinationError
 from kvtier.core.geometry import AttentionKind
 from kvtier.core.keys import rank_suffix
 from kvtier.core.specs import BackendSpec
 from kvtier.core.storage import Counters
 from kvtier.integrations.identity import weights_digest
 from kvtier.integrations.sglang.pages import (
+    HeadSlicePages,
     SGLangPages,
     SlotPages,
     StatePages,
@@ -39,7 +40,7 @@ from kvtier.integrations.sglang.pools import (
 from kvtier.integrations.sglang.settings import LABEL, OPTIONS_AT, SGLangSection
 from kvtier.plugins.registry import Registry
 
-__all__ = ["SGLangSetup", "check_parallelism", "model_id", "rank_tag"]
+__all__ = ["SGLangSetup", "check_parallelism", "head_slices", "model_id", "rank_tag"]
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +77,32 @@ def model_id(settings: SGLangSection, config: Any) -> str:
     return name + pp + cp
 
 
-def check_parallelism(config: Any) -> None:
-    """Refuse the parallel set-ups whose pages kvtier cannot store whole."""
-    if getattr(config, "should_split_heads", False):
+def head_slices(config: Any) -> int:
+    """How many head slices each page is stored as: ``tp_lcm_size // tp_size`` where SGLang
+    splits heads (``should_split_heads``: heterogeneous TP sizes sharing one store), else 1."""
+    if not getattr(config, "should_split_heads", False):
+        return 1
+    lcm, size = getattr(config, "tp_lcm_size", None), int(config.tp_size)
+    if config.is_mla_model:
         raise UnsupportedCombinationError(
-            "SGLang asks storage to split heads across heterogeneous TP sizes "
-            "(tp_lcm_size); kvtier keys whole pages per rank",
+            "SGLang asks storage to split heads (tp_lcm_size) of an MLA model, whose pages "
+            "are the same on every rank and are not split",
             value="tp_lcm_size",
-            supported=[
-                "the same --tp-size on every instance sharing the store "
-                "(remove tp_lcm_size from the extra-config)"
-            ],
+            supported=["tp_lcm_size only for MHA/GQA models (SGLang sets it so)"],
         )
+    if not isinstance(lcm, int) or lcm <= size or lcm % size:
+        raise InvalidFieldError(
+            "tp_lcm_size",
+            f"must be a multiple of --tp-size ({size}) above it to split heads, got {lcm!r}",
+            value=lcm,
+        )
+    return lcm // size
+
+
+def check_parallelism(config: Any) -> None:
+    """Refuse the parallel set-ups whose pages kvtier cannot store (decode context
+    parallelism), and a head split that names no valid ``tp_lcm_size``."""
+    head_slices(config)
     if getattr(config, "dcp_size", 1) != 1:
         raise UnsupportedCombinationError(
             "SGLang decode context parallelism (DCP) splits each page across ranks; "
@@ -110,6 +125,8 @@ class SGLangSetup:
     tp_size: int
     #: The storage backend, checked (name, availability, options) at construction.
     spec: BackendSpec
+    #: Head slices per KV page (SGLang's ``tp_lcm_size // tp_size``; 1: whole pages).
+    slices: int = 1
 
     @classmethod
     def for_rank(cls, config: Any, settings: SGLangSection, registry: Registry) -> SGLangSetup:
@@ -123,17 +140,27 @@ class SGLangSetup:
             engine, registry.backends, registry.io_backends, options_at=OPTIONS_AT
         )
         check_parallelism(config)
-        return cls(settings, registry, attention, model, tp_rank, tp_size, spec)
+        slices = head_slices(config)
+        return cls(settings, registry, attention, model, tp_rank, tp_size, spec, slices)
 
-    def resolve(self, *, layout: str, model: str | None = None, **geometry: Any) -> ResolvedPlan:
-        """The plan of one host pool: its layout, geometry fields and model id (default:
-        the KV pool's). Every pool's plan comes from here."""
+    def resolve(
+        self,
+        *,
+        layout: str,
+        model: str | None = None,
+        rank: tuple[int, int] | None = None,
+        **geometry: Any,
+    ) -> ResolvedPlan:
+        """The plan of one host pool: its layout, geometry fields, model id (default: the
+        KV pool's) and TP ``rank`` (rank, size; default: this rank's). Every pool's plan
+        comes from here."""
+        tp_rank, tp_size = (self.tp_rank, self.tp_size) if rank is None else rank
         config = _engine_config(
             self.settings,
             self.attention,
             self.model if model is None else model,
-            self.tp_rank,
-            self.tp_size,
+            tp_rank,
+            tp_size,
             layout=layout,
             **geometry,
         )
@@ -154,6 +181,42 @@ class SGLangSetup:
             raise unsupported_pool(pool, "its pages are split by decode context parallelism")
         plan, pages = self._in_place(pool, self.model)
         return self.attach("kv", plan, pages, writes=writes)
+
+    def kv_slices(self, pool: Any, *, writes: bool) -> list[AttachedPool[SGLangPages]]:
+        """SGLang's KV host pool as its page stores: one (whole pages), or one per head
+        slice where SGLang splits heads (``tp_lcm_size``).
+
+        Slice ``j`` of rank ``r`` is stored as the page of rank ``r * slices + j`` of a
+        ``tp_lcm_size``-way instance would be: that rank's namespace, heads, geometry and
+        rank suffix, in that rank's store, so instances of different TP sizes share pages.
+        """
+        if self.slices == 1:
+            return [self.kv_pool(pool, writes=writes)]
+        if getattr(pool, "kv_buffer", None) is None:
+            raise unsupported_pool(pool, "it has no kv_buffer (a logical-only anchor pool)")
+        layout = pool_layout(pool, self.attention)
+        fields = pool_geometry_fields(pool, self.attention, self.settings.dtype)
+        heads = fields["num_kv_heads"]
+        if layout.value != "page_head" or heads % self.slices:
+            raise UnsupportedCombinationError(
+                f"SGLang asks storage to split each page into {self.slices} head slices "
+                f"(tp_lcm_size), which needs the page_head layout and heads divisible by "
+                f"{self.slices}; the host pool has layout {layout.value!r} and {heads} heads",
+                value=layout.value,
+                supported=["--hicache-mem-layout page_head with tp_lcm_size"],
+            )
+        fields["num_kv_heads"] = heads // self.slices
+        lcm = self.tp_size * self.slices
+        shards: list[AttachedPool[SGLangPages]] = []
+        for index in range(self.slices):
+            rank = (self.tp_rank * self.slices + index, lcm)
+            plan = self.resolve(layout=layout.value, rank=rank, **fields)
+            pages: SGLangPages = HeadSlicePages(
+                pool, plan.layout, plan.geometry, index, self.slices
+            )
+            pages.extents(0)  # the pool's memory matches the geometry: checked now
+            shards.append(self.attach("kv", plan, pages, writes=writes))
+        return shards
 
     def extra_pool(
         self, name: str, pool: Any, *, writer: bool, counters: Counters

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kvtier.cache.metrics import identity_of, store_collector
-from kvtier.core.errors import StorageError, TransferError
+from kvtier.core.errors import StorageError, TransferError, UnsupportedCombinationError
 from kvtier.core.storage import Counters
 from kvtier.integrations.sglang.metrics import TransferWindows, kvtier_stats
 from kvtier.integrations.sglang.pages import SGLangPages, flat_page
@@ -85,6 +85,9 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._counters = Counters()
         self._windows = TransferWindows(bool(storage_config.enable_storage_metrics))
         self._lock = threading.Lock()
+        #: The KV pool's page stores: one, or one per head slice (SGLang's tp_lcm_size).
+        self._shards: list[AttachedPool[SGLangPages]] = []
+        #: The first of them: the KV pool's plan and pages.
         self._state: AttachedPool[SGLangPages] | None = None
         #: The extra host pools of a hybrid model, by SGLang's pool name (v2 interface).
         self._extra: dict[str, AttachedPool[Any]] = {}
@@ -95,21 +98,23 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Check SGLang's host pool against the backend, then build the backend over it."""
         super().register_mem_pool_host(mem_pool_host)
-        state = self.setup.kv_pool(mem_pool_host, writes=self.is_writer)
+        shards = self.setup.kv_slices(mem_pool_host, writes=self.is_writer)
         with self._lock:
-            old, self._state = self._state, state
-        if old is not None:
-            old.close()
-        plan = state.plan
+            old, self._shards = self._shards, shards
+            self._state = shards[0]
+        for pool in old:
+            pool.close()
+        plan = shards[0].plan
         log.info(
             "kvtier: SGLang HiCache storage on backend %r, layout %s, %s, namespace %s, "
-            "%s, zero-copy %s",
+            "%s, zero-copy %s%s",
             self.spec.name,
             plan.layout.value,
             plan.geometry.describe(),
-            plan.context.namespace,
+            ", ".join(shard.plan.context.namespace for shard in shards),
             "writer" if self.is_writer else "reader (another rank writes)",
             "on" if self.zero_copy else "off",
+            f", each page as {len(shards)} head slices (tp_lcm_size)" if len(shards) > 1 else "",
         )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -130,6 +135,14 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 f"SGLang registered the extra host pool {name!r} before the KV pool: "
                 "register_mem_pool_host(kv_pool) comes first (SGLang's controller does so)",
                 value=name,
+            )
+        if len(self._shards) > 1:
+            raise UnsupportedCombinationError(
+                f"SGLang registered the extra host pool {name!r} while it splits KV heads "
+                "across heterogeneous TP sizes (tp_lcm_size); kvtier splits the KV pool's "
+                "pages only",
+                value=name,
+                supported=["tp_lcm_size with a KV-only model", "no tp_lcm_size"],
             )
         extra = self.setup.extra_pool(
             name, host_pool, writer=self.is_writer, counters=self._counters
@@ -174,12 +187,25 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def _keys(self, state: AttachedPool[Any], keys: Sequence[str]) -> list[str]:
         return state.keys(keys)
 
+    def _kv(self) -> list[AttachedPool[SGLangPages]]:
+        """The KV pool's page stores (several where heads are split), once registered."""
+        self._require()
+        return self._shards
+
+    def _kv_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading KV pages are stored (every head slice of each)."""
+        return min(shard.store.prefix_hits(shard.keys(keys)) for shard in self._kv())
+
+    @staticmethod
+    def _every(results: Sequence[list[bool]]) -> list[bool]:
+        """Per page: whether every head slice's transfer succeeded."""
+        return [all(column) for column in zip(*results, strict=True)]
+
     # --- zero-copy (v1) path ----------------------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many leading keys are stored (SGLang's prefix-hit query)."""
-        state = self._require()
-        return state.store.prefix_hits(state.keys(keys))
+        return self._kv_prefix(keys)
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
@@ -194,21 +220,27 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return self._v1("put", keys, host_indices)
 
     def _v1(self, op: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
-        state = self._require()
-        names = state.keys(keys)
-        pages = state.pages.pages_of(host_indices, len(names))
-        if not names:
+        shards = self._kv()
+        names = [shard.keys(keys) for shard in shards]
+        state = shards[0]
+        pages = state.pages.pages_of(host_indices, len(keys))
+        if not keys:
             return []
         if op == "put" and not self.is_writer:
-            self._counters.add("skipped_not_writer", len(names))
-            return [True] * len(names)
+            self._counters.add("skipped_not_writer", len(keys))
+            return [True] * len(keys)
         start = time.perf_counter()
-        results = state.store.get(names, pages) if op == "get" else state.store.put(names, pages)
+        results = self._every(
+            [
+                shard.store.get(n, pages) if op == "get" else shard.store.put(n, pages)
+                for shard, n in zip(shards, names, strict=True)
+            ]
+        )
         moved = sum(results)
         self._windows.record(
             "prefetch" if op == "get" else "backup",
             moved,
-            moved * state.pages.geometry.bytes_per_page,
+            moved * state.pages.page_bytes,
             time.perf_counter() - start,
         )
         return results
@@ -224,8 +256,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         every page; ``trailing_pages``: the last ``len(transfer.keys)``); a prefix length
         counts only when every pool allows it.
         """
-        state = self._require()
-        kv_pages = state.store.prefix_hits(state.keys(keys))
+        kv_pages = self._kv_prefix(keys)
         hits: dict[Any, int] = {"kv": kv_pages} if kv_pages else {}
         restorable = set(range(1, kv_pages + 1))
         for transfer in pool_transfers or []:
@@ -287,9 +318,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     # --- legacy (generic) path --------------------------------------------------------------
 
     def exists(self, key: str) -> bool:
-        """Whether one key is stored."""
-        state = self._require()
-        return state.store.exists(state.keys([key]))[0]
+        """Whether one key is stored (every head slice of it)."""
+        return all(shard.store.exists(shard.keys([key]))[0] for shard in self._kv())
 
     def get(
         self, key: str, target_location: Any = None, target_sizes: Any = None
@@ -302,16 +332,15 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> list[torch.Tensor | None]:
         """Read pages into the given flat page tensors; None for a miss or a bad page."""
         state = self._require()
-        names = state.keys(keys)
+        names = state.keys(keys)  # checked before anything else
         if target_locations is None or len(target_locations) != len(names):
             raise TransferError(
                 "kvtier's legacy get reads into the caller's tensors: pass one flat page "
                 "tensor per key (SGLang passes host_pool.get_dummy_flat_data_page())",
                 value=None if target_locations is None else len(target_locations),
             )
-        geometry = state.pages.geometry
-        tensors = [flat_page(t, geometry, writable=True) for t in target_locations]
-        results = self._generic(state, "get", names, tensors)
+        tensors = [flat_page(t, state.pages, writable=True) for t in target_locations]
+        results = self._generic("get", keys, tensors)
         return [t if ok else None for t, ok in zip(target_locations, results, strict=True)]
 
     def set(
@@ -329,7 +358,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> bool:
         """Store flat page tensors; True only if every page was stored."""
         state = self._require()
-        names = state.keys(keys)
+        names = state.keys(keys)  # checked before anything else
         if values is None or len(values) != len(names):
             raise TransferError(
                 "kvtier's legacy set stores the given tensors: pass one flat page tensor "
@@ -339,23 +368,22 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if not self.is_writer:
             self._counters.add("skipped_not_writer", len(names))
             return True
-        geometry = state.pages.geometry
-        tensors = [flat_page(v, geometry, writable=False) for v in values]
-        return all(self._generic(state, "put", names, tensors))
+        tensors = [flat_page(v, state.pages, writable=False) for v in values]
+        return all(self._generic("put", keys, tensors))
 
-    def _generic(
-        self,
-        state: AttachedPool[SGLangPages],
-        op: str,
-        names: list[str],
-        tensors: list[torch.Tensor],
-    ) -> list[bool]:
-        self._counters.add("generic_path_pages", len(names))
-        ids = state.pages.add_scratch(tensors)
-        try:
-            return state.store.get(names, ids) if op == "get" else state.store.put(names, ids)
-        finally:
-            state.pages.drop_scratch(ids)
+    def _generic(self, op: str, keys: list[str], tensors: list[torch.Tensor]) -> list[bool]:
+        """Move caller tensors (one flat page each) as scratch pages of each KV page store."""
+        self._counters.add("generic_path_pages", len(keys))
+        results = []
+        for shard in self._kv():
+            names = shard.keys(keys)
+            ids = shard.pages.add_scratch(tensors)
+            try:
+                store = shard.store
+                results.append(store.get(names, ids) if op == "get" else store.put(names, ids))
+            finally:
+                shard.pages.drop_scratch(ids)
+        return self._every(results)
 
     # --- housekeeping -----------------------------------------------------------------------
 
@@ -364,7 +392,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         state = self._state
         if state is None or state.closed:
             return
-        pools = [state] if self.is_writer else []
+        pools = list(self._shards) if self.is_writer else []
         pools += [p for p in self._extra.values() if p.writes and not p.closed]
         if not self.is_writer:
             log.info("kvtier: clear() left to the storage writer rank (MLA pages are shared)")
@@ -382,20 +410,19 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
         An extra pool's counters carry its name: ``mamba_invalid``, ``mamba_backend_puts``.
         """
-        return kvtier_stats(self._counters, self._state, list(self._extra.values()))
+        return kvtier_stats(self._counters, list(self._shards), list(self._extra.values()))
 
     def prometheus_collector(self) -> Any:
         """A prometheus_client collector of this storage's page store (``kvtier_*`` families,
-        the names and labels a TieredCache's storage tier has; docs/operating.md)."""
+        the names and labels a TieredCache's storage tier has; docs/operating.md); where
+        heads are split, the first head slice's store."""
         state = self._require()
         return store_collector(state.store, identity_of(state.plan))
 
     def close(self) -> None:
         """Stop the checksum threads and close the backend. Idempotent."""
         with self._lock:
-            state = self._state
+            shards = list(self._shards)
             extra = list(self._extra.values())
-        for pool in extra:
+        for pool in [*extra, *shards]:
             pool.close()
-        if state is not None:
-            state.close()
