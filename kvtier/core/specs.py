@@ -1,4 +1,4 @@
-"""What a storage backend or an IO backend declares about itself.
+"""What a storage backend, an IO backend or a policy declares about itself.
 
 Declarations are plain frozen dataclasses, so capability resolution needs no plugin
 machinery and declaring a backend imports none of its optional dependencies: the factory
@@ -14,15 +14,17 @@ from __future__ import annotations
 import enum
 import importlib
 import importlib.util
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-from kvtier.core.errors import BackendUnavailableError, PluginError
+from kvtier.core.errors import BackendUnavailableError, KvtierError, PluginError
 from kvtier.core.geometry import AttentionKind
 from kvtier.core.layout import Layout
+from kvtier.core.policy import AdmissionPolicy, EvictionPolicy
+from kvtier.core.validation import validate_model
 
 __all__ = [
     "ALL_ATTENTION",
@@ -34,6 +36,8 @@ __all__ = [
     "Feature",
     "IOBackendSpec",
     "Operation",
+    "PolicyKind",
+    "PolicySpec",
 ]
 
 
@@ -229,3 +233,81 @@ class IOBackendSpec(_SpecBase):
 
     def supports(self, layout: Layout, attention: AttentionKind, operation: Operation) -> bool:
         return Capability(layout, attention, operation) in self.capabilities
+
+
+#: What a policy decides: which pages leave a tier, or which enter it.
+PolicyKind = Literal["eviction", "admission"]
+_POLICY_BASES: dict[str, type] = {"eviction": EvictionPolicy, "admission": AdmissionPolicy}
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """An eviction or admission policy's declaration.
+
+    ``factory(config)`` builds a fresh policy from its validated ``config_model``
+    instance: an :class:`~kvtier.core.policy.EvictionPolicy` for ``kind="eviction"``, an
+    :class:`~kvtier.core.policy.AdmissionPolicy` for ``kind="admission"``. :meth:`build`
+    is the one door from a name's options to an instance: it validates, imports a lazy
+    factory, constructs and checks the type, so every tier and the benchmark build alike.
+    """
+
+    name: str
+    kind: PolicyKind
+    factory: Factory
+    config_model: type[BaseModel] = EmptyConfig
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        _check_name("policy", self.name)
+        if self.kind not in _POLICY_BASES:
+            raise PluginError(
+                f"policy {self.name!r}: kind {self.kind!r} is not one of "
+                f"{sorted(_POLICY_BASES)}; an eviction policy chooses victims, an admission "
+                "policy admits pages",
+                value=self.kind,
+            )
+
+    def validate(self, options: Mapping[str, Any] | None = None, *, where: str = "") -> BaseModel:
+        """``options`` checked against ``config_model``: unknown keys and bad values are
+        config errors naming the field path (under ``where``, such as ``tiers[1].eviction``)."""
+        return validate_model(
+            self.config_model,
+            dict(options or {}),
+            where=where,
+            label=f"{where or 'options'} of {self.kind} policy {self.name!r}",
+        )
+
+    def build(self, options: Mapping[str, Any] | None = None, *, where: str = "") -> Any:
+        """A fresh policy built from ``options`` (validated first; see :meth:`validate`).
+
+        A factory that cannot be imported, raises something other than a kvtier error, or
+        returns something other than the kind's base class, is a :class:`PluginError`
+        naming the policy.
+        """
+        config = self.validate(options, where=where)
+        try:
+            factory = _load_factory("policy", self.name, self.factory)
+        except (ImportError, AttributeError) as exc:
+            raise PluginError(
+                f"{self.kind} policy {self.name!r}: cannot import its factory "
+                f"{self.factory!r}: {exc!r}; is the plugin installed whole?",
+                value=self.factory,
+            ) from exc
+        try:
+            policy = factory(config)
+        except KvtierError:
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"{self.kind} policy {self.name!r}: its factory {self.factory!r} raised "
+                f"{exc!r}; fix the plugin, or choose another policy",
+                value=self.name,
+            ) from exc
+        base = _POLICY_BASES[self.kind]
+        if not isinstance(policy, base):
+            raise PluginError(
+                f"{self.kind} policy {self.name!r}: its factory returned "
+                f"{type(policy).__name__}, not a kvtier.plugins.{base.__name__}",
+                value=policy,
+            )
+        return policy

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.core.extents import Extent
 from kvtier.core.geometry import KVGeometry
 from kvtier.core.layout import Layout
+from kvtier.core.policy import EvictionPolicy
 
 if TYPE_CHECKING:
     from kvtier.core.host_pool import HostPool
@@ -42,6 +43,11 @@ class BackendContext:
     #: one store for several namespaces (``clear`` may use it).
     namespace: str = "default"
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The policy the backend's capacity evicts through (``capacity_bytes`` and the
+    #: like): the backend records its pages' inserts, hits and removals in it and asks
+    #: it for victims. None: the backend's own LRU (the built-in ``lru`` policy). One
+    #: instance serves one backend instance.
+    eviction: EvictionPolicy | None = field(default=None, compare=False)
 
 
 class Counters:

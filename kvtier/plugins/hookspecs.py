@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pluggy
 
-from kvtier.core.specs import BackendSpec, IOBackendSpec
+from kvtier.core.specs import BackendSpec, IOBackendSpec, PolicySpec
 
 __all__ = ["hookimpl", "hookspec"]
 
@@ -42,4 +42,18 @@ def kvtier_register_io_backends(register: Callable[[IOBackendSpec], None]) -> No
     Called once when the plugin manager loads. Each spec lists exactly the
     (layout, attention, operation) capabilities it executes; capability resolution
     refuses everything else at config time. Returns nothing.
+    """
+
+
+@hookspec
+def kvtier_register_policies(register: Callable[[PolicySpec], None]) -> None:
+    """Declare eviction and admission policies with ``register(PolicySpec(...))``.
+
+    Called once when the plugin manager loads, for every plugin. Each spec names its
+    ``kind`` (``"eviction"``: chooses which pages leave a full tier; ``"admission"``:
+    decides whether a page enters a tier), a factory (a callable or a lazy
+    ``"module:Class"`` string) called with the validated ``config_model`` instance, and
+    that model. A tier's config names a policy by its name; each tier builds its own
+    instance with ``PolicySpec.build(options)``. Returns nothing; a name declared twice is
+    an error that names both plugins.
     """

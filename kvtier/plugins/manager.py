@@ -1,8 +1,9 @@
 """The plugin manager: built-ins first, then entry points of group ``kvtier``, then registries.
 
 Nothing is loaded at import time: :func:`load_registry` does the work when an engine, the
-CLI or a test asks for it. Built-in backends are plugin modules registered through the
-very hooks third-party plugins implement, so the third-party path runs in every test.
+CLI or a test asks for it. Built-in backends and policies are plugin modules registered
+through the very hooks third-party plugins implement, so the third-party path runs in
+every test.
 
 Environment:
 
@@ -26,7 +27,7 @@ import pluggy
 
 from kvtier._version import __version__
 from kvtier.core.errors import DuplicatePluginError, PluginError
-from kvtier.core.specs import BackendSpec, IOBackendSpec
+from kvtier.core.specs import BackendSpec, IOBackendSpec, PolicySpec
 from kvtier.plugins import hookspecs
 from kvtier.plugins.registry import PluginInfo, Registry
 
@@ -52,7 +53,9 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "kvtier.backends.memory",
     "kvtier.backends.file",
     "kvtier.backends.uring",
+    "kvtier.backends.segment",
     "kvtier.backends.mooncake",
+    "kvtier.policies",
 )
 
 
@@ -166,7 +169,7 @@ def _make(
 def _collect(
     loaded: _Loaded,
     hook_name: str,
-    spec_type: type[BackendSpec] | type[IOBackendSpec],
+    spec_type: type[BackendSpec] | type[IOBackendSpec] | type[PolicySpec],
     kind: str,
     origins: dict[tuple[str, str], PluginInfo],
 ) -> dict[str, Any]:
@@ -216,7 +219,8 @@ def load_registry(
     io_backends = _collect(
         loaded, "kvtier_register_io_backends", IOBackendSpec, "IO backend", origins
     )
-    return Registry(backends, io_backends, origins)
+    policies = _collect(loaded, "kvtier_register_policies", PolicySpec, "policy", origins)
+    return Registry(backends, io_backends, origins, policies)
 
 
 @functools.lru_cache(maxsize=1)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from kvtier.core.errors import UnknownNameError
-from kvtier.core.specs import BackendSpec, IOBackendSpec
+from kvtier.core.specs import BackendSpec, IOBackendSpec, PolicySpec
 
 __all__ = ["PluginInfo", "Registry"]
 
@@ -27,16 +27,18 @@ class PluginInfo:
 
 
 class Registry:
-    """An immutable view of declared storage and IO backends and their origins."""
+    """An immutable view of declared storage and IO backends, policies and their origins."""
 
     def __init__(
         self,
         backends: Mapping[str, BackendSpec],
         io_backends: Mapping[str, IOBackendSpec],
         origins: Mapping[tuple[str, str], PluginInfo],
+        policies: Mapping[str, PolicySpec] | None = None,
     ) -> None:
         self._backends = MappingProxyType(dict(backends))
         self._io_backends = MappingProxyType(dict(io_backends))
+        self._policies = MappingProxyType(dict(policies or {}))
         self._origins = MappingProxyType(dict(origins))
 
     @property
@@ -48,6 +50,11 @@ class Registry:
     def io_backends(self) -> Mapping[str, IOBackendSpec]:
         """IO backends by name (read-only)."""
         return self._io_backends
+
+    @property
+    def policies(self) -> Mapping[str, PolicySpec]:
+        """Eviction and admission policies by name (read-only); ``spec.kind`` tells which."""
+        return self._policies
 
     def backend(self, name: str) -> BackendSpec:
         """The storage backend called ``name``, or an error listing the installed ones."""
@@ -63,6 +70,17 @@ class Registry:
         except KeyError:
             raise UnknownNameError("IO backend", name, self._io_backends) from None
 
+    def policy(self, name: str, kind: str | None = None) -> PolicySpec:
+        """The policy called ``name`` (of ``kind``, when given: ``"eviction"`` or
+        ``"admission"``), or an error listing the installed ones of that kind."""
+        known = {n: s for n, s in self._policies.items() if kind is None or s.kind == kind}
+        try:
+            return known[name]
+        except KeyError:
+            label = f"{kind} policy" if kind else "policy"
+            raise UnknownNameError(label, name, known) from None
+
     def origin(self, kind: str, name: str) -> PluginInfo:
-        """Which plugin declared ``name``; ``kind`` is ``"backend"`` or ``"io_backend"``."""
+        """Which plugin declared ``name``; ``kind`` is ``"backend"``, ``"io_backend"`` or
+        ``"policy"``."""
         return self._origins[(kind, name)]

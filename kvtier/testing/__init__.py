@@ -1,7 +1,8 @@
 """Test helpers and the conformance kit that third-party backends import and run.
 
 - :mod:`kvtier.testing.kit`: the conformance kit (``BackendKit`` and the mixins, one module
-  per concern; needs pytest, the ``testing`` extra).
+  per concern, and ``PolicyKit`` with ``PolicyConformanceTests`` for eviction and
+  admission policies; needs pytest, the ``testing`` extra).
 - :func:`require`: skip a test whose optional component cannot run here, or fail it where
   ``KVTIER_REQUIRE_<COMPONENT>=1`` (CI) says the component must be there.
 - :mod:`kvtier.testing.faults`: :class:`FaultyBackend`, fault injection around any backend.
@@ -33,10 +34,12 @@ from kvtier.testing.optional import require
 
 if TYPE_CHECKING:
     from kvtier.testing.kit import (
+        AdmissionPolicyTests,
         BackendKit,
         ConcurrencyTests,
         ConformanceTests,
         DeleteClearTests,
+        EvictionPolicyTests,
         Harness,
         IntegrityTests,
         KitEnv,
@@ -44,16 +47,21 @@ if TYPE_CHECKING:
         MissTests,
         OverwriteTests,
         PersistenceTests,
+        PolicyConformanceTests,
+        PolicyEnv,
+        PolicyKit,
         PrefixExistsTests,
         RoundTripTests,
         SharedProcessesTests,
     )
 
 __all__ = [
+    "AdmissionPolicyTests",
     "BackendKit",
     "ConcurrencyTests",
     "ConformanceTests",
     "DeleteClearTests",
+    "EvictionPolicyTests",
     "FaultyBackend",
     "Harness",
     "InjectedFault",
@@ -63,6 +71,9 @@ __all__ = [
     "MissTests",
     "OverwriteTests",
     "PersistenceTests",
+    "PolicyConformanceTests",
+    "PolicyEnv",
+    "PolicyKit",
     "PrefixExistsTests",
     "RoundTripTests",
     "SharedProcessesTests",

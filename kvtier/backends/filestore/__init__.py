@@ -17,8 +17,9 @@ This package holds no code of its own; each module does one job:
   (start-up, ``rescan``, ``clear``) that finds the pages and deals with debris;
 * :mod:`~kvtier.backends.filestore.debris`: what debris is (its kinds and counters), and
   removing it without following a symlink;
-* :mod:`~kvtier.backends.filestore.index`: :class:`FileIndex`, the in-memory LRU index
-  with capacity and the free-space guard;
+* :mod:`~kvtier.backends.filestore.index`: :class:`FileIndex`, the in-memory index
+  with capacity (evicting through the context's policy, LRU by default) and the
+  free-space guard;
 * :mod:`~kvtier.backends.filestore.store`: :class:`FileStore`, one opened store, which
   both backends hold: counters, opening pages for reading, temp files and publishing
   over debris, ``delete`` / ``clear`` / ``rescan`` / ``stats``;
@@ -54,11 +55,13 @@ Durability modes: ``none`` (no fsync: the page survives a process crash, not a p
 cut), ``page`` (fsync each page file before its rename and its directory after), ``batch``
 (fsync each page file, then rename the batch and fsync each touched directory once).
 
-The index (key -> size, in LRU order) is rebuilt at start-up by scanning the store, with
-modification times giving the initial LRU order; afterwards it is maintained in memory, so
-``exists`` costs a dict lookup. It serves LRU eviction under ``capacity_bytes`` and the
-minimum-free-space guard (``os.statvfs``): before a page is written, least recently used
-pages are evicted until both hold, or the put fails. Several processes may share a store;
+The index (key -> size) is rebuilt at start-up by scanning the store, with modification
+times giving the initial order of use; afterwards it is maintained in memory, so
+``exists`` costs a dict lookup. It serves eviction under ``capacity_bytes`` and the
+minimum-free-space guard (``os.statvfs``): before a page is written, the pages the
+eviction policy chooses (``BackendContext.eviction``; least recently used first when
+none is given) are evicted until both hold, or the put fails. Every page's arrival,
+read and removal is recorded in that policy. Several processes may share a store;
 each keeps its own index. A key missing from this process's index is looked up on disk
 (one ``stat``) and adopted when another process wrote it; a key another process removed is
 dropped from the index when a read finds no file. Capacity is therefore enforced per
@@ -69,7 +72,7 @@ opens ``fs = FileStore(config, namespace, name, log)`` at start-up (0700 dirs, t
 sweep, the index); its own loop then does, per page::
 
     final = paths.page_path(fs.path, key)         # validates the key
-    reason = fs.index.reserve(key, nbytes)        # evicts LRU pages; None when it fits
+    reason = fs.index.reserve(key, nbytes)        # evicts (LRU) pages; None when it fits
     fd, tmp = fs.open_temp(final, o_direct=...)   # 0600, O_EXCL, shard dirs made 0700
     ...write every region at its offset...; fsync(fd) unless durability == "none"
     written = publish.file_id(fd); os.close(fd)

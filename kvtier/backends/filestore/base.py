@@ -61,7 +61,9 @@ class FileStoreBackend(StorageBackend, Generic[ConfigT]):
         self.config = config
         self.context = context
         namespace = context.namespace if context is not None else "default"
-        self._fs = FileStore(config, namespace, self.name, log)  # opened, swept, indexed
+        eviction = context.eviction if context is not None else None
+        # opened, swept, indexed; capacity evicts through the context's policy, if any
+        self._fs = FileStore(config, namespace, self.name, log, eviction=eviction)
         self.store = self._fs.path
         self._store_str = self._fs.path_str
         self.index = self._fs.index

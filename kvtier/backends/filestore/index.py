@@ -1,8 +1,7 @@
-"""The in-memory index of a store: LRU order, capacity and the free-space guard."""
+"""The in-memory index of a store: sizes, capacity through a policy, the free-space guard."""
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import stat
@@ -12,6 +11,7 @@ from pathlib import Path
 
 from kvtier.backends.filestore.debris import Debris, discard
 from kvtier.backends.filestore.paths import check_key, page_path_str
+from kvtier.core.policy import EvictionPolicy, LRUPolicy
 
 __all__ = ["FileIndex"]
 
@@ -19,11 +19,12 @@ log = logging.getLogger(__name__)
 
 
 class FileIndex:
-    """The in-memory index of one store: key -> size in LRU order, capacity and free space.
+    """The in-memory index of one store: key -> size, capacity and free space.
 
-    Thread-safe. ``reserve`` makes room before a write (evicting least recently used
-    pages), ``commit`` records a published page, ``release`` undoes a reservation whose
-    write failed.
+    Thread-safe. ``reserve`` makes room before a write (evicting the pages ``eviction``
+    chooses: least recently used first when it is None, the built-in ``lru`` policy),
+    ``commit`` records a published page, ``release`` undoes a reservation whose write
+    failed. Every page's arrival, read and departure is recorded in the policy.
     """
 
     def __init__(
@@ -34,6 +35,7 @@ class FileIndex:
         min_free_bytes: int = 0,
         check_disk_on_miss: bool = True,
         debris: Debris | None = None,
+        eviction: EvictionPolicy | None = None,
     ) -> None:
         self.store = store
         self.debris = debris if debris is not None else Debris("file")
@@ -42,7 +44,9 @@ class FileIndex:
         self.min_free_bytes = min_free_bytes
         self.check_disk_on_miss = check_disk_on_miss
         self._lock = threading.Lock()
-        self._sizes: collections.OrderedDict[str, int] = collections.OrderedDict()
+        #: Chooses the pages that leave; told of every page, under this index's lock.
+        self.eviction: EvictionPolicy = eviction if eviction is not None else LRUPolicy()
+        self._sizes: dict[str, int] = {}
         self._bytes = 0
         self._pending = 0
         self.evictions = 0
@@ -53,9 +57,10 @@ class FileIndex:
     def load(self, pages: Iterable[tuple[str, int, float]]) -> int:
         """Replace the index with ``pages`` (key, size, mtime), oldest first; their count."""
         with self._lock:
-            self._sizes.clear()
+            self._forget_all_locked()
             for key, size, _mtime in pages:
                 self._sizes[key] = size
+                self.eviction.record_insert(key, size)
             self._bytes = sum(self._sizes.values())
             return len(self._sizes)
 
@@ -81,8 +86,11 @@ class FileIndex:
         }
 
     def keys(self) -> list[str]:
-        """The indexed keys, least recently used first."""
+        """The indexed keys: least recently used first under the default LRU policy,
+        in the order they were indexed under another."""
         with self._lock:
+            if isinstance(self.eviction, LRUPolicy):
+                return [key for key in self.eviction.order() if key in self._sizes]
             return list(self._sizes)
 
     def contains(self, key: str) -> bool:
@@ -122,29 +130,32 @@ class FileIndex:
             if key not in self._sizes:
                 self._sizes[key] = info.st_size
                 self._bytes += info.st_size
+                self.eviction.record_insert(key, info.st_size)
         return True
 
     def touch(self, key: str, size: int | None = None) -> None:
         """Mark ``key`` as just used (adding it with ``size`` if it was not indexed)."""
         with self._lock:
             if key in self._sizes:
-                self._sizes.move_to_end(key)
+                self.eviction.record_access(key)
             elif size is not None:
                 self._sizes[key] = size
                 self._bytes += size
+                self.eviction.record_insert(key, size)
 
     def touch_many(self, pages: Sequence[tuple[str, int]]) -> None:
         """:meth:`touch` for a batch of (key, size), under one lock."""
         if not pages:
             return
         with self._lock:
-            sizes = self._sizes
+            sizes, eviction = self._sizes, self.eviction
             for key, size in pages:
                 if key in sizes:
-                    sizes.move_to_end(key)
+                    eviction.record_access(key)
                 else:
                     sizes[key] = size
                     self._bytes += size
+                    eviction.record_insert(key, size)
 
     def forget(self, key: str) -> int | None:
         """Drop ``key`` from the index (its file is gone); return its size if it was there."""
@@ -152,6 +163,7 @@ class FileIndex:
             size = self._sizes.pop(key, None)
             if size is not None:
                 self._bytes -= size
+                self.eviction.record_remove(key)
             return size
 
     # --- writes ------------------------------------------------------------------------
@@ -187,16 +199,15 @@ class FileIndex:
         if self.capacity_bytes is not None:
             if nbytes > self.capacity_bytes:
                 return "page_larger_than_capacity", free
-            replaced = self._sizes.get(key, 0)
-            while self._bytes - replaced + self._pending + nbytes > self.capacity_bytes:
-                freed = self._evict_one_locked(protect=key)
+            replaced = self._sizes.get(key, 0)  # (``key`` itself is never a victim)
+            while (over := self._bytes - replaced + self._pending + nbytes) > self.capacity_bytes:
+                freed = self._evict_locked(over - self.capacity_bytes, protect=key)
                 if not freed:
                     return "capacity", free
                 free += freed
-                replaced = self._sizes.get(key, 0)
         if self.min_free_bytes > 0:
             while free - nbytes < self.min_free_bytes:
-                freed = self._evict_one_locked(protect=key)
+                freed = self._evict_locked(self.min_free_bytes + nbytes - free, protect=key)
                 if not freed:
                     return "min_free_space", free
                 free += freed
@@ -214,7 +225,7 @@ class FileIndex:
     def commit_many(self, pages: Sequence[tuple[str, int]]) -> None:
         """:meth:`commit` for a batch of ``(key, nbytes)`` under one lock."""
         with self._lock:
-            sizes = self._sizes
+            sizes, eviction = self._sizes, self.eviction
             for key, nbytes in pages:
                 self._pending -= nbytes
                 old = sizes.pop(key, None)
@@ -222,23 +233,29 @@ class FileIndex:
                     self._bytes -= old
                 sizes[key] = nbytes
                 self._bytes += nbytes
+                eviction.record_insert(key, nbytes)  # new, or re-written: just used
 
-    def _evict_one_locked(self, *, protect: str) -> int:
-        """Unlink the least recently used page other than ``protect``; bytes freed or 0."""
-        for victim in self._sizes:
-            if victim != protect:
-                break
-        else:
-            return 0
-        size = self._sizes.pop(victim)
-        self._bytes -= size
-        try:
-            self.unlink_page(victim)
-        except OSError as exc:
-            log.warning("could not evict page %s: %s", victim, exc)
-        self.evictions += 1
-        self.evicted_bytes += size
-        return max(size, 1)
+    def _evict_locked(self, needed: int, *, protect: str) -> int:
+        """Unlink the policy's victims (never ``protect``) for ``needed`` bytes; the bytes
+        freed (a page of 0 bytes counts 1), or 0 when the policy gives up nothing more."""
+        victims = self.eviction.choose_victims(
+            needed, pinned=lambda candidate: candidate == protect
+        )
+        freed = 0
+        for victim in victims:
+            size = self._sizes.pop(victim, None)
+            self.eviction.record_remove(victim)
+            if size is None:  # the policy named a page this index does not hold
+                continue
+            self._bytes -= size
+            try:
+                self.unlink_page(victim)
+            except OSError as exc:
+                log.warning("could not evict page %s: %s", victim, exc)
+            self.evictions += 1
+            self.evicted_bytes += size
+            freed += max(size, 1)
+        return freed
 
     # --- removal -----------------------------------------------------------------------
 
@@ -267,5 +284,10 @@ class FileIndex:
     def drop_all(self) -> None:
         """Forget every page (``clear`` then unlinks what a sweep finds)."""
         with self._lock:
-            self._sizes.clear()
-            self._bytes = 0
+            self._forget_all_locked()
+
+    def _forget_all_locked(self) -> None:
+        for key in self._sizes:
+            self.eviction.record_remove(key)
+        self._sizes.clear()
+        self._bytes = 0

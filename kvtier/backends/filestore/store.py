@@ -27,6 +27,7 @@ from kvtier.backends.filestore.debris import Debris, discard
 from kvtier.backends.filestore.index import FileIndex
 from kvtier.backends.filestore.options import FileStoreOptions
 from kvtier.core.layout import ALIGNMENT
+from kvtier.core.policy import EvictionPolicy
 from kvtier.core.storage import Counters, PageBuffers
 
 __all__ = ["NOT_A_PAGE", "READ_FLAGS", "WRITER_POLL", "WRITER_WAIT", "FileStore"]
@@ -47,14 +48,21 @@ class FileStore:
     """The store of one backend instance under ``root/<namespace>``, opened and swept.
 
     ``backend`` names the backend in log lines ("file", "uring"), which go to ``log``
-    (the backend's logger). Opening never fails
+    (the backend's logger); ``eviction`` is the policy capacity evicts through (None:
+    LRU, see :class:`~kvtier.backends.filestore.index.FileIndex`). Opening never fails
     on debris inside the store (see :func:`~kvtier.backends.filestore.startup.sweep_store`);
     only a root that is not a private directory of this user, or a namespace entry that
     cannot be removed, is refused with a ConfigError.
     """
 
     def __init__(
-        self, options: FileStoreOptions, namespace: str, backend: str, log: logging.Logger
+        self,
+        options: FileStoreOptions,
+        namespace: str,
+        backend: str,
+        log: logging.Logger,
+        *,
+        eviction: EvictionPolicy | None = None,
     ) -> None:
         self.backend = backend
         self.log = log
@@ -72,6 +80,7 @@ class FileStore:
             min_free_bytes=options.min_free_bytes,
             check_disk_on_miss=options.check_disk_on_miss,
             debris=self.debris,
+            eviction=eviction,
         )
         self.counters.set("pages_found_at_start", self.rescan())
 

@@ -25,8 +25,9 @@ What Mooncake does differently from the contract is handled here:
 * With the master gone, Mooncake's close() blocks ~10 s holding the GIL; close() then
   leaves the client to Mooncake's exit-time teardown and returns at once.
 * A full store refuses puts (``put_failed.NO_AVAILABLE_HANDLE``): the page is not stored,
-  nothing partial is. ``capacity_bytes`` bounds what this client keeps below that: its
-  least recently used pages are removed first (:mod:`kvtier.backends.mooncake.occupancy`).
+  nothing partial is. ``capacity_bytes`` bounds what this client keeps below that: the
+  pages the eviction policy chooses are removed first, least recently used first by
+  default (``BackendContext.eviction``; :mod:`kvtier.backends.mooncake.occupancy`).
 """
 
 from __future__ import annotations
@@ -114,7 +115,9 @@ class MooncakeBackend(StorageBackend):
         self._prefix = f"{config.key_prefix}/{context.namespace}/"
         self._counters = Counters()
         cap = config.capacity_bytes
-        self._occupancy = Occupancy(None if cap is None else int(cap))
+        self._occupancy = Occupancy(
+            None if cap is None else int(cap), eviction=context.eviction, prefix=self._prefix
+        )
         #: held across admission and put when capacity_bytes is set, so puts do not race
         self._capacity_lock = threading.Lock()
         self._regions = Regions()
@@ -265,11 +268,13 @@ class MooncakeBackend(StorageBackend):
         return go
 
     def _evict_for(self, incoming: list[tuple[str, int]]) -> None:
-        """Remove this client's LRU pages until ``incoming`` fits or none is removable.
+        """Remove the policy's victims among this client's pages until ``incoming`` fits
+        or none is removable.
 
-        A victim that Mooncake refuses to remove (a reader's lease, most often) stays and
-        still counts; the next least recently used one is tried instead, so one leased
-        page never fails a put that other pages could make room for.
+        A victim that Mooncake refuses to remove (a reader's lease, most often) stays,
+        still counts, and is pinned for the rest of this call; the policy's next choice is
+        tried instead, so one leased page never fails a put that other pages could make
+        room for.
         """
         keep = {key for key, _size in incoming}
         while excess := self._occupancy.excess(incoming):
@@ -288,7 +293,7 @@ class MooncakeBackend(StorageBackend):
             self._counters.add("capacity_evictions", len(gone))
 
     def _make_room(self, okeys: list[str], plans: list[Plan], results: list[bool]) -> list[int]:
-        """Under capacity_bytes: remove this client's LRU pages; the pages that now fit."""
+        """Under capacity_bytes: remove the policy's victims; the pages that now fit."""
         capacity = self._occupancy.capacity_bytes
         assert capacity is not None
         idx: list[int] = []

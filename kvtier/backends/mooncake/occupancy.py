@@ -1,67 +1,93 @@
-"""What one Mooncake client keeps in the store: its pages in LRU order, for capacity_bytes.
+"""What one Mooncake client keeps in the store: its pages and their sizes, for capacity_bytes.
 
 Mooncake's master knows what the whole store holds, not what one client's namespace
-does. This index records the objects this client put (and has not seen removed), their
-sizes and when this client last used them, so that ``capacity_bytes`` can be enforced
-here and ``stats()`` can report ``pages`` / ``bytes``. It is this process's view: objects
-the master evicted on its own are forgotten when a get or exists finds them gone.
+does. This index records the objects this client put (and has not seen removed) and
+their sizes, so that ``capacity_bytes`` can be enforced here and ``stats()`` can report
+``pages`` / ``bytes``; which pages leave when it is full is the eviction policy's choice
+(``BackendContext.eviction``; least recently used first when none is given), told of
+every put, read and removal. It is this process's view: objects the master evicted on
+its own are forgotten when a get or exists finds them gone.
+
+Objects are named by their Mooncake key (``<key_prefix>/<namespace>/<page key>``); the
+policy sees the page keys, as every other backend's does, so that what a tier describes
+of a page (:meth:`~kvtier.core.policy.EvictionPolicy.describe`) reaches it.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
+
+from kvtier.core.policy import EvictionPolicy, LRUPolicy
 
 __all__ = ["Occupancy"]
 
 
 class Occupancy:
-    """Object key -> size, least recently used first, with the total."""
+    """Object key -> size, with the total, and the policy that picks victims among them."""
 
-    def __init__(self, capacity_bytes: int | None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int | None,
+        *,
+        eviction: EvictionPolicy | None = None,
+        prefix: str = "",
+    ) -> None:
         self.capacity_bytes = capacity_bytes
-        self._sizes: OrderedDict[str, int] = OrderedDict()
+        #: Chooses the pages that leave (page keys: object keys without ``prefix``).
+        self.eviction: EvictionPolicy = eviction if eviction is not None else LRUPolicy()
+        self._prefix = prefix
+        self._sizes: dict[str, int] = {}
         self._bytes = 0
         self._lock = threading.Lock()
+
+    def _page(self, okey: str) -> str:
+        """The page key of object key ``okey``."""
+        return okey[len(self._prefix) :] if okey.startswith(self._prefix) else okey
 
     def stored(self, key: str, size: int) -> None:
         """A put of ``key`` succeeded: it holds ``size`` bytes now and is the newest."""
         with self._lock:
             self._bytes += size - self._sizes.pop(key, 0)
             self._sizes[key] = size
+            self.eviction.record_insert(self._page(key), size)
 
     def forget(self, keys: Iterable[str]) -> None:
         """The objects are gone (deleted, evicted by the master, removed for a put)."""
         with self._lock:
             for key in keys:
-                self._bytes -= self._sizes.pop(key, 0)
+                size = self._sizes.pop(key, None)
+                if size is not None:
+                    self._bytes -= size
+                    self.eviction.record_remove(self._page(key))
 
     def touch(self, keys: Iterable[str]) -> None:
-        """The objects were just read: they are the most recently used."""
+        """The objects were just read: a hit for the policy."""
         with self._lock:
             for key in keys:
                 if key in self._sizes:
-                    self._sizes.move_to_end(key)
+                    self.eviction.record_access(self._page(key))
 
     def clear(self) -> None:
         with self._lock:
+            for key in self._sizes:
+                self.eviction.record_remove(self._page(key))
             self._sizes.clear()
             self._bytes = 0
 
     def victims(self, needed: int, keep: Collection[str]) -> list[str]:
-        """Least recently used keys (not in ``keep``) whose removal frees ``needed`` bytes."""
-        out: list[str] = []
-        freed = 0
+        """Object keys (not in ``keep``) the policy would remove to free ``needed`` bytes."""
+        prefix = self._prefix
         with self._lock:
-            for key, size in self._sizes.items():
-                if freed >= needed:
-                    break
-                if key in keep:
-                    continue
-                out.append(key)
-                freed += size
-        return out
+            chosen = self.eviction.choose_victims(needed, pinned=lambda page: prefix + page in keep)
+            out = []
+            for page in chosen:
+                okey = prefix + page
+                if okey in self._sizes:
+                    out.append(okey)
+                else:  # a page this client does not hold: the policy forgets it
+                    self.eviction.record_remove(page)
+            return out
 
     def excess(self, incoming: Sequence[tuple[str, int]]) -> int:
         """Bytes over capacity if every ``(key, size)`` were stored now (0: it fits)."""

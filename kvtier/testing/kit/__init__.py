@@ -30,7 +30,9 @@ only the harness:
   :mod:`~kvtier.testing.kit.layouts`: threads, damaged pages, every declared layout;
 - :mod:`~kvtier.testing.kit.persistence`, :mod:`~kvtier.testing.kit.shared_processes`:
   what a declared feature promises;
-- :mod:`~kvtier.testing.kit.conformance`: ``ConformanceTests``, all of them.
+- :mod:`~kvtier.testing.kit.conformance`: ``ConformanceTests``, all of them;
+- :mod:`~kvtier.testing.kit.policies`: the policies' kit, ``PolicyKit`` and
+  ``PolicyConformanceTests`` (eviction and admission policies, driven as a tier does).
 
 :mod:`kvtier.testing` registers this package for pytest's assertion rewriting before it is
 imported, so every module here reports failed ``assert`` statements in full.
@@ -48,14 +50,23 @@ from kvtier.testing.kit.layouts import LayoutTests
 from kvtier.testing.kit.misses import MissTests
 from kvtier.testing.kit.overwrite import OverwriteTests
 from kvtier.testing.kit.persistence import PersistenceTests
+from kvtier.testing.kit.policies import (
+    AdmissionPolicyTests,
+    EvictionPolicyTests,
+    PolicyConformanceTests,
+    PolicyEnv,
+    PolicyKit,
+)
 from kvtier.testing.kit.round_trip import RoundTripTests
 from kvtier.testing.kit.shared_processes import SharedProcessesTests
 
 __all__ = [
+    "AdmissionPolicyTests",
     "BackendKit",
     "ConcurrencyTests",
     "ConformanceTests",
     "DeleteClearTests",
+    "EvictionPolicyTests",
     "Harness",
     "IntegrityTests",
     "KitEnv",
@@ -63,6 +74,9 @@ __all__ = [
     "MissTests",
     "OverwriteTests",
     "PersistenceTests",
+    "PolicyConformanceTests",
+    "PolicyEnv",
+    "PolicyKit",
     "PrefixExistsTests",
     "RoundTripTests",
     "SharedProcessesTests",

@@ -1,0 +1,416 @@
+"""Eviction and admission policies replayed on a request trace, beside LRU and the optimum.
+
+Usage: ``python benchmarks/policies.py [--trace FILE] [--capacities 0.02,0.05,0.1,0.2]
+[--policies lru,s3fifo,...] [--quick]``. The default trace is
+``../shared/traces/mooncake_fast25_synthetic_trace.jsonl`` relative to the repository (one
+JSON object a line: ``hash_ids``, one id per 512-token block, and ``input_length``).
+
+Every block id is a page. A request hits the longest prefix of its blocks that the cache
+holds; the hit ratio is prefix-hit tokens over all tokens (a request's last block holds
+``input_length - 512 * (n - 1)`` tokens). Then each of its blocks is touched when resident
+(``record_access``) or, when not, described (``PageInfo(parent=the block before, tokens,
+tenant=None)``) and inserted, through the admission policy where a row has one (which
+sees every block with ``record_access``); when the cache holds more than its capacity,
+the policy's victims are removed at once. Capacity in blocks is the fraction times the
+trace's distinct blocks; every page counts as the same number of bytes. The policies are
+the registered built-ins, built through their ``PolicySpec`` exactly as a tier builds
+them; LRU (the ``lru`` policy) and Belady's offline optimum (OPT: evict the block whose
+next use is farthest, computed here on the same sequence) stand beside each as the floor
+and the ceiling.
+
+``ns_per_access`` is the policy's own cost: every call a replay makes to the policies is
+recorded, then made again to fresh policies and to idle ones (methods that do nothing),
+in turn, five times each (once with ``--quick``); the fastest CPU time of the first
+less the fastest of the second, over the trace's block accesses. ``loop_ns_per_access``
+is the idle side: the loop and the calls themselves.
+
+Output: one JSON object a line per (policy, capacity) on stdout, in the repository's
+benchmark form (``ours`` the policy's hit ratio, ``baseline`` LRU's, ``ratio`` ours /
+LRU, ``target`` 1.5 at capacities up to 5 %) with ``policy``, ``capacity_fraction``,
+``capacity_blocks``, ``hit_ratio``, ``lru_hit_ratio``, ``opt_hit_ratio``, ``opt_ratio``
+and ``ns_per_access`` (its target ``ns_target``); the table on stderr. ``--quick``
+replays the first 1500 requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.core.policy import AdmissionPolicy, EvictionPolicy, PageInfo
+from kvtier.plugins.manager import load_registry
+
+BLOCK_TOKENS = 512
+#: Bytes a page stands for; every page is the same size, so capacity is in pages.
+PAGE_BYTES = 1 << 20
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[1]
+    / ".."
+    / "shared"
+    / "traces"
+    / "mooncake_fast25_synthetic_trace.jsonl"
+)
+#: Policy rows: ``eviction`` or ``eviction+admission``, each a registered built-in.
+DEFAULT_POLICIES = ("lru", "slru", "lru+frequency", "prefix", "prefix+frequency")
+TARGET_RATIO = 1.5
+TARGET_NS = 2000.0
+QUICK_REQUESTS = 1500
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of the trace: its block keys, each block's tokens and page info."""
+
+    keys: tuple[str, ...]
+    tokens: tuple[int, ...]
+    infos: tuple[PageInfo, ...]
+
+
+@dataclass(frozen=True)
+class Trace:
+    """The requests, the distinct block count and the token total."""
+
+    requests: tuple[Request, ...]
+    distinct: int
+    tokens: int
+    accesses: int
+
+
+def load_trace(path: Path, limit: int | None = None) -> Trace:
+    """Read a JSON-lines trace; each line's ``hash_ids`` become page keys."""
+    requests: list[Request] = []
+    seen: set[str] = set()
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            if limit is not None and len(requests) >= limit:
+                break
+            try:
+                row = json.loads(line)
+                ids = [str(int(h)) for h in row["hash_ids"]]
+                length = int(row["input_length"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise SystemExit(f"{path}:{number}: not a trace row ({exc!r})") from exc
+            if not ids:
+                continue
+            last = max(0, min(BLOCK_TOKENS, length - BLOCK_TOKENS * (len(ids) - 1)))
+            tokens = (BLOCK_TOKENS,) * (len(ids) - 1) + (last,)
+            infos = tuple(
+                PageInfo(parent=ids[i - 1] if i else None, tokens=tokens[i], tenant=None)
+                for i in range(len(ids))
+            )
+            requests.append(Request(tuple(ids), tokens, infos))
+            seen.update(ids)
+    if not requests:
+        raise SystemExit(f"{path}: no requests")
+    total = sum(sum(r.tokens) for r in requests)
+    accesses = sum(len(r.keys) for r in requests)
+    return Trace(tuple(requests), len(seen), total, accesses)
+
+
+@dataclass(frozen=True)
+class Result:
+    """One replay: the prefix-hit ratio and how often the capacity was left exceeded."""
+
+    hit_ratio: float
+    overflows: int
+
+
+#: The calls a replay makes, as recorded for :func:`drive`: (call, argument, argument).
+CONTAINS, DESCRIBE, INSERT, ACCESS, NBYTES, VICTIMS, REMOVE = range(7)
+SEEN, OFFER, ADMIT = range(7, 10)
+Call = tuple[int, Any, Any]
+
+
+def replay(
+    trace: Trace,
+    capacity_blocks: int,
+    eviction: EvictionPolicy,
+    admission: AdmissionPolicy | None = None,
+    calls: list[Call] | None = None,
+) -> Result:
+    """Replay ``trace`` through the policies (see the module docstring for the rules);
+    every call made to them is appended to ``calls`` when given."""
+    capacity = capacity_blocks * PAGE_BYTES
+    log = calls.append if calls is not None else None
+    hit_tokens = 0
+    overflows = 0
+    for request in trace.requests:
+        keys = request.keys
+        n = len(keys)
+        k = 0
+        while k < n and keys[k] in eviction:
+            k += 1
+        if log is not None:
+            for key in keys[: k + 1]:
+                log((CONTAINS, key, None))
+        hit_tokens += sum(request.tokens[:k])
+        for key, info in zip(keys, request.infos, strict=True):
+            if admission is not None:
+                admission.record_access(key)
+            resident = key in eviction
+            if log is not None:
+                if admission is not None:
+                    log((SEEN, key, None))
+                log((CONTAINS, key, None))
+            if resident:
+                eviction.record_access(key)
+                if log is not None:
+                    log((ACCESS, key, None))
+                continue
+            if admission is not None:
+                admission.describe(key, info)
+                admitted = admission.admit(key, PAGE_BYTES)
+                if log is not None:
+                    log((OFFER, key, info))
+                    log((ADMIT, key, PAGE_BYTES))
+                if not admitted:
+                    continue
+            eviction.describe(key, info)
+            eviction.record_insert(key, PAGE_BYTES)
+            excess = eviction.nbytes - capacity
+            if log is not None:
+                log((DESCRIBE, key, info))
+                log((INSERT, key, PAGE_BYTES))
+                log((NBYTES, None, None))
+            if excess > 0:
+                victims = eviction.choose_victims(excess)
+                if log is not None:
+                    log((VICTIMS, excess, None))
+                for victim in victims:
+                    eviction.record_remove(victim)
+                    if log is not None:
+                        log((REMOVE, victim, None))
+                if eviction.nbytes > capacity:
+                    overflows += 1
+    return Result(hit_tokens / trace.tokens, overflows)
+
+
+def drive(calls: Sequence[Call], eviction: Any, admission: Any) -> float:
+    """Make ``calls`` (recorded by :func:`replay`) to fresh policies; the CPU seconds.
+
+    The same calls to :class:`Idle` policies time the loop alone, so the difference is
+    what the policy's own code costs.
+    """
+    contains, describe = eviction.__contains__, eviction.describe
+    insert, access = eviction.record_insert, eviction.record_access
+    victims, remove = eviction.choose_victims, eviction.record_remove
+    seen = admission.record_access if admission is not None else None
+    offer = admission.describe if admission is not None else None
+    admit = admission.admit if admission is not None else None
+    start = time.process_time()
+    for call, a, b in calls:
+        if call == CONTAINS:
+            contains(a)
+        elif call == ACCESS:
+            access(a)
+        elif call == DESCRIBE:
+            describe(a, b)
+        elif call == INSERT:
+            insert(a, b)
+        elif call == NBYTES:
+            eviction.nbytes  # noqa: B018 - the property is what is timed
+        elif call == VICTIMS:
+            victims(a)
+        elif call == REMOVE:
+            remove(a)
+        elif call == SEEN:
+            seen(a)  # type: ignore[misc]
+        elif call == OFFER:
+            offer(a, b)  # type: ignore[misc]
+        else:
+            admit(a, b)  # type: ignore[misc]
+    return time.process_time() - start
+
+
+class Idle:
+    """A policy that does nothing, to time :func:`drive`'s loop and dispatch alone."""
+
+    nbytes = 0
+
+    def __contains__(self, key: object) -> bool:
+        return False
+
+    def describe(self, key: str, info: PageInfo) -> None:
+        pass
+
+    def record_insert(self, key: str, nbytes: int) -> None:
+        pass
+
+    def record_access(self, key: str) -> None:
+        pass
+
+    def choose_victims(self, nbytes: int) -> list[str]:
+        return []
+
+    def record_remove(self, key: str) -> None:
+        pass
+
+    def admit(self, key: str, nbytes: int) -> bool:
+        return True
+
+
+def optimum(trace: Trace, capacity_blocks: int) -> float:
+    """Belady's OPT on the block sequence: on a miss over capacity, drop the block (the
+    new one included) whose next use is farthest; the prefix-hit ratio it reaches."""
+    sequence = [key for request in trace.requests for key in request.keys]
+    never = len(sequence)
+    following = [never] * len(sequence)
+    last: dict[str, int] = {}
+    for position in range(len(sequence) - 1, -1, -1):
+        key = sequence[position]
+        following[position] = last.get(key, never)
+        last[key] = position
+    resident: dict[str, int] = {}  # key -> its next use
+    heap: list[tuple[int, str]] = []  # (-next use, key), stale entries skipped
+    hit_tokens = 0
+    position = 0
+    for request in trace.requests:
+        keys = request.keys
+        k = 0
+        while k < len(keys) and keys[k] in resident:
+            k += 1
+        hit_tokens += sum(request.tokens[:k])
+        for key in keys:
+            upcoming = following[position]
+            position += 1
+            resident[key] = upcoming
+            heapq.heappush(heap, (-upcoming, key))
+            while len(resident) > capacity_blocks:
+                negative, victim = heapq.heappop(heap)
+                if resident.get(victim) == -negative:
+                    del resident[victim]
+    return hit_tokens / trace.tokens
+
+
+def build_row(registry: Any, row: str) -> tuple[EvictionPolicy, AdmissionPolicy | None]:
+    """The policies of a row ``eviction[+admission]``, built through their specs."""
+    eviction_name, _, admission_name = row.partition("+")
+    eviction = registry.policies[eviction_name].build(None)
+    admission = registry.policies[admission_name].build(None) if admission_name else None
+    if not isinstance(eviction, EvictionPolicy):
+        raise SystemExit(f"{eviction_name!r} is not an eviction policy")
+    if admission is not None and not isinstance(admission, AdmissionPolicy):
+        raise SystemExit(f"{admission_name!r} is not an admission policy")
+    return eviction, admission
+
+
+def cost_ns(
+    trace: Trace,
+    calls: Sequence[Call],
+    make: Callable[[], tuple[EvictionPolicy, AdmissionPolicy | None]],
+    reps: int,
+) -> tuple[float, float]:
+    """The policy's own cost and the loop's, in ns per block access: the fastest of
+    ``reps`` drives of ``calls`` through fresh policies, less the fastest through idle
+    ones, taken in turn (the fastest: what other work on the machine disturbed least)."""
+    spent: list[float] = []
+    idle: list[float] = []
+    for _ in range(reps):
+        eviction, admission = make()
+        spent.append(drive(calls, eviction, admission))
+        idle.append(drive(calls, Idle(), Idle() if admission is not None else None))
+    scale = 1e9 / trace.accesses
+    return max(0.0, min(spent) - min(idle)) * scale, min(idle) * scale
+
+
+def run(
+    trace: Trace, fractions: Sequence[float], rows: Sequence[str], reps: int = 5
+) -> list[dict[str, Any]]:
+    """Every row at every capacity; the JSON lines printed and returned."""
+    registry = load_registry()  # installed plugins' policies too (KVTIER_DISABLE_* apply)
+    unknown = [part for row in rows for part in row.split("+") if part not in registry.policies]
+    if unknown:
+        raise SystemExit(f"unknown policies {unknown}; registered: {sorted(registry.policies)}")
+    out: list[dict[str, Any]] = []
+    print(
+        f"{'policy':<18} {'capacity':>8} {'blocks':>6} {'hit':>7} {'LRU':>7} {'OPT':>7} "
+        f"{'xLRU':>5} {'xOPT':>5} {'ns/acc':>6}",
+        file=sys.stderr,
+    )
+    for fraction in fractions:
+        blocks = max(1, int(fraction * trace.distinct))
+        opt = optimum(trace, blocks)
+        lru = replay(trace, blocks, *build_row(registry, "lru")).hit_ratio
+        for row in rows:
+            calls: list[Call] = []
+            result = replay(trace, blocks, *build_row(registry, row), calls=calls)
+            own_ns, loop_ns = cost_ns(trace, calls, lambda row=row: build_row(registry, row), reps)
+            del calls
+            ratio = result.hit_ratio / lru if lru else None
+            line = {
+                "bench": "policies",
+                "case": f"{row} at {fraction:g} of {trace.distinct} blocks",
+                "ours": round(result.hit_ratio, 4),
+                "baseline": round(lru, 4),
+                "baseline_name": "lru",
+                "unit": "prefix-hit token ratio",
+                "ratio": None if ratio is None else round(ratio, 3),
+                "target": TARGET_RATIO if fraction <= 0.05 and row != "lru" else None,
+                "policy": row,
+                "capacity_fraction": fraction,
+                "capacity_blocks": blocks,
+                "hit_ratio": round(result.hit_ratio, 4),
+                "lru_hit_ratio": round(lru, 4),
+                "opt_hit_ratio": round(opt, 4),
+                "opt_ratio": round(result.hit_ratio / opt, 3) if opt else None,
+                "ns_per_access": round(own_ns),
+                "ns_target": TARGET_NS,
+                "loop_ns_per_access": round(loop_ns),
+                "capacity_overflows": result.overflows,
+            }
+            print(json.dumps(line), flush=True)
+            print(
+                f"{row:<18} {fraction:>8g} {blocks:>6} {result.hit_ratio:>7.4f} {lru:>7.4f} "
+                f"{opt:>7.4f} {line['ratio'] or 0:>5.2f} {line['opt_ratio'] or 0:>5.2f} "
+                f"{own_ns:>6.0f}",
+                file=sys.stderr,
+                flush=True,
+            )
+            out.append(line)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="JSON-lines trace")
+    parser.add_argument(
+        "--capacities",
+        default="0.02,0.05,0.1,0.2",
+        help="capacities as fractions of the trace's distinct blocks, comma-separated",
+    )
+    parser.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help="rows, comma-separated: an eviction policy, or eviction+admission",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help=f"replay the first {QUICK_REQUESTS} requests"
+    )
+    args = parser.parse_args()
+    try:
+        fractions = [float(part) for part in args.capacities.split(",") if part.strip()]
+    except ValueError as exc:
+        raise SystemExit(f"--capacities: {exc}") from exc
+    if not fractions or any(not 0 < f <= 1 for f in fractions):
+        raise SystemExit("--capacities: fractions in (0, 1], comma-separated")
+    rows = [part.strip() for part in args.policies.split(",") if part.strip()]
+    trace = load_trace(args.trace.resolve(), QUICK_REQUESTS if args.quick else None)
+    print(
+        f"policies: {len(trace.requests)} requests, {trace.accesses} block accesses, "
+        f"{trace.distinct} distinct blocks, {trace.tokens} tokens",
+        file=sys.stderr,
+    )
+    run(trace, fractions, rows, reps=1 if args.quick else 5)
+
+
+if __name__ == "__main__":
+    main()
