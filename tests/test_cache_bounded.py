@@ -190,12 +190,12 @@ def test_stuck_calls_are_capped_then_everything_fails_fast(
         for _ in range(2):
             cache.prefetch(keys).release()
         assert cache.stats()["backend_calls"]["stuck"] == 2
-        threads = len(cache.page_store._calls._threads)
+        threads = len(cache.page_store.tiers[0].store._calls._threads)
         t0 = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="kvtier.cache"):
             cache.prefetch(keys).release()
         assert time.monotonic() - t0 < BOUND  # refused at once
-        assert len(cache.page_store._calls._threads) == threads  # and no thread started for it
+        assert len(cache.page_store.tiers[0].store._calls._threads) == threads  # none started
         assert "max_abandoned_calls=2" in caplog.text
         stats = cache.stats()
         assert stats["failures"]["backend_refused"] == 8

@@ -245,7 +245,9 @@ def run_multiturn(
         extra = temporary_root(registry, args.backend, extra, workdir)
         config = engine_config(args, extra, model="kvtier-bench-multiturn", host_pages=host_pages)
         geometry = config.geometry()
-        resolved = resolve(config, registry.backends, registry.io_backends)
+        resolved = resolve(
+            config, registry.backends, registry.io_backends, policies=registry.policies
+        )
         check_device_runs(device_name, resolved.io_backend.name, resolved.io_backend.devices)
         stored = geometry.kv_count * region_stride_bytes(geometry, resolved.layout) + ENVELOPE_BYTES
         check_memory(

@@ -12,6 +12,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvtier.cache.chain import StorageChain
 from kvtier.cache.index import HostIndex
 from kvtier.cache.options import CacheOptions
 from kvtier.cache.stats import CacheStats
@@ -22,7 +23,6 @@ from kvtier.core.geometry import KVGeometry
 from kvtier.core.host_pool import HostPool
 from kvtier.core.io import IOBackend
 from kvtier.core.metrics import Cause
-from kvtier.core.pagestore import PageStore
 
 if TYPE_CHECKING:
     from kvtier.core.device_pool import DevicePool
@@ -47,7 +47,7 @@ class CacheContext:
         device_pool: DevicePool,
         host_pool: HostPool,
         io_backend: IOBackend,
-        page_store: PageStore,
+        page_store: StorageChain,
         writes_storage: bool,
     ) -> None:
         self.geometry = geometry
@@ -98,6 +98,9 @@ class CacheContext:
             "write": self.writes.depth(),
         }
         snap["page_store"] = self.page_store.stats()
+        snap["tiers"] = self.page_store.tier_stats()
+        snap["tenants"] = self.page_store.tenant_stats()
+        snap["events"] = self.page_store.events.counts()
         snap["backend"] = self.page_store.backend_stats()
         snap["backend_calls"] = self.page_store.call_counts()
         snap["policies"] = {

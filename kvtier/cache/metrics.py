@@ -114,6 +114,7 @@ def prometheus_collector(
             s = snapshot()
             yield from _cache_families(f, s)
             yield from _store_families(f, s["page_store"], s["backend_calls"], s["backend"])
+            yield from _tier_families(f, s["tiers"], s["tenants"])
             yield from _host_families(f, s)
 
     return _Collector()
@@ -267,6 +268,81 @@ def _store_families(
         ),
         0 if "error" in backend else 1,
     )
+
+
+#: Per-tier counters of the storage chain: (series, what the tier's stats call it, help).
+_TIER_COUNTERS = (
+    ("kvtier_tier_hits", ("store", "hits"), "Pages this tier served (read and verified)."),
+    ("kvtier_tier_misses", ("store", "misses"), "Pages asked of this tier that it did not serve."),
+    ("kvtier_tier_read_bytes", ("store", "bytes_read"), "Bytes of pages this tier served."),
+    (
+        "kvtier_tier_written_bytes",
+        ("store", "bytes_written"),
+        "Bytes of pages stored in this tier.",
+    ),
+    ("kvtier_tier_evictions", ("evictions",), "Pages this tier evicted to make room."),
+    ("kvtier_tier_promotions", ("promotions",), "Pages copied up into this tier from a lower one."),
+    (
+        "kvtier_tier_cascades",
+        ("cascades",),
+        "Pages written down into this tier from the one above.",
+    ),
+    (
+        "kvtier_tier_drops",
+        ("drops",),
+        "Pages that would have entered this tier but were dropped (a full queue or staging pool).",
+    ),
+    ("kvtier_tier_failures", ("failures",), "Calls to this tier that failed (it was bypassed)."),
+    (
+        "kvtier_tier_admission_refused",
+        ("admission_refused",),
+        "Pages this tier's admission policy kept out.",
+    ),
+)
+
+
+def _tier_families(
+    f: _Families, tiers: list[dict[str, Any]], tenants: Mapping[str, Any]
+) -> Iterator[Any]:
+    """The storage chain's tiers (label ``tier``: ``<index>:<backend>``) and tenants."""
+    for name, path, doc in _TIER_COUNTERS:
+        family = f.counter(name, doc, "tier")
+        for tier in tiers:
+            value: Any = tier
+            for part in path:
+                value = value.get(part, 0) if isinstance(value, Mapping) else 0
+            family.add_metric([*f.ident, tier["name"]], float(value or 0))
+        yield family
+    depth = f.gauge(
+        "kvtier_tier_queue_depth", "Pages waiting to be written into this tier.", "tier"
+    )
+    occupancy = f.gauge(
+        "kvtier_tier_occupancy_bytes",
+        "Bytes this tier holds, as its eviction policy counts them.",
+        "tier",
+    )
+    for tier in tiers:
+        depth.add_metric([*f.ident, tier["name"]], float(tier.get("queue_depth", 0)))
+        if tier.get("occupancy_bytes") is not None:
+            occupancy.add_metric([*f.ident, tier["name"]], float(tier["occupancy_bytes"]))
+    yield depth
+    yield occupancy
+    held = f.core.GaugeMetricFamily(
+        "kvtier_tenant_bytes",
+        "Bytes of a tenant's pages in a tier.",
+        labels=[*f.names, "tenant", "tier"],
+    )
+    quota = f.counter(
+        "kvtier_tenant_quota_evictions",
+        "A tenant's own pages evicted because it was over its quota_bytes.",
+        "tenant",
+    )
+    for tenant, entry in tenants.items():
+        for tier, nbytes in zip(tiers, entry["bytes"], strict=False):
+            held.add_metric([*f.ident, tenant, tier["name"]], float(nbytes))
+        quota.add_metric([*f.ident, tenant], float(entry["quota_evictions"]))
+    yield held
+    yield quota
 
 
 def _host_families(f: _Families, s: dict[str, Any]) -> Iterator[Any]:

@@ -10,19 +10,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvtier.cache.chain import StorageChain, open_store
 from kvtier.cache.options import CacheOptions
-from kvtier.core.capabilities import (
-    ResolvedPlan,
-    build_host_pool,
-    build_io_backend,
-    open_page_store,
-    resolve,
-)
+from kvtier.core.capabilities import ResolvedPlan, build_host_pool, build_io_backend, resolve
 from kvtier.core.config import EngineConfig, load_engine_config
 from kvtier.core.errors import InvalidFieldError
 from kvtier.core.host_pool import HostPool
 from kvtier.core.io import IOBackend
-from kvtier.core.pagestore import PageStore
 
 if TYPE_CHECKING:
     from kvtier.plugins.registry import Registry
@@ -37,7 +31,7 @@ class OpenedParts:
     plan: ResolvedPlan
     io_backend: IOBackend
     host_pool: HostPool
-    page_store: PageStore
+    page_store: StorageChain
 
 
 def open_parts(
@@ -55,11 +49,11 @@ def open_parts(
             from kvtier.plugins.manager import default_registry
 
             registry = default_registry()
-        plan = resolve(cfg, registry.backends, registry.io_backends)
+        plan = resolve(cfg, registry.backends, registry.io_backends, policies=registry.policies)
     check_device_pool(device_pool, plan)
     io_backend = build_io_backend(plan)
     host_pool = build_host_pool(plan)
-    store = open_page_store(
+    store = open_store(
         plan,
         host_pool,
         call_timeout_s=options.backend_call_timeout_s,

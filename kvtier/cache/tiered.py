@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvtier.cache.backup import Backups
+from kvtier.cache.chain import StorageChain
 from kvtier.cache.context import CacheContext
 from kvtier.cache.handles import BackupHandle, PrefetchHandle
 from kvtier.cache.load import Loader
@@ -47,9 +48,8 @@ from kvtier.core.errors import CacheClosedError, InvalidFieldError, OperationNot
 from kvtier.core.geometry import AttentionKind, KVGeometry
 from kvtier.core.host_pool import HostPool
 from kvtier.core.io import IOBackend, check_device_slots, check_layer
-from kvtier.core.keys import validate_key
+from kvtier.core.keys import PageKeyer, layout_namespace, validate_key
 from kvtier.core.metrics import Cause
-from kvtier.core.pagestore import PageStore
 from kvtier.core.specs import Operation
 from kvtier.core.storage import StorageBackend
 
@@ -79,7 +79,7 @@ class TieredCache:
         device_pool: DevicePool,
         host_pool: HostPool,
         io_backend: IOBackend,
-        page_store: PageStore,
+        page_store: StorageChain,
         options: CacheOptions | None = None,
     ) -> None:
         self.plan = plan
@@ -91,6 +91,7 @@ class TieredCache:
         self.io_backend = io_backend
         self.page_store = page_store
         self.keyer = plan.keyer()
+        self._tenant_keyers: dict[str, PageKeyer] = {}
         #: MLA ranks hold the same latent: only rank 0 writes it to storage.
         self.writes_storage = not (
             self.geometry.attention is AttentionKind.MLA and self.config.tp_rank != 0
@@ -161,9 +162,28 @@ class TieredCache:
         )
         return cache
 
-    def keys(self, tokens: Any, *, parent: str | None = None) -> list[str]:
-        """The chained page keys of ``tokens``' full pages in this cache's namespace."""
-        return self.keyer.keys(tokens, parent=parent)
+    def keys(
+        self, tokens: Any, *, parent: str | None = None, tenant: str | None = None
+    ) -> list[str]:
+        """The chained page keys of ``tokens``' full pages in this cache's namespace, or in
+        ``tenant``'s (a tenant the config names: its pages are keyed and quota'd apart)."""
+        if tenant is None:
+            return self.keyer.keys(tokens, parent=parent)
+        keyer = self._tenant_keyers.get(tenant)
+        if keyer is None:
+            plan = self.plan
+            namespace = layout_namespace(
+                plan.config.model, plan.layout, plan.geometry.fingerprint, tenant
+            )
+            keyer = PageKeyer(
+                namespace,
+                plan.geometry.page_size,
+                plan.geometry.attention,
+                plan.context.tp_rank,
+                plan.context.tp_size,
+            )
+            self._tenant_keyers[tenant] = keyer
+        return keyer.keys(tokens, parent=parent)
 
     def backup(
         self, keys: Sequence[str], device_slots: torch.Tensor, *, layer: int | None = None

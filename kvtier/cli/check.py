@@ -151,7 +151,7 @@ def check_config(args: argparse.Namespace, registry: Registry) -> tuple[Resolved
     notes: list[str] = []
     if not args.strict_geometry:
         config, notes = config.with_geometry_defaults()
-    plan = resolve(config, registry.backends, registry.io_backends)
+    plan = resolve(config, registry.backends, registry.io_backends, policies=registry.policies)
     return plan, notes
 
 

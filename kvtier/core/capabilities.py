@@ -38,6 +38,7 @@ so an engine that needs, say, per-layer loads still gets a layout that can do th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from pydantic import BaseModel
 from kvtier.core.bounded import DEFAULT_CALL_TIMEOUT_S, DEFAULT_MAX_ABANDONED
 from kvtier.core.config import AUTO, EngineConfig
 from kvtier.core.errors import (
+    InvalidFieldError,
     KvtierError,
     PluginError,
     UnknownNameError,
@@ -62,13 +64,16 @@ from kvtier.core.layout import Layout, layouts_for
 from kvtier.core.pagestore import PageMemory, PageStore
 from kvtier.core.specs import BackendSpec, IOBackendSpec, Operation
 from kvtier.core.storage import BackendContext, StorageBackend
+from kvtier.core.tiers import policy_choice
 from kvtier.core.validation import validate_model
 
 __all__ = [
     "DEFAULT_HOST_BYTES",
     "LAYOUT_PREFERENCE",
     "ForeignPageMemory",
+    "PolicyPlan",
     "ResolvedPlan",
+    "TierPlan",
     "build_backend",
     "build_host_pool",
     "build_io_backend",
@@ -89,8 +94,53 @@ LAYOUT_PREFERENCE: tuple[Layout, ...] = (
 )
 
 
+#: The eviction policy a tier gets when its config names none (a backend's own default).
+DEFAULT_EVICTION = "lru"
 #: Host-pool size when the engine config gives neither ``host_pages`` nor ``host_bytes``.
 DEFAULT_HOST_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class PolicyPlan:
+    """A tier's policy, checked: its plugin's spec and its validated options (unbuilt)."""
+
+    spec: Any  # kvtier.core.specs.PolicySpec
+    options: dict[str, Any]
+    #: Where the config names it (``tiers[1].admission``), for errors at build time.
+    where: str
+
+    @property
+    def name(self) -> str:
+        return str(self.spec.name)
+
+    def build(self) -> Any:
+        """A fresh policy instance (one per tier and per process)."""
+        return self.spec.build(self.options)
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """One storage tier of a plan: its backend and options, its context, its policies."""
+
+    index: int
+    backend: BackendSpec
+    backend_config: BaseModel
+    context: BackendContext
+    eviction: PolicyPlan | None = None
+    admission: PolicyPlan | None = None
+    write: str = "through"
+    promote: bool = True
+
+    @property
+    def name(self) -> str:
+        """``<index>:<backend>`` (``0:file``), as stats and metrics name the tier."""
+        return f"{self.index}:{self.backend.name}"
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The backend's configured capacity, where its options have one."""
+        value = getattr(self.backend_config, "capacity_bytes", None)
+        return int(value) if value is not None else None
 
 
 @dataclass(frozen=True)
@@ -114,6 +164,14 @@ class ResolvedPlan:
     context: BackendContext
     #: What ``auto`` picked and why, one line each.
     notes: list[str] = field(default_factory=list)
+    #: The chain of storage tiers, fastest first; the first is ``backend`` itself.
+    tiers: tuple[TierPlan, ...] = ()
+    #: Namespace id -> (tenant name, quota bytes or None) of every tenant the config names.
+    tenants: Mapping[str, tuple[str, int | None]] = field(default_factory=dict)
+
+    def storage_tiers(self) -> tuple[TierPlan, ...]:
+        """The chain of storage tiers (a plan built by hand, without them: its backend)."""
+        return self.tiers or (TierPlan(0, self.backend, self.backend_config, self.context),)
 
     def keyer(self) -> PageKeyer:
         """The page keyer of this plan: its namespace, page size, attention and rank."""
@@ -152,6 +210,18 @@ class ResolvedPlan:
             "io_config": self.io_config.model_dump(mode="json"),
             "verify": self.config.verify,
             "backend_config": self.backend_config.model_dump(mode="json"),
+            "tiers": [
+                {
+                    "tier": tier.name,
+                    "backend_config": tier.backend_config.model_dump(mode="json"),
+                    "eviction": tier.eviction.name if tier.eviction is not None else None,
+                    "admission": tier.admission.name if tier.admission is not None else None,
+                    "write": tier.write,
+                    "promote": tier.promote,
+                }
+                for tier in self.storage_tiers()
+            ],
+            "tenants": sorted(name for name, _ in self.tenants.values()),
             "notes": list(self.notes),
         }
 
@@ -173,6 +243,14 @@ class ResolvedPlan:
             ("verify", self.config.verify),
             ("backend config", _inline(backend_config)),
         ]
+        for tier in self.tiers[1:] if len(self.tiers) > 1 else ():
+            policies = ", ".join(
+                f"{what} {plan.name}"
+                for what, plan in (("eviction", tier.eviction), ("admission", tier.admission))
+                if plan is not None
+            )
+            detail = f"write {tier.write}{', ' + policies if policies else ''}"
+            rows.append((f"tier {tier.index}", f"{tier.backend.name} ({detail})"))
         lines = [f"{name:<15}{value}" for name, value in rows]
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
@@ -264,6 +342,7 @@ def check_backend(
     io_backends: Mapping[str, IOBackendSpec],
     *,
     options_at: str = "extra_config",
+    operations: bool = True,
 ) -> tuple[BackendSpec, BaseModel]:
     """The part of :func:`resolve` that needs no geometry: the backend and its options.
 
@@ -277,10 +356,11 @@ def check_backend(
     backend: BackendSpec = _lookup("backend", config.backend, backends)
     backend.ensure_available()
     attention = config.attention
-    operations = frozenset(config.operations)
+    # (a lower tier moves whole pages only: the engine's operations are the first tier's)
+    wanted = frozenset(config.operations) if operations else frozenset()
 
     def supported() -> list[str]:
-        working = working_combinations(backend, io_backends, attention, operations)
+        working = working_combinations(backend, io_backends, attention, wanted)
         return [_combo(io.name, lay) for io, lay in working]
 
     if attention not in backend.attention:
@@ -290,7 +370,7 @@ def check_backend(
             value=attention.value,
             supported=supported(),
         )
-    unsupported_ops = operations - backend.operations
+    unsupported_ops = wanted - backend.operations
     if unsupported_ops:
         raise UnsupportedCombinationError(
             f"backend {backend.name!r} does not support operation(s) "
@@ -308,20 +388,125 @@ def check_backend(
     return backend, backend_config
 
 
+def _policy(
+    choice: Any, kind: str, where: str, policies: Mapping[str, Any] | None
+) -> PolicyPlan | None:
+    """A tier's policy choice checked against the installed policy plugins."""
+    chosen = policy_choice(choice)
+    if chosen is None:
+        # a tier's capacity goes through a policy the chain can see (quotas, write-back):
+        # the built-in LRU, the backends' own default, when the registry has it
+        default = (policies or {}).get(DEFAULT_EVICTION) if kind == "eviction" else None
+        return PolicyPlan(default, {}, where) if default is not None else None
+    name, options = chosen
+    known = {n: spec for n, spec in (policies or {}).items() if spec.kind == kind}
+    spec = _lookup(f"{kind} policy", name, known)
+    validate_model(spec.config_model, options, where=where, label=f"{where} ({name!r})")
+    return PolicyPlan(spec, options, where)
+
+
+def _resolve_tiers(
+    config: EngineConfig,
+    first: tuple[BackendSpec, BaseModel],
+    backends: Mapping[str, BackendSpec],
+    io_backends: Mapping[str, IOBackendSpec],
+    context: BackendContext,
+    policies: Mapping[str, Any] | None,
+) -> tuple[TierPlan, ...]:
+    """Every tier checked like the first backend: name, availability, attention kind,
+    the plan's layout, its options, its own plan check and its policies."""
+    tiers = config.storage_tiers()
+    chained = bool(config.tiers)
+    plans: list[TierPlan] = []
+    for index, tier in enumerate(tiers):
+        at = f"tiers[{index}]" if chained else ""
+        if index == 0:
+            backend, backend_config = first
+            if tier.admission is not None:
+                raise UnsupportedCombinationError(
+                    "tiers[0].admission: the first tier stores every page the engine backs "
+                    "up (its result is the engine's); filter what reaches storage with the "
+                    "cache's write policy instead",
+                    value=tier.admission,
+                    supported=[
+                        '"admission" on tiers[1] and below',
+                        'CacheOptions(write_policy="write_through_selective", write_threshold=N)',
+                    ],
+                )
+        else:
+            backend, backend_config = check_backend(
+                config.model_copy(
+                    update={"backend": tier.backend, "extra_config": tier.extra_config}
+                ),
+                backends,
+                io_backends,
+                options_at=f"{at}.extra_config",
+                operations=False,
+            )
+            if context.layout not in backend.layouts:
+                raise UnsupportedCombinationError(
+                    f"{at}: backend {backend.name!r} cannot store layout "
+                    f"{context.layout.value!r}, which the first tier's IO backend uses (it "
+                    f"stores: {_names(lay.value for lay in backend.layouts)})",
+                    value=backend.name,
+                    supported=[lay.value for lay in backend.layouts],
+                )
+            if backend.validate_plan is not None:
+                _plugin_call(
+                    backend, "validate_plan", backend.validate_plan, backend_config, context
+                )
+        plans.append(
+            TierPlan(
+                index=index,
+                backend=backend,
+                backend_config=backend_config,
+                context=context,
+                eviction=_policy(tier.eviction, "eviction", f"{at}.eviction".lstrip("."), policies),
+                admission=_policy(
+                    tier.admission, "admission", f"{at}.admission".lstrip("."), policies
+                ),
+                write=tier.write,
+                promote=tier.promote,
+            )
+        )
+    return tuple(plans)
+
+
+def _tenants(
+    config: EngineConfig, layout: Layout, fingerprint: str
+) -> dict[str, tuple[str, int | None]]:
+    """Namespace id -> (tenant, quota) of the config's own tenant and each it names."""
+    out: dict[str, tuple[str, int | None]] = {}
+    for name, limits in config.tenants.items():
+        namespace = layout_namespace(config.model, layout, fingerprint, name)
+        quota = int(limits.quota_bytes) if limits.quota_bytes is not None else None
+        out[namespace.id] = (name, quota)
+    return out
+
+
 def resolve(
     config: EngineConfig,
     backends: Mapping[str, BackendSpec],
     io_backends: Mapping[str, IOBackendSpec],
     *,
     options_at: str = "extra_config",
+    policies: Mapping[str, Any] | None = None,
 ) -> ResolvedPlan:
     """Check ``config`` against the declarations and return the plan, or raise ConfigError.
 
     Order: the backend (:func:`check_backend`: name, availability, attention kind,
     operations, its options, named in errors by ``options_at``), the IO backend's name,
     the geometry, the (IO backend, layout) pair (``auto`` picks the best working one),
-    the backend's own ``validate_plan``. Nothing is allocated.
+    the backend's own ``validate_plan``, then every further storage tier and every tier's
+    policies (``policies``: the registry's, by name), named in errors as ``tiers[i]``.
+    Nothing is allocated.
     """
+    if config.tiers:
+        first = config.tiers[0]
+        config = config.model_copy(
+            update={"backend": first.backend, "extra_config": first.extra_config}
+        )
+        options_at = "tiers[0].extra_config"
     backend, backend_config = check_backend(config, backends, io_backends, options_at=options_at)
     explicit_io: IOBackendSpec | None = None
     if config.io_backend != AUTO:
@@ -405,6 +590,9 @@ def resolve(
     )
     if backend.validate_plan is not None:
         _plugin_call(backend, "validate_plan", backend.validate_plan, backend_config, context)
+    tiers = _resolve_tiers(
+        config, (backend, backend_config), backends, io_backends, context, policies
+    )
     return ResolvedPlan(
         config=config,
         geometry=geometry,
@@ -418,6 +606,8 @@ def resolve(
         rank_suffix=suffix,
         context=context,
         notes=notes,
+        tiers=tiers,
+        tenants=_tenants(config, layout, geometry.fingerprint),
     )
 
 
@@ -460,10 +650,25 @@ def _construct(spec: BackendSpec | IOBackendSpec, expected: type, *args: Any) ->
     return built
 
 
-def build_backend(plan: ResolvedPlan) -> StorageBackend:
-    """The plan's storage backend, built from its validated config and context."""
+def _tier(plan: ResolvedPlan, tier: int) -> TierPlan:
+    tiers = plan.storage_tiers()
+    if not 0 <= tier < len(tiers):
+        raise InvalidFieldError(
+            "tier", f"must be in 0..{len(tiers) - 1} (the plan's tiers), got {tier}", value=tier
+        )
+    return tiers[tier]
+
+
+def build_backend(plan: ResolvedPlan, tier: int = 0, *, eviction: Any = None) -> StorageBackend:
+    """The storage backend of the plan's tier ``tier`` (the first: the plan's backend),
+    built from its validated config and context; ``eviction``, a built policy, is the one
+    its capacity goes through (``context.eviction``)."""
+    chosen = _tier(plan, tier)
+    context = chosen.context
+    if eviction is not None:
+        context = dataclasses.replace(context, eviction=eviction)
     backend: StorageBackend = _construct(
-        plan.backend, StorageBackend, plan.backend_config, plan.context
+        chosen.backend, StorageBackend, chosen.backend_config, context
     )
     return backend
 
@@ -506,8 +711,14 @@ def open_page_store(
     checksum_workers: int = 1,
     call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S,
     max_abandoned_calls: int = DEFAULT_MAX_ABANDONED,
+    tier: int = 0,
+    eviction: Any = None,
 ) -> PageStore:
     """Build the plan's backend and put a :class:`PageStore` over ``pool`` in front of it.
+
+    ``tier`` and ``eviction``: the tier of the plan's chain to build, and the built policy
+    its capacity goes through (see :func:`build_backend`); a whole chain is opened by
+    ``kvtier.cache.chain.open_store``, which calls this once per tier.
 
     A kvtier :class:`HostPool` is attached to the backend first (backends that register
     memory, such as Mooncake, do it once here). Foreign page memory (an engine's own host
@@ -516,13 +727,14 @@ def open_page_store(
     closes it) and bounds every call to it by ``call_timeout_s``; if anything fails here,
     the backend is closed before the error propagates.
     """
-    backend = build_backend(plan)
+    spec = _tier(plan, tier).backend
+    backend = build_backend(plan, tier, eviction=eviction)
     try:
         if isinstance(pool, HostPool):
-            _plugin_call(plan.backend, "attach", backend.attach, pool)
+            _plugin_call(spec, "attach", backend.attach, pool)
         elif isinstance(pool, ForeignPageMemory):
             regions = pool.memory_regions()
-            _plugin_call(plan.backend, "register_memory", backend.register_memory, regions)
+            _plugin_call(spec, "register_memory", backend.register_memory, regions)
         return PageStore(
             backend,
             pool,

@@ -23,6 +23,7 @@ from kvtier.core.extra_config import parse_extra_config
 from kvtier.core.geometry import AttentionKind, KVGeometry, dtype_from_name, dtype_name
 from kvtier.core.layout import Layout
 from kvtier.core.specs import Operation
+from kvtier.core.tiers import TenantConfig, TierConfig
 from kvtier.core.validation import raise_problems, validate_model
 
 __all__ = [
@@ -137,10 +138,26 @@ class EngineConfig(BaseModel):
         "`@file.toml` or a mapping.",
     )
 
+    tiers: tuple[TierConfig, ...] = Field(
+        (),
+        description="A chain of storage tiers, fastest first (see docs/tiers.md), instead "
+        "of `backend` and `extra_config` (a chain of one).",
+    )
+    tenants: dict[str, TenantConfig] = Field(
+        default_factory=dict,
+        description="Per-tenant limits by tenant name: `quota_bytes` in each tier.",
+    )
+
     @field_validator("extra_config", mode="before")
     @classmethod
     def _parse_extra(cls, value: Any) -> dict[str, Any]:
         return parse_extra_config(value, source="extra_config")
+
+    def storage_tiers(self) -> tuple[TierConfig, ...]:
+        """The chain of storage tiers: ``tiers``, or one tier of ``backend``/``extra_config``."""
+        if self.tiers:
+            return self.tiers
+        return (TierConfig(backend=self.backend, extra_config=self.extra_config),)
 
     @field_validator("backend", "io_backend")
     @classmethod
@@ -182,6 +199,15 @@ class EngineConfig(BaseModel):
                 "host_bytes", "give host_pages or host_bytes, not both", value=self.host_bytes
             )
         _attention_fields_check(self)
+        if self.tiers:
+            both = sorted({"backend", "extra_config"} & self.model_fields_set)
+            if both:
+                raise InvalidFieldError(
+                    both[0],
+                    "give either `backend` (with its `extra_config`) or `tiers`, not both: "
+                    "with `tiers`, each tier names its backend and options",
+                    value=getattr(self, both[0]),
+                )
         return self
 
     @classmethod

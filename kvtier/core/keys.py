@@ -33,6 +33,7 @@ from kvtier.core.layout import Layout
 __all__ = [
     "KEY_CHARSET",
     "MAX_KEY_LENGTH",
+    "NAMESPACE_ID_CHARS",
     "Namespace",
     "PageKeyer",
     "external_key",
@@ -54,6 +55,8 @@ _CHARSET_TEXT = (
     "'-' and '_'), starting with a letter or digit"
 )
 _DIGEST_BYTES = 32
+#: The characters of a namespace id, the prefix of every key of the namespace.
+NAMESPACE_ID_CHARS = 16
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _TOKEN_ITEMSIZE = 4
 
@@ -138,7 +141,7 @@ class Namespace:
     @property
     def id(self) -> str:
         """16 hex digits of :attr:`digest`: the stable, charset-safe prefix of every key."""
-        return self.digest[:8].hex()
+        return self.digest[: NAMESPACE_ID_CHARS // 2].hex()
 
 
 def _check_tokens(tokens_min: int, tokens_max: int) -> None:

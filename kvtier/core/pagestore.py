@@ -38,6 +38,7 @@ from kvtier.core.envelope import (
 )
 from kvtier.core.errors import InvalidFieldError, PageError, StorageError
 from kvtier.core.extents import Extent
+from kvtier.core.host_pool import HostPool
 from kvtier.core.keys import validate_keys
 from kvtier.core.layout import Layout
 from kvtier.core.metrics import zeroed
@@ -202,6 +203,8 @@ class PageStore:
         checksum_workers: int = 1,
         call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S,
         max_abandoned_calls: int = DEFAULT_MAX_ABANDONED,
+        caller: BoundedCaller | None = None,
+        owns_backend: bool = True,
     ) -> None:
         if verify not in _VERIFY_MODES:
             raise InvalidFieldError(
@@ -239,10 +242,13 @@ class PageStore:
         self.pool = pool
         self.call_timeout_s = call_timeout_s
         self.max_abandoned_calls = max_abandoned_calls
-        #: Every backend call goes through here, bounded by ``call_timeout_s``.
-        self._calls = BoundedCaller("backend", call_timeout_s, max_abandoned_calls)
+        #: Every backend call goes through here, bounded by ``call_timeout_s`` (or another
+        #: store's ``caller``, shared with it).
+        self._calls = caller or BoundedCaller("backend", call_timeout_s, max_abandoned_calls)
+        self._owns_backend = owns_backend
         self._closed = False
         self._close_lock = threading.Lock()
+
         #: Threads that checksum the pages of one batch in parallel (xxhash releases the
         #: GIL); 1 checksums in the calling thread. Started on first use.
         self.checksum_workers = checksum_workers
@@ -331,8 +337,15 @@ class PageStore:
         pages: Sequence[int],
         *,
         on_late: Callable[[Any], None] | None = None,
+        verdicts: dict[int, str] | None = None,
     ) -> BatchResult:
         """Fill pages from storage and verify them; an invalid page is a counted False.
+
+        ``verdicts``, when given, receives the verdict of every page that was read and
+        failed envelope verification: index -> :class:`~kvtier.core.envelope.Rejection`
+        value (``corrupt_checksum``...). A False without an entry was not read (absent,
+        or the call failed or timed out), so nothing is known against the stored page;
+        only a page with an entry is proven bad.
 
         A backend with :class:`PerPageHooks` verifies each page in the I/O thread that
         read it, right after its bytes landed; otherwise the pages are verified here
@@ -404,6 +417,8 @@ class PageStore:
             reason = reasons[i]
             if reason is not None:
                 results[i] = False
+                if verdicts is not None:
+                    verdicts[i] = reason.value
                 self._counters.add("invalid")
                 self._counters.add(f"invalid_{reason.value}")
                 logger.debug("page %r rejected: %s", keys[i], reason.value)
@@ -449,6 +464,23 @@ class PageStore:
         timed-out and refused calls (and ``_<operation>`` of each)."""
         return {**zeroed("page_store"), **self._counters.snapshot()}
 
+    def sibling(self, pool: PageMemory) -> PageStore:
+        """A page store over another page memory (a staging pool) in front of the same
+        backend: the same bound and call threads, counters of its own (what it moves is
+        not the engine's traffic); it does not own the backend
+        (closing it closes neither). A kvtier :class:`HostPool` is attached to the backend
+        first, as :func:`~kvtier.core.capabilities.open_page_store` does."""
+        if isinstance(pool, HostPool):
+            self.backend.attach(pool)
+        return PageStore(
+            self.backend,
+            pool,
+            fingerprint=self.fingerprint,
+            verify=self.verify,
+            caller=self._calls,  # the same bound and threads; counters of its own
+            owns_backend=False,
+        )
+
     def call_counts(self) -> dict[str, Any]:
         """The bounded calls: timed out (total and by operation), refused, late, stuck now."""
         return self._calls.counts()
@@ -468,6 +500,8 @@ class PageStore:
             if self._closed:
                 return True
             self._closed = True
+        if not self._owns_backend:  # a sibling: the owner closes the backend
+            return True
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:

@@ -1,0 +1,110 @@
+"""A file tier over a real Mooncake master on loopback: the chain with a shared tier below.
+
+Pages land in both tiers; a restart with the file tier emptied hits from Mooncake and
+promotes into the file tier; a bit flipped in the file tier is served from Mooncake and
+counted; killing the master mid-run leaves the cache serving from the file tier with
+nothing wrong. Without Mooncake the tests skip, and fail under KVTIER_REQUIRE_MOONCAKE=1.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_cache import JOIN, cache_registry, load_and_check, put_pages
+from test_mooncake import mooncake_master  # noqa: F401 - the session master fixture
+from test_tiers import _evict_host, _file, _open, _tier_has
+
+from kvtier.cache import TieredCache
+from kvtier.cache.events import EventKind
+from kvtier.testing.mooncake import MooncakeMaster
+
+pytestmark = pytest.mark.mooncake
+
+
+def _mooncake(address: str, **options: Any) -> dict[str, Any]:
+    return {
+        "backend": "mooncake",
+        "extra_config": {"master_address": address, "global_segment_size": 0, **options},
+    }
+
+
+def _chain(root: Path, address: str, **more: Any) -> TieredCache:
+    # a fresh model name per test: its own key namespace on the shared master
+    model = f"tiers-{uuid.uuid4().hex[:10]}"
+    return _open(
+        [_file(root), _mooncake(address)],
+        cache_registry(),
+        config={"model": more.pop("model", model)},
+        **more,
+    )
+
+
+def test_pages_land_in_both_and_a_restart_hits_from_mooncake(
+    mooncake_master: MooncakeMaster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    model = f"tiers-{uuid.uuid4().hex[:10]}"
+    root = tmp_path / "file"
+    with _chain(root, mooncake_master.address, model=model) as first:
+        keys = put_pages(first, range(32))
+        assert first.flush(JOIN) and first.page_store.flush(JOIN)
+        assert _tier_has(first, 0, keys) == [True] * 8
+        assert _tier_has(first, 1, keys) == [True] * 8
+    for page in root.rglob("*.kv"):  # the file tier is emptied: a new node
+        page.unlink()
+    with _chain(root, mooncake_master.address, model=model) as again:
+        seen: list[Any] = []
+        again.page_store.events.subscribe(seen.extend)
+        assert load_and_check(again, keys) == 8  # exact, from Mooncake
+        assert again.page_store.flush(JOIN)
+        assert _tier_has(again, 0, keys) == [True] * 8  # promoted into the file tier
+        assert {e.key for e in seen if e.kind is EventKind.PROMOTED} == set(keys)
+        tiers = again.stats()["tiers"]
+        assert tiers[1]["store"]["hits"] == 8 and tiers[0]["promotions"] == 8
+
+
+def test_a_bit_flipped_in_the_file_tier_is_served_from_mooncake(
+    mooncake_master: MooncakeMaster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "file"
+    with _chain(root, mooncake_master.address) as cache:
+        keys = put_pages(cache, range(16))
+        assert cache.flush(JOIN) and cache.page_store.flush(JOIN)
+        _evict_host(cache)
+        victim = next(p for p in root.rglob("*.kv") if keys[2] in p.name)
+        raw = bytearray(victim.read_bytes())
+        raw[-5] ^= 0x01
+        victim.write_bytes(bytes(raw))
+        assert load_and_check(cache, keys) == 4
+        tiers = cache.stats()["tiers"]
+        assert tiers[0]["store"]["invalid_corrupt_checksum"] == 1
+        assert tiers[1]["store"]["hits"] == 1
+
+
+def test_killing_the_master_leaves_the_file_tier_serving(tmp_path: Path) -> None:
+    master = MooncakeMaster(storage_node_bytes=64 << 20).start()
+    try:
+        cache = _chain(
+            tmp_path / "file",
+            master.address,
+            options={"close_timeout_s": 1.0, "backend_call_timeout_s": 5.0},
+        )
+        try:
+            keys = put_pages(cache, range(16))
+            assert cache.flush(JOIN) and cache.page_store.flush(JOIN)
+            master.kill()
+            more = put_pages(cache, range(100, 116), start=4)  # the file tier takes them
+            assert cache.flush(JOIN) and cache.page_store.flush(JOIN)
+            _evict_host(cache)
+            assert load_and_check(cache, keys) == 4  # nothing wrong, from the file tier
+            assert load_and_check(cache, more) == 4
+            failed = cache.stats()["tiers"][1]
+            assert failed["failures"] + failed["store"]["put_failures"] >= 1
+        finally:
+            cache.close()
+    finally:
+        master.close()
