@@ -306,7 +306,7 @@ BACKEND_PACKAGES = sorted(p.parent.name for p in (PACKAGE / "backends").glob("*/
 
 
 def test_every_builtin_backend_is_arranged_alike() -> None:
-    assert BACKEND_PACKAGES == ["file", "memory", "mooncake", "uring"]
+    assert BACKEND_PACKAGES == ["file", "memory", "mooncake", "segment", "uring"]
     loose = sorted(p.name for p in (PACKAGE / "backends").glob("*.py") if p.name != "__init__.py")
     assert loose == [], f"loose modules in kvtier/backends: {loose}"
     for name in BACKEND_PACKAGES:

@@ -181,6 +181,19 @@ def test_bench_round_trip_verifies_and_reports(tmp_path: Path) -> None:
     assert "bit-exact" in result.report()
 
 
+def test_bench_runs_on_the_segment_backend(tmp_path: Path) -> None:
+    # the main job beside the file backend: the same pages, packed into segments
+    result = single.run_bench(
+        bench_args("--backend", "segment", "--batch", "3", "--workdir", str(tmp_path))
+    )
+    out = result.to_dict()
+    assert out["ok"] is True and out["failures"] == [] and out["backend"] == "segment"
+    assert out["raw_threads"] == 4  # the segment backend's io_threads
+    assert out["store_stats"]["hits"] == 12 and out["store_stats"]["invalid"] == 0
+    assert out["backend_stats"]["write_calls"] == 4  # one record per batch put, 2 rounds
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bench_json_on_stdout(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.run(bench_args("--json", "--no-raw", "--layout", "layer_first")) == 0
     out = json.loads(capsys.readouterr().out)

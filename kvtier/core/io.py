@@ -14,9 +14,11 @@ Built-ins (declared in :data:`DIRECT_SPEC` and :data:`KERNEL_SPEC`):
   a multiple of ``page_size``) is copied with strided ``copy_`` calls, one per run of
   consecutive pages per kv (all layers at once when the device pool's layer buffers are
   views of one tensor, else one per layer). Token-granular slots are refused.
-- ``kernel``: token-granular. Any slots; each host page is gathered with
-  ``index_select(..., out=host_page)`` or scattered with ``index_copy_``, one call per page
-  per kv covering all layers (or one layer).
+- ``kernel``: token-granular. Any slots. A run of consecutive host pages whose slots are
+  one ascending range moves with one strided ``copy_`` per kv covering all layers (or
+  one layer); otherwise a backup gathers each host page with
+  ``index_select(..., out=host_page)`` and a load scatters each run of consecutive host
+  pages with one ``index_put_`` per kv.
 """
 
 from __future__ import annotations
@@ -454,6 +456,27 @@ def _page_offsets(page_size: int, device: torch.device) -> torch.Tensor:
     return torch.arange(page_size, device=device)
 
 
+def _page_runs(host_pages: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Consecutive host pages as (position in ``host_pages``, first page, length) runs."""
+    runs: list[tuple[int, int, int]] = []
+    for i, page in enumerate(host_pages):
+        if runs:
+            i0, h0, n = runs[-1]
+            if page == h0 + n:
+                runs[-1] = (i0, h0, n + 1)
+                continue
+        runs.append((i, page, 1))
+    return runs
+
+
+def _slot_range(rows: torch.Tensor) -> int | None:
+    """The first slot when ``rows`` (pages x page_size) is one ascending range, else None."""
+    flat = rows.reshape(-1)
+    if flat.numel() > 1 and not bool((flat[1:] - flat[:-1] == 1).all()):
+        return None
+    return int(flat[0])
+
+
 def _runs(host_pages: Sequence[int], device_pages: Sequence[int]) -> list[tuple[int, int, int]]:
     """Coalesce pairs into (host_start, device_start, length) runs of consecutive pages."""
     runs: list[tuple[int, int, int]] = []
@@ -526,39 +549,60 @@ class DirectIOBackend(IOBackend):
 
 
 class KernelIOBackend(IOBackend):
-    """Token-granular gather/scatter with ``index_select`` / ``index_copy_``; any slots.
+    """Token-granular gather/scatter with ``index_select`` / ``index_put_``; any slots.
 
-    Backup gathers each host page straight into host memory (``index_select(out=page)``)
-    where the page block is contiguous; ``layer_first`` gathers layer by layer (its page
-    is contiguous per layer) and ``page_head`` gathers in device order into a small
-    scratch tensor first (a strided ``index_select`` into its head-major order is ~50x
-    slower on CPU). Load scatters each host page with one ``index_copy_``.
+    Runs of consecutive host pages whose slots are one range are strided copies (one per
+    kv). Otherwise backup gathers each host page straight into host memory
+    (``index_select(out=page)``) where the page block is contiguous; ``layer_first``
+    gathers layer by layer (its page is contiguous per layer) and ``page_head`` gathers in
+    device order into a small scratch tensor first (a strided ``index_select`` into its
+    head-major order is ~50x slower on CPU); load scatters each run of consecutive host
+    pages with one ``index_put_`` per kv (see :meth:`run_load`).
     """
 
     name = "kernel"
 
     def run_backup(self, plan: TransferPlan) -> None:
+        """Gather the pages; a run of consecutive host pages whose slots are one ascending
+        range (the usual case) is one strided ``copy_`` per kv, any other page a gather
+        of its own (see :meth:`run_load` for why few, large ops matter)."""
         ps = self.geometry.page_size
-        chunks = plan.slots.view(-1, ps).unbind(0)
+        rows = plan.slots.view(-1, ps)
+        chunks = rows.unbind(0)
+        runs = _page_runs(plan.pages)
+        contiguous: list[int | None] | None = None  # each run's first slot, if a range
         for layer, device_views in self._device_views(plan):
             axes = self._native_axes(layer)
             token_axis = axes.index("token")
             for kv, dev in enumerate(device_views):
                 host_view = self._host_pages(plan.host, kv, layer)
                 same_device = dev.device == host_view.device
+                todo: list[int] | range = range(len(plan.pages))
+                if same_device:
+                    if contiguous is None:
+                        contiguous = [_slot_range(rows[i0 : i0 + n]) for i0, _, n in runs]
+                    todo = []
+                    for (i0, h0, n), start in zip(runs, contiguous, strict=True):
+                        if start is None:
+                            todo.extend(range(i0, i0 + n))
+                            continue
+                        source = dev.narrow(token_axis, start, n * ps)
+                        shape = list(source.shape)
+                        shape[token_axis : token_axis + 1] = [n, ps]
+                        host_view[h0 : h0 + n].movedim(0, token_axis).copy_(source.view(shape))
                 if self.layout is Layout.PAGE_HEAD:
                     # gather in the device's own axis order, then permute into head-major
                     natural_axes = [a for a in _DEVICE_AXES if a in axes]
                     natural = dev.permute(_permutation(axes, natural_axes))
                     back = _permutation(natural_axes, axes)
                     natural_token = natural_axes.index("token")
-                    for page, index in zip(plan.pages, chunks, strict=True):
-                        gathered = natural.index_select(natural_token, index)
-                        host_view[page].copy_(gathered.permute(back))
+                    for i in todo:
+                        gathered = natural.index_select(natural_token, chunks[i])
+                        host_view[plan.pages[i]].copy_(gathered.permute(back))
                     continue
                 per_layer = layer is None and self.layout is Layout.LAYER_FIRST and same_device
-                for page, index in zip(plan.pages, chunks, strict=True):
-                    target = host_view[page]
+                for i in todo:
+                    target, index = host_view[plan.pages[i]], chunks[i]
                     if per_layer:
                         for sub_target, sub_dev in zip(target, dev, strict=True):
                             torch.index_select(sub_dev, 0, index, out=sub_target)
@@ -568,17 +612,41 @@ class KernelIOBackend(IOBackend):
                         target.copy_(dev.index_select(token_axis, index))
 
     def run_load(self, plan: TransferPlan) -> None:
+        """Scatter each run of consecutive host pages with one op per kv (and layer view).
+
+        A run whose slots are one ascending range is a strided ``copy_``; any other run
+        one ``index_put_`` of all its pages. Few, large ops matter on a CPU device: a
+        per-page ``index_copy_`` runs on torch's intra-op threads, and on a shared host
+        each of those calls waits for its slowest thread, so loads swung 0.3-10 GB/s
+        between calls while backups held steady. Pages on another device than the pool
+        (a CUDA pool) still go page by page, each copied to the device first.
+        """
         ps = self.geometry.page_size
-        chunks = plan.slots.view(-1, ps).unbind(0)
+        rows = plan.slots.view(-1, ps)
+        runs = _page_runs(plan.pages)
+        contiguous: list[int | None] | None = None  # each run's first slot, if a range
         for layer, device_views in self._device_views(plan):
             token_axis = self._native_axes(layer).index("token")
+            lead: tuple[slice | torch.Tensor, ...] = (slice(None),) * token_axis
             for kv, dev in enumerate(device_views):
                 host_view = self._host_pages(plan.host, kv, layer)
-                for page, index in zip(plan.pages, chunks, strict=True):
-                    source = host_view[page]
-                    if source.device != dev.device:
-                        source = source.to(dev.device)
-                    dev.index_copy_(token_axis, index, source)
+                if host_view.device != dev.device:
+                    chunks = rows.unbind(0)
+                    for page, index in zip(plan.pages, chunks, strict=True):
+                        dev.index_copy_(token_axis, index, host_view[page].to(dev.device))
+                    continue
+                if contiguous is None:
+                    contiguous = [_slot_range(rows[i0 : i0 + n]) for i0, _, n in runs]
+                for (i0, h0, n), start in zip(runs, contiguous, strict=True):
+                    source = host_view[h0 : h0 + n].movedim(0, token_axis)
+                    if start is not None:
+                        target = dev.narrow(token_axis, start, n * ps)
+                        shape = list(target.shape)
+                        shape[token_axis : token_axis + 1] = [n, ps]
+                        target.view(shape).copy_(source)
+                    else:
+                        where = (*lead, rows[i0 : i0 + n])
+                        dev[where] = source
 
 
 def _make_direct(config: Any, geometry: KVGeometry, layout: Layout | str) -> DirectIOBackend:

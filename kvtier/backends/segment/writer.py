@@ -1,0 +1,476 @@
+"""Appending records: the active segment, reservations, and reclaiming whole segments.
+
+Each backend instance appends into one active segment of its own (created under an
+exclusive ``flock``, see :mod:`~kvtier.backends.segment.store`). A put reserves a range
+at the segment's tail under a short lock and writes it without one, so threads of one
+process append side by side; a record's header is written after its data (the commit).
+A segment that is full is sealed (its lock released) once its last write finished.
+
+Space comes back a whole segment at a time (as in CacheLib's block cache regions and
+Kangaroo's log): before a new segment is created, sealed segments are reclaimed until
+the new one fits under ``capacity_bytes`` and above ``min_free_bytes``. Which segment:
+with an eviction policy, the one holding the most of the bytes the policy would evict
+first (plus its dead bytes); without one, the oldest. Its live pages that the policy did
+not choose are rewritten into the new segment (up to ``reclaim_rewrite_fraction`` of a
+segment, keeping their sequence numbers), the others are dropped, and the file is
+unlinked: a reader holding its descriptor still reads the old page; a later reader
+misses or finds the rewritten copy.
+
+Overwrites and deletes leave dead pages in sealed segments, whatever the capacity: when
+a new segment is started, the sealed segment with the most dead bytes is compacted if at
+least :data:`COMPACT_DEAD` of it is dead (its live pages rewritten, the file removed), so
+a store that only overwrites stays within a few segments of its live data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.backends.segment import format as fmt
+from kvtier.backends.segment.config import SegmentConfig
+from kvtier.backends.segment.store import Loc, Segment, SegmentStore, try_lock
+
+__all__ = ["Appender", "Reservation", "copy_range", "pwritev_all"]
+
+IOV_MAX = 1024
+#: A sealed segment at least this dead (superseded or deleted pages, torn tails) is
+#: compacted when a new segment is started: its live pages are rewritten, the file removed.
+COMPACT_DEAD = 0.75
+#: How often, and how long each time, making room waits for a full segment of ours to be
+#: sealed by the writes still in it.
+_SEAL_WAITS = 20
+_SEAL_WAIT_S = 0.25
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def pwritev_all(fd: int, views: Sequence[memoryview], offset: int) -> int:
+    """Write every region at ``offset`` onwards (short writes resumed); bytes written."""
+    start = offset
+    pending = list(views)
+    while pending:
+        done = os.pwritev(fd, pending[:IOV_MAX], offset)
+        if done <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += done
+        while pending and done >= pending[0].nbytes:
+            done -= pending[0].nbytes
+            pending.pop(0)
+        if done:
+            pending[0] = pending[0][done:]
+    return offset - start
+
+
+def copy_range(src: int, src_off: int, dst: int, dst_off: int, count: int) -> None:
+    """Copy ``count`` bytes between files in the kernel (``copy_file_range``), or by hand."""
+    while count > 0:
+        try:
+            done = os.copy_file_range(src, dst, count, src_off, dst_off)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            data = os.pread(src, min(count, 8 << 20), src_off)
+            done = os.pwrite(dst, data, dst_off) if data else 0
+        if done <= 0:
+            raise OSError(errno.EIO, "copying a page of a reclaimed segment came up short")
+        count -= done
+        src_off += done
+        dst_off += done
+
+
+@dataclass
+class Reservation:
+    """Room for a record of ``count`` pages at ``offset`` of ``segment``."""
+
+    segment: Segment
+    offset: int
+    count: int
+
+
+class Appender:
+    """The active segment of one backend, its reservations and reclamation."""
+
+    def __init__(self, store: SegmentStore, config: SegmentConfig, log: logging.Logger) -> None:
+        self.store = store
+        self.config = config
+        self.log = log
+        #: Guards the active segment, its tail and the writes in flight; notified when a
+        #: segment is sealed or room was made.
+        self._cond = threading.Condition()
+        self._making = False
+        self._active: Segment | None = None
+        self._tail = 0
+        self._inflight: dict[Segment, int] = {}
+        self._full: set[Segment] = set()
+
+    # --- reservations --------------------------------------------------------------
+
+    def reserve(self, sizes: Sequence[int], first: int) -> Reservation | str:
+        """Room for a record of pages ``sizes[first:]`` (as many as fit, at least one).
+
+        Creates a segment (reclaiming others first) when the active one is full; a
+        string says why there is no room (``capacity``, ``min_free_space``,
+        ``page_larger_than_capacity``, ``no_space``, ``errors``). One thread makes room
+        at a time; the others wait for it and then fit into its segment.
+        """
+        with self._cond:
+            while True:
+                reservation = self._fit(sizes, first)
+                if reservation is not None:
+                    return reservation
+                if self._making:
+                    self._cond.wait()
+                    continue
+                if self._active is not None:
+                    self._retire_active()
+                need = fmt.SEGMENT_HEADER_BYTES + fmt.header_bytes(1) + sizes[first]
+                limit = max(int(self.config.segment_bytes), need)
+                self._making = True
+                try:
+                    refused = self._make_room(limit)
+                finally:
+                    self._making = False
+                    self._cond.notify_all()
+                if refused is not None:
+                    return refused
+
+    def _fit(self, sizes: Sequence[int], first: int) -> Reservation | None:
+        """Reserve as many of the pages as fit in the active segment (lock held)."""
+        seg = self._active
+        if seg is None:
+            return None
+        room = seg.limit - self._tail
+        count, data = 0, 0
+        most = min(len(sizes) - first, fmt.MAX_RECORD_PAGES)
+        while count < most:
+            size = sizes[first + count]
+            if fmt.header_bytes(count + 1) + data + size > room:
+                break
+            data += size
+            count += 1
+        if count == 0:
+            return None
+        offset = self._tail
+        self._tail = fmt.align(offset + fmt.header_bytes(count) + data)
+        self._inflight[seg] = self._inflight.get(seg, 0) + 1
+        self.store.grow(seg, offset + fmt.header_bytes(count) + data)
+        return Reservation(seg, offset, count)
+
+    def finish(self, seg: Segment, *, failed: bool = False) -> None:
+        """A write into ``seg`` is done; a failed one stops appends to it."""
+        with self._cond:
+            self._inflight[seg] -= 1
+            if failed and seg is self._active:
+                self._retire_active()
+            elif seg in self._full and self._inflight[seg] == 0:
+                self._seal(seg)
+                self._cond.notify_all()
+
+    def _retire_active(self) -> None:
+        """The active segment takes no more records; sealed once its writes are done."""
+        seg = self._active
+        assert seg is not None
+        self._active = None
+        self._full.add(seg)
+        if self._inflight.get(seg, 0) == 0:
+            self._seal(seg)
+
+    def _seal(self, seg: Segment) -> None:
+        """Release the writer's lock: no record will be appended to ``seg`` again."""
+        self._full.discard(seg)
+        self._inflight.pop(seg, None)
+        seg.sealed = True
+        self.store.pin(seg)  # its descriptor cannot be closed (and its number reused) here
+        try:
+            if seg.fd < 0:
+                return  # cleared meanwhile: closed, so unlocked
+            if self.config.fsync == "batch":
+                try:
+                    os.fdatasync(seg.fd)
+                except OSError as exc:
+                    self.store.warn_once("fsync_errors", "segment backend: fsync failed: %s", exc)
+            with contextlib.suppress(OSError):
+                fcntl.flock(seg.fd, fcntl.LOCK_UN)
+        finally:
+            self.store.unpin([seg])
+
+    def reset(self) -> None:
+        """Forget the active segment (``clear`` removed it)."""
+        with self._cond:
+            if self._active is not None:
+                self._retire_active()
+
+    def close(self) -> None:
+        """Seal the active segment."""
+        self.reset()
+
+    # --- new segments and reclamation ----------------------------------------------
+
+    def _make_room(self, limit: int) -> str | None:
+        """Reclaim until a segment of ``limit`` bytes fits, then create it (lock held)."""
+        config = self.config
+        capacity = None if config.capacity_bytes is None else int(config.capacity_bytes)
+        if capacity is not None and limit > capacity:
+            return "page_larger_than_capacity"
+        min_free = int(config.min_free_bytes)
+        policy = self.store.policy
+        budget = int(config.reclaim_rewrite_fraction * int(config.segment_bytes)) if policy else 0
+        kept: list[tuple[str, Loc]] = []
+        sources: list[tuple[Segment, int]] = []
+        refreshed = False
+        waits = 0
+        freed = 0
+        free = self._free_bytes() if min_free > 0 else 0
+        refused: str | None = None
+        while True:
+            total = self.store.total_bytes()
+            over = capacity is not None and total + limit > capacity
+            low = min_free > 0 and free + freed - limit < min_free
+            if not (over or low):
+                break
+            if not refreshed:
+                self.store.refresh(force=True)  # who else still writes, what they sealed
+                refreshed = True
+                continue
+            victim = self._choose_victim()
+            if victim is None and self._full and waits < _SEAL_WAITS:
+                # a full segment of ours is still being written: wait for it to be
+                # sealed (a reclaimable segment then), rather than refuse the put
+                waits += 1
+                self._cond.wait(_SEAL_WAIT_S)
+                continue
+            if victim is None:
+                refused = "capacity" if over else "min_free_space"
+                break
+            outcome = self._reclaim(victim, budget)
+            if outcome is None:
+                continue
+            fd, keep, size = outcome
+            budget -= sum(loc[2] for _, loc in keep)
+            kept.extend(keep)
+            sources.append((victim, fd))
+            freed += size
+            self.store.counters.add("segments_reclaimed")
+        if refused is None:
+            # overwrites and deletes leave dead pages behind: a sealed segment that is
+            # mostly dead is compacted (its few live pages rewritten) as a new one starts
+            room = int(config.segment_bytes) // 2 - sum(loc[2] for _, loc in kept)
+            victim = self._mostly_dead(room)
+            outcome = self._reclaim(victim, victim.live_bytes, keep_all=True) if victim else None
+            if victim is not None and outcome is not None:
+                fd, keep, _ = outcome
+                kept.extend(keep)
+                sources.append((victim, fd))
+                self.store.counters.add("segments_compacted")
+        try:
+            if refused is None:
+                try:
+                    self._create(limit)
+                except OSError as exc:
+                    no_space = exc.errno in _NO_SPACE
+                    self.store.warn_once(
+                        "segment_create_errors",
+                        "segment backend: cannot create a segment in %s: %s",
+                        self.store.path,
+                        exc,
+                    )
+                    refused = "no_space" if no_space else "errors"
+            if kept:
+                self._rewrite(kept, dict(sources), write=refused is None)
+        finally:
+            for seg, fd in sources:
+                os.close(fd)  # releases the reclaimer's lock
+                self.store.unpin([seg])
+        return refused
+
+    def _free_bytes(self) -> int:
+        info = os.statvfs(self.store.dir_fd)
+        return info.f_bavail * info.f_frsize
+
+    def _mostly_dead(self, room: int) -> Segment | None:
+        """The sealed segment with the most dead bytes, if at least :data:`COMPACT_DEAD`
+        of it is dead and its live pages fit in ``room`` bytes; else None."""
+        best: Segment | None = None
+        least = int(self.config.segment_bytes) // 2
+        for seg in self.store.segments():
+            dead = seg.size - seg.live_bytes
+            if (
+                seg.sealed
+                and seg not in self._full
+                and seg.size >= least
+                and dead >= COMPACT_DEAD * seg.size
+                and seg.live_bytes <= room
+                and (best is None or dead > best.size - best.live_bytes)
+            ):
+                best = seg
+        return best
+
+    def _choose_victim(self) -> Segment | None:
+        """The sealed segment to reclaim next: in the policy's order, else the oldest."""
+        candidates = [seg for seg in self.store.segments() if seg.sealed and seg not in self._full]
+        if not candidates:
+            return None
+        policy = self.store.policy
+        if policy is None:
+            return candidates[0]
+        wanted = set(candidates)
+        victims = policy.choose_victims(int(self.config.segment_bytes))
+        scores = {seg: b for seg, b in self.store.segment_of(victims).items() if seg in wanted}
+        if not scores:
+            return candidates[0]
+
+        def score(seg: Segment) -> tuple[int, int]:
+            dead = seg.size - seg.live_bytes
+            return (scores.get(seg, 0) + dead, -seg.id)
+
+        return max(scores, key=score)
+
+    def _reclaim(
+        self, seg: Segment, budget: int, *, keep_all: bool = False
+    ) -> tuple[int, list[tuple[str, Loc]], int] | None:
+        """Take ``seg`` out: its file unlinked, its pages dropped but those kept (the ones
+        the policy would not evict first, within ``budget`` bytes; with ``keep_all``,
+        every live page within it).
+
+        Returns the reclaimer's descriptor (exclusively locked; the kept pages are
+        copied from it), the kept pages and the bytes freed; None when ``seg`` could not
+        be taken (another process writes or reclaims it, or it is gone).
+        """
+        store = self.store
+        try:
+            fd = os.open(seg.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=store.dir_fd)
+        except OSError:
+            store.retire(seg, dropped=True)
+            return None
+        if os.fstat(fd).st_ino != seg.ino:
+            os.close(fd)
+            store.retire(seg, dropped=True)
+            return None
+        if not try_lock(fd, fcntl.LOCK_EX):
+            os.close(fd)
+            seg.sealed = False  # someone holds it: not a candidate until a refresh says so
+            return None
+        store.pin(seg)
+        kept: list[tuple[str, Loc]] = []
+        policy = store.policy
+        live = store.live(seg)
+        if keep_all:
+            for key, loc in live:
+                if loc[2] <= budget:
+                    kept.append((key, loc))
+                    budget -= loc[2]
+        elif policy is not None and budget > 0 and live:
+            cold = set(policy.choose_victims(seg.live_bytes))
+            for key, loc in live:
+                if key not in cold and loc[2] <= budget:
+                    kept.append((key, loc))
+                    budget -= loc[2]
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(seg.name, dir_fd=store.dir_fd)
+        keep = {key for key, _ in kept}
+        with store.lock:
+            size = seg.size
+        # the kept pages stay indexed (readable from the pinned descriptor) until moved
+        dropped = [(key, loc) for key, loc in live if key not in keep]
+        for key, loc in dropped:
+            store.forget(key, loc)
+            store.counters.add("evictions")
+            store.counters.add("evicted_bytes", loc[2])
+        store.retire(seg, dropped=False)
+        return fd, kept, size
+
+    def _create(self, limit: int) -> None:
+        """Create, lock and publish a fresh active segment of at most ``limit`` bytes."""
+        store = self.store
+        segment_id = store.clock.next()
+        tag = secrets.randbits(32)
+        temp = fmt.temp_name(segment_id, tag, os.getpid())
+        name = fmt.segment_name(segment_id, tag)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(temp, flags, 0o600, dir_fd=store.dir_fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.pwrite(fd, fmt.pack_segment_header(segment_id, segment_id, os.getpid()), 0)
+            if self.config.fsync == "batch":
+                os.fdatasync(fd)
+            ino = os.fstat(fd).st_ino
+            seg = Segment(
+                name, segment_id, ino, fd, own=True, size=fmt.SEGMENT_HEADER_BYTES, limit=limit
+            )
+            with store.listing_lock:
+                os.rename(temp, name, src_dir_fd=store.dir_fd, dst_dir_fd=store.dir_fd)
+                store.add_own(seg)
+            if self.config.fsync == "batch":
+                os.fsync(store.dir_fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=store.dir_fd)
+            raise
+        self._active = seg
+        self._tail = fmt.SEGMENT_HEADER_BYTES
+        store.counters.add("segments_created")
+
+    def _rewrite(
+        self, kept: list[tuple[str, Loc]], sources: dict[Segment, int], *, write: bool
+    ) -> None:
+        """Copy the kept pages of reclaimed segments into the active one, as records with
+        their own sequence numbers; a page that does not fit (or ``write`` False) is
+        dropped."""
+        store = self.store
+        dst = self._active
+        i = 0
+        while write and dst is not None and i < len(kept):
+            sizes = [loc[2] for _, loc in kept]
+            reservation = self._fit(sizes, i)
+            if reservation is None:
+                break
+            count = reservation.count
+            chunk = kept[i : i + count]
+            offset = reservation.offset
+            head = fmt.header_bytes(count)
+            at = offset + head
+            new: list[tuple[str, Loc, Loc]] = []
+            try:
+                for j, (key, loc) in enumerate(chunk):
+                    copy_range(sources[loc[0]], loc[1], dst.fd, at, loc[2])
+                    state = fmt.state_offset(offset, count, j)
+                    new.append((key, loc, (dst, at, loc[2], loc[3], state)))
+                    at += loc[2]
+                if self.config.fsync == "batch":
+                    os.fdatasync(dst.fd)
+                keys = [key for key, _ in chunk]
+                header = fmt.pack_record_header(
+                    dst.id, keys, [loc[3] for _, loc in chunk], sizes[i : i + count]
+                )
+                os.pwrite(dst.fd, header, offset)
+            except OSError as exc:
+                self._inflight[dst] -= 1
+                store.unpin([dst])
+                store.warn_once(
+                    "rewrite_errors", "segment backend: rewriting reclaimed pages failed: %s", exc
+                )
+                break
+            self._inflight[dst] -= 1
+            store.unpin([dst])
+            stale: list[Loc] = []
+            for key, old, loc in new:
+                if store.move(key, old, loc):
+                    store.counters.add("pages_rewritten")
+                    store.counters.add("bytes_rewritten", loc[2])
+                else:
+                    store.pin(dst)
+                    stale.append(loc)
+            store.mark_dead(stale)
+            i += count
+        for key, loc in kept[i:]:
+            store.forget(key, loc)
+            store.counters.add("evictions")
+            store.counters.add("evicted_bytes", loc[2])
