@@ -321,3 +321,15 @@ def test_the_first_tier_takes_no_admission_policy(tmp_path: Path) -> None:
         UnsupportedCombinationError, match=r"(?s)tiers\[0\]\.admission.*write_policy"
     ):
         TieredCache.open(config, device, registry=cache_registry())
+
+
+def test_kvtier_backends_lists_the_policies(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from kvtier.cli import main
+
+    assert main(["backends", "--json"], registry=cache_registry()) == 0
+    report = json.loads(capsys.readouterr().out)
+    kinds = {entry["name"]: entry["kind"] for entry in report["policies"]}
+    assert kinds["lru"] == "eviction" and kinds["frequency"] == "admission"
+    assert {"slru", "prefix"} <= set(kinds)

@@ -17,7 +17,7 @@ from kvtier.cli.common import EXIT_OK, JSON_FORMAT, Formatter, Subcommands
 from kvtier.core.config_docs import describe_fields
 from kvtier.core.geometry import AttentionKind
 from kvtier.core.layout import Layout
-from kvtier.core.specs import BackendSpec, IOBackendSpec, Operation
+from kvtier.core.specs import BackendSpec, IOBackendSpec, Operation, PolicySpec
 
 if TYPE_CHECKING:
     from kvtier.plugins.registry import PluginInfo, Registry
@@ -137,6 +137,31 @@ def backends_report(registry: Registry) -> dict[str, Any]:
             _io_backend_dict(registry, registry.io_backends[n])
             for n in sorted(registry.io_backends)
         ],
+        "policies": [
+            _policy_dict(registry, registry.policies[n]) for n in sorted(registry.policies)
+        ],
+    }
+
+
+def _policy_dict(registry: Registry, spec: PolicySpec) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "kind": spec.kind,
+        **_origin_dict(_origin(registry, "policy", spec.name)),
+        "description": spec.description,
+        "available": True,
+        "unavailable_reason": None,
+        "install_hint": None,
+        "config": [
+            {
+                "name": doc.name,
+                "type": doc.type,
+                "required": doc.required,
+                "default": doc.default,
+                "description": doc.description,
+            }
+            for doc in describe_fields(spec.config_model)
+        ],
     }
 
 
@@ -237,6 +262,12 @@ def render_backends(report: dict[str, Any]) -> str:
         lines += _wrap("devices:", _list(entry["devices"]))
         lines.append("    capabilities (x = executes):")
         lines += _capability_matrix(entry)
+        if entry["config"]:
+            lines.append("    options:")
+            lines += _fields_table(entry["config"])
+    lines += ["", f"Policies ({len(report['policies'])}: a tier's eviction or admission)"]
+    for entry in report["policies"]:
+        lines += _entry_head(entry, f"  {entry['kind']}")
         if entry["config"]:
             lines.append("    options:")
             lines += _fields_table(entry["config"])
