@@ -11,12 +11,14 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvtier.backends.file import FileConfig
 from kvtier.backends.file.backend import FileBackend
 from kvtier.backends.filestore import paths as fs_paths
+from kvtier.core import compiled_envelope
 from kvtier.core.envelope import EnvelopeFormat
 from kvtier.core.errors import InvalidKeyError
 from kvtier.core.geometry import KVGeometry
@@ -112,27 +114,37 @@ def test_a_corrupt_page_found_by_the_hook_is_a_counted_invalid_miss(
     assert header.get(keys[3:4], [PAGES]) == [True]  # header-only mode cannot see it
 
 
+@pytest.mark.parametrize("envelope", ["python", "compiled"])
 def test_file_backend_checksums_in_its_io_threads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, envelope: str
 ) -> None:
-    # the Python loop's hooks (the compiled loop has its own tests: test_compiled_loop.py)
+    # the Python loop's hooks (the compiled loop has its own tests: test_compiled_loop.py),
+    # with the core's envelope code in Python or in C (kvtier.core.compiled_envelope)
+    if envelope == "compiled":
+        require("compiled", None if compiled_envelope.available() else compiled_envelope.MISSING)
+    else:
+        monkeypatch.setattr(compiled_envelope, "available", lambda: False)
     config = FileConfig(root=tmp_path / "store", min_free_bytes=0, io_threads=4, compiled_io=False)
     backend = FileBackend(config)
     pool, pages, keys = _pool()
     store = PageStore(backend, pool, fingerprint=GEOMETRY.fingerprint)
     threads: dict[str, set[str]] = {"write": set(), "verify": set()}
-    real_write, real_verify = EnvelopeFormat.write, EnvelopeFormat.verify
 
-    def write(self: EnvelopeFormat, *args: object, **kwargs: object) -> None:
-        threads["write"].add(threading.current_thread().name)
-        real_write(self, *args, **kwargs)  # type: ignore[arg-type]
+    def watch(what: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            threads[what].add(threading.current_thread().name)
+            return real(*args, **kwargs)
 
-    def verify(self: EnvelopeFormat, *args: object, **kwargs: object) -> object:
-        threads["verify"].add(threading.current_thread().name)
-        return real_verify(self, *args, **kwargs)  # type: ignore[arg-type]
+        return watched
 
-    monkeypatch.setattr(EnvelopeFormat, "write", write)
-    monkeypatch.setattr(EnvelopeFormat, "verify", verify)
+    if envelope == "compiled":
+        for what, name in (("write", "write_envelopes"), ("verify", "verify_envelopes")):
+            monkeypatch.setattr(
+                compiled_envelope, name, watch(what, getattr(compiled_envelope, name))
+            )
+    else:
+        monkeypatch.setattr(EnvelopeFormat, "write", watch("write", EnvelopeFormat.write))
+        monkeypatch.setattr(EnvelopeFormat, "verify", watch("verify", EnvelopeFormat.verify))
     assert store.put(keys, pages) == [True] * PAGES
     assert store.get(keys, [PAGES + p for p in pages]) == [True] * PAGES
     for what, names in threads.items():

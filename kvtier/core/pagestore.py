@@ -23,6 +23,7 @@ from typing import Any, Literal, Protocol, TypeVar, cast, runtime_checkable
 
 import xxhash
 
+from kvtier.core import compiled_envelope
 from kvtier.core.bounded import (
     DEFAULT_CALL_TIMEOUT_S,
     DEFAULT_MAX_ABANDONED,
@@ -259,6 +260,10 @@ class PageStore:
         self._warned: set[type[BaseException]] = set()
         self._lock = threading.Lock()
         self._formats: dict[str, EnvelopeFormat] = {}
+        #: Whether envelopes are written and verified in compiled code
+        #: (:mod:`kvtier.core.compiled_envelope`); else by :class:`EnvelopeFormat`, in
+        #: Python, with the same bytes and verdicts.
+        self._compiled = compiled_envelope.available()
         #: The backend's per-page hooks, when it has them (verification in its threads).
         self._hooks: PerPageHooks | None = backend if isinstance(backend, PerPageHooks) else None
         #: The backend, when it writes and checks envelopes itself (``envelope=``).
@@ -309,10 +314,19 @@ class PageStore:
         buffers = [self.pool.page_buffers(page) for page in pages]
         views = [[e.view for e in regions] for regions in buffers]
         write = self._format().write
+        compiled = self._compiled
+        static = self._format().batch(()).static
+        write_compiled = compiled_envelope.write_envelopes
 
         def envelope(i: int) -> None:
+            if compiled:
+                write_compiled(static, (keys[i],), (buffers[i],))
+                return
             page = views[i]
             write(page[0], keys[i], page[1:])
+
+        def envelopes(chunk: Sequence[int]) -> None:  # compiled: one call a slice
+            write_compiled(static, [keys[i] for i in chunk], [buffers[i] for i in chunk])
 
         hooks = self._hooks
         enveloped = self._enveloped
@@ -322,7 +336,10 @@ class PageStore:
         elif hooks is not None:
             call = lambda: hooks.put_with(keys, buffers, envelope)  # noqa: E731
         else:
-            self._each(envelope, range(len(keys)))
+            if compiled:
+                self._slices(envelopes, range(len(keys)))
+            else:
+                self._each(envelope, range(len(keys)))
             call = lambda: self.backend.put(keys, buffers)  # noqa: E731
         results = self._call("put", len(keys), call, on_late)
         stored = [i for i, ok in enumerate(results) if ok]
@@ -366,6 +383,9 @@ class PageStore:
             regions[0].view[: HEADER.size] = _ZERO_HEADER
         full = self.verify == "full"
         verify = self._format().verify
+        compiled = self._compiled
+        static = self._format().batch(()).static
+        verify_compiled = compiled_envelope.verify_envelopes
         reasons: dict[int, Rejection | None] = {}
         streams: dict[int, tuple[Any, list[int]]] = {}
 
@@ -377,14 +397,25 @@ class PageStore:
             stream[1][0] += piece.nbytes
 
         def check(i: int) -> Rejection | None:
+            stream = streams.pop(i, None)
+            if compiled and stream is None:
+                (reason,) = verify_compiled(static, (keys[i],), (buffers[i],), full=full)
+                reasons[i] = reason
+                return reason
             page = [e.view for e in buffers[i]]
             payload = page[1:]
-            stream = streams.pop(i, None)
             digest = None
             if stream is not None and stream[1][0] == _nbytes(payload):
                 digest = stream[0].digest()  # hashed as it landed, every byte once
             reason = reasons[i] = verify(page[0], keys[i], payload, full=full, digest=digest)
             return reason
+
+        def checks(chunk: Sequence[int]) -> None:  # compiled: one call a slice
+            found = verify_compiled(
+                static, [keys[i] for i in chunk], [buffers[i] for i in chunk], full=full
+            )
+            for i, reason in zip(chunk, found, strict=True):
+                reasons[i] = reason
 
         batch: BatchEnvelope | None = None
         if enveloped is not None:
@@ -406,7 +437,12 @@ class PageStore:
         self._counters.add("misses", len(keys) - len(filled))
         todo = [i for i in filled if i not in reasons]
         if todo:  # no hooks (or a backend that skipped some): verify here
-            if full:
+            if compiled:
+                if full:
+                    self._slices(checks, todo)
+                else:
+                    checks(todo)
+            elif full:
                 self._each(check, todo)
             else:
                 for i in todo:
@@ -552,6 +588,17 @@ class PageStore:
                 raise
             # close() shut the threads down under us; both callers are idempotent.
             return [fn(i) for i in items]
+
+    def _slices(self, fn: Callable[[Sequence[int]], object], items: Sequence[int]) -> None:
+        """``fn`` over contiguous slices of ``items``: one slice per checksum thread (the
+        compiled envelope calls release the GIL), or all of them in the calling thread."""
+        count = min(self.checksum_workers, len(items))
+        if count < 2:
+            fn(items)
+            return
+        step = -(-len(items) // count)
+        chunks = [items[at : at + step] for at in range(0, len(items), step)]
+        self._each(lambda k: fn(chunks[k]), range(len(chunks)))
 
     def _format(self) -> EnvelopeFormat:
         """The envelope format of this store's fingerprint and the pool's layout."""

@@ -2,13 +2,6 @@
  * format in kvtier/core/envelope.py). */
 #include "pageio.h"
 
-static void
-canonical128(XXH128_hash_t hash, unsigned char *out)
-{
-    for (int i = 0; i < 8; i++) out[i] = (unsigned char)(hash.high64 >> (56 - 8 * i));
-    for (int i = 0; i < 8; i++) out[8 + i] = (unsigned char)(hash.low64 >> (56 - 8 * i));
-}
-
 void
 hash_regions(XXH3_state_t *state, const Py_buffer *buffers, Py_ssize_t from, Py_ssize_t to)
 {
@@ -28,7 +21,7 @@ header_valid(const Page *page, const unsigned char *static_fields, XXH3_state_t 
     if (XXH3_64bits(slot, BODY_BYTES) != get_le64(slot + BODY_BYTES)) return 0;
     if (hashed != NULL) {
         unsigned char digest[16];
-        canonical128(XXH3_128bits_digest(hashed), digest);
+        xxh128_canonical(XXH3_128bits_digest(hashed), digest);
         if (memcmp(slot + CHECKSUM_AT, digest, 16) != 0) return 0;
     }
     return 1;
@@ -42,7 +35,7 @@ fill_header(Page *page, XXH3_state_t *state, const unsigned char *static_fields)
     memcpy(slot, static_fields, STATIC_BYTES);
     memcpy(slot + DIGEST_AT, page->key_digest, 16);
     put_le64(slot + LENGTH_AT, payload_length(page));
-    canonical128(XXH3_128bits_digest(state), slot + CHECKSUM_AT);
+    xxh128_canonical(XXH3_128bits_digest(state), slot + CHECKSUM_AT);
     put_le64(slot + BODY_BYTES, XXH3_64bits(slot, BODY_BYTES));
     memset(slot + HEADER_BYTES, 0, (size_t)page->buffers[0].len - HEADER_BYTES);
 }

@@ -8,15 +8,16 @@
  * arithmetic (the index, counters, debris, every rare error), driven by the codes below.
  *
  * This header is what the module's C files share; each file does one job:
- *   blake2b.c   BLAKE2b (RFC 7693), for page names and the keys' envelope digests
  *   names.c     a page's file name and temp name, from its key
- *   xxh.c       the xxHash functions, bound at import to a loaded copy of the library
  *   envelope.c  the envelope header: checking it and writing it
  *   io.c        vectored I/O: moving a page's regions (whole, or in hashed pieces)
  *   read.c      reading one page under the readers' lock
  *   publish.c   writing one page and publishing it: the protocol described once in
  *               kvtier/backends/filestore/publish.py, and the spare files it recycles
  *   module.c    the Python glue: arguments, the module's functions and constants
+ * and, shared with kvtier.core._envelope (one copy of each, in kvtier/_csrc/, kvhash.h):
+ *   blake2b.c   BLAKE2b (RFC 7693), for page names and the keys' envelope digests
+ *   xxh.c       the xxHash functions, bound at import to a loaded copy of the library
  * hatch_build.py compiles them all into the one extension module.
  *
  * Envelope layout (kvtier/core/envelope.py, docs/integrity.md), little-endian:
@@ -45,38 +46,10 @@
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
-#include <dlfcn.h>
 
-/* --- xxHash (xxh.c) ---------------------------------------------------------------
- * The part of xxHash's public, stable API (0.8 and later) this module calls. It is bound
- * at import (xxh_bind) to a loaded copy of the library: the one inside the xxhash Python
- * package, whose SIMD-dispatching entry points are about 3x faster here than a distro's
- * SSE2 build, or else the system's libxxhash. No link-time dependency. */
-typedef struct XXH3_state_s XXH3_state_t;
-typedef struct {
-    uint64_t low64;
-    uint64_t high64;
-} XXH128_hash_t;
-struct xxh_functions {
-    XXH3_state_t *(*create_state)(void);
-    int (*free_state)(XXH3_state_t *state);
-    int (*reset)(XXH3_state_t *state);
-    int (*update)(XXH3_state_t *state, const void *input, size_t length);
-    XXH128_hash_t (*digest)(const XXH3_state_t *state);
-    uint64_t (*hash64)(const void *input, size_t length);
-};
-extern struct xxh_functions xxh;
-#define XXH3_createState() xxh.create_state()
-#define XXH3_freeState(s) xxh.free_state(s)
-#define XXH3_128bits_reset(s) xxh.reset(s)
-#define XXH3_128bits_update(s, p, n) xxh.update((s), (p), (n))
-#define XXH3_128bits_digest(s) xxh.digest(s)
-#define XXH3_64bits(p, n) xxh.hash64((p), (n))
-
-/* Take xxHash's functions from the shared object at path; 1 when it exports them all. */
-int xxh_bind(const char *path);
-/* Whether xxh_bind succeeded once. */
-int xxh_bound(void);
+/* xxHash (bound at import), BLAKE2b and the little-endian helpers, shared with the core's
+ * envelope module: kvtier/_csrc/ (on the include path of both builds). */
+#include "kvhash.h"
 
 /* --- sizes and limits ------------------------------------------------------------- */
 #define STATIC_BYTES 56
@@ -136,24 +109,8 @@ payload_length(const Page *page)
     return total;
 }
 
-static inline uint64_t
-get_le64(const unsigned char *in)
-{
-    uint64_t value = 0;
-    for (int i = 7; i >= 0; i--) value = (value << 8) | in[i];
-    return value;
-}
+/* --- names (names.c; blake2b() from kvtier/_csrc/blake2b.c) ------------------------ */
 
-static inline void
-put_le64(unsigned char *out, uint64_t value)
-{
-    for (int i = 0; i < 8; i++) out[i] = (unsigned char)(value >> (8 * i));
-}
-
-/* --- names (blake2b.c, names.c) ---------------------------------------------------- */
-
-/* The unkeyed BLAKE2b digest of `length` bytes, `size` (1..64) bytes long, into out. */
-void blake2b(unsigned char *out, size_t size, const unsigned char *in, size_t length);
 /* STORE/xx/yy/KEY.kv into out (capacity PATH_MAX); the length, or -1 if it does not fit. */
 long page_name(char *out, const char *store, size_t store_length, const char *key,
                size_t length);

@@ -1,6 +1,10 @@
-/* The xxHash functions this module calls, bound at import to a loaded library (see the
- * header): no link-time dependency. */
-#include "pageio.h"
+/* The xxHash functions a module calls, bound at import to a loaded library (see
+ * kvhash.h): no link-time dependency. Each module that compiles this file has its own
+ * table, bound by its own bind(). */
+#include <dlfcn.h>
+#include <stdio.h>
+
+#include "kvhash.h"
 
 struct xxh_functions xxh;
 

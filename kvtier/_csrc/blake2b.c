@@ -1,10 +1,13 @@
 /* BLAKE2b as RFC 7693 specifies it, unkeyed, one message at a time.
  *
- * A page of key K lives at STORE/xx/yy/K.kv, xxyy the hex of K's 2-byte blake2b, and its
- * envelope carries K's 16-byte blake2b (kvtier/backends/filestore/paths.py,
- * kvtier/core/envelope.py). Both digests are computed here, so a batch's names cost no
- * Python per page. */
-#include "pageio.h"
+ * Every envelope carries its key K's 16-byte blake2b (kvtier/core/envelope.py), and in
+ * the file backends a page of key K lives at STORE/xx/yy/K.kv, xxyy the hex of K's 2-byte
+ * blake2b (kvtier/backends/filestore/paths.py). Both digests are computed here, so a
+ * batch's envelopes and names cost no Python per page. Shared by the compiled modules
+ * (kvhash.h). */
+#include <string.h>
+
+#include "kvhash.h"
 
 static const uint64_t B2_IV[8] = {
     0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL, 0xa54ff53a5f1d36f1ULL,

@@ -1,0 +1,287 @@
+/* The Python glue of kvtier.core._envelope: arguments in, verdicts out.
+ *
+ * Each batch function takes its arguments with the GIL held (the pages' buffers, the
+ * keys, held for the call), then releases the GIL for the whole batch: key digests,
+ * payload checksums, headers (see envelope.h for which file does what). */
+#include "envelope.h"
+
+PyDoc_STRVAR(bind_doc,
+"bind(path) -> bool\n\n"
+"Take xxHash's functions from the shared object at path (already loaded or loadable).\n"
+"False when it does not export them; the batch functions need a successful bind.");
+
+static PyObject *
+bind(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    PyObject *encoded = NULL;
+    if (!PyUnicode_FSConverter(arg, &encoded)) return NULL;
+    int bound_now = xxh_bind(PyBytes_AS_STRING(encoded));
+    Py_DECREF(encoded);
+    return PyBool_FromLong(bound_now);
+}
+
+static int
+bound(void)
+{
+    if (xxh_bound()) return 1;
+    PyErr_SetString(PyExc_RuntimeError, "_envelope: call bind() with an xxHash library first");
+    return 0;
+}
+
+/* --- argument handling ------------------------------------------------------------- */
+
+/* A call's pages: the table, one array of every page's buffers, and how much of each
+ * was filled in (so that a failure half-way releases exactly what was taken). */
+typedef struct {
+    EnvPage *pages;
+    Py_ssize_t count;
+    Py_buffer *buffers;
+    Py_ssize_t taken; /* buffers acquired, in order */
+} Batch;
+
+static void
+release(Batch *batch)
+{
+    for (Py_ssize_t i = 0; i < batch->taken; i++) PyBuffer_Release(&batch->buffers[i]);
+    if (batch->pages != NULL)
+        for (Py_ssize_t p = 0; p < batch->count; p++) Py_XDECREF(batch->pages[p].key);
+    PyMem_Free(batch->buffers);
+    PyMem_Free(batch->pages);
+    memset(batch, 0, sizeof *batch);
+}
+
+static int
+static_arg(PyObject *value, const unsigned char **out)
+{
+    if (!PyBytes_Check(value) || PyBytes_GET_SIZE(value) != STATIC_BYTES) {
+        PyErr_SetString(PyExc_TypeError,
+                        "_envelope: the static envelope fields are 56 bytes (BatchEnvelope.static)");
+        return 0;
+    }
+    *out = (const unsigned char *)PyBytes_AS_STRING(value);
+    return 1;
+}
+
+/* One region: a buffer (a memoryview), or a tuple whose first item is one (an Extent). */
+static int
+take_region(Batch *batch, PyObject *region, int writable)
+{
+    if (PyTuple_Check(region) && PyTuple_GET_SIZE(region) > 0) region = PyTuple_GET_ITEM(region, 0);
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(region, &batch->buffers[batch->taken], flags) != 0) return 0;
+    batch->taken++;
+    return 1;
+}
+
+/* The page table from keys (str, one per page) and pages (each a list or tuple of its
+ * regions, header slot first); with writable, every header slot must be writable. */
+static int
+load(Batch *batch, PyObject *keys_obj, PyObject *pages_obj, int writable)
+{
+    memset(batch, 0, sizeof *batch);
+    PyObject *keys = PySequence_Fast(keys_obj, "_envelope: keys must be a list of str");
+    if (keys == NULL) return 0;
+    PyObject *pages = PySequence_Fast(pages_obj, "_envelope: pages must be a list");
+    if (pages == NULL) {
+        Py_DECREF(keys);
+        return 0;
+    }
+    int ok = 0;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(pages);
+    Py_ssize_t total = 0;
+    if (PySequence_Fast_GET_SIZE(keys) != count) {
+        PyErr_Format(PyExc_ValueError, "_envelope: %zd keys for %zd pages",
+                     PySequence_Fast_GET_SIZE(keys), count);
+        goto done;
+    }
+    for (Py_ssize_t p = 0; p < count; p++) {
+        PyObject *page = PySequence_Fast_GET_ITEM(pages, p);
+        if (!(PyList_Check(page) || PyTuple_Check(page)) || PySequence_Fast_GET_SIZE(page) < 1) {
+            PyErr_SetString(PyExc_TypeError,
+                            "_envelope: each page is a list of its header slot and payload regions");
+            goto done;
+        }
+        total += PySequence_Fast_GET_SIZE(page);
+    }
+    batch->pages = PyMem_Calloc((size_t)(count ? count : 1), sizeof(EnvPage));
+    batch->buffers = PyMem_Calloc((size_t)(total ? total : 1), sizeof(Py_buffer));
+    if (batch->pages == NULL || batch->buffers == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    batch->count = count;
+    for (Py_ssize_t p = 0; p < count; p++) {
+        EnvPage *page = &batch->pages[p];
+        PyObject *key = PySequence_Fast_GET_ITEM(keys, p);
+        if (!PyUnicode_Check(key)) {
+            PyErr_Format(PyExc_TypeError, "_envelope: a key must be a str, got %R", key);
+            goto done;
+        }
+        page->text = PyUnicode_AsUTF8AndSize(key, &page->length);
+        if (page->text == NULL) goto done;
+        Py_INCREF(key);
+        page->key = key;
+        PyObject *regions = PySequence_Fast_GET_ITEM(pages, p);
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(regions);
+        page->regions = &batch->buffers[batch->taken];
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (!take_region(batch, PySequence_Fast_GET_ITEM(regions, i), writable && i == 0))
+                goto done;
+            page->count = i + 1;
+        }
+        if (page->regions[0].len < HEADER_BYTES) {
+            PyErr_SetString(PyExc_ValueError,
+                            "_envelope: a header slot is smaller than the envelope header (104 bytes)");
+            goto done;
+        }
+    }
+    ok = 1;
+done:
+    Py_DECREF(keys);
+    Py_DECREF(pages);
+    if (!ok) release(batch);
+    return ok;
+}
+
+/* --- the module's functions --------------------------------------------------------- */
+
+PyDoc_STRVAR(write_envelopes_doc,
+"write_envelopes(static, keys, pages) -> None\n\n"
+"Write each page's envelope into its header slot (pages[i][0], writable, 104 bytes or\n"
+"more; the rest of the slot is zeroed) for the payload in pages[i][1:] stored under\n"
+"keys[i]: static (the 56 bytes BatchEnvelope.static holds), the key's BLAKE2b-128, the\n"
+"payload length and xxh3-128, the header's xxh3-64. The same bytes as\n"
+"kvtier.core.envelope.write_envelope. Regions are buffers (memoryviews) or Extents. The\n"
+"GIL is released for the whole batch.");
+
+static PyObject *
+write_envelopes(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *static_obj, *keys, *pages;
+    if (!PyArg_ParseTuple(args, "OOO:write_envelopes", &static_obj, &keys, &pages)) return NULL;
+    const unsigned char *static_fields;
+    if (!bound() || !static_arg(static_obj, &static_fields)) return NULL;
+    Batch batch;
+    if (!load(&batch, keys, pages, 1)) return NULL;
+    XXH3_state_t *state = XXH3_createState();
+    if (state == NULL) {
+        release(&batch);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t p = 0; p < batch.count; p++) {
+        EnvPage *page = &batch.pages[p];
+        blake2b(page->digest, DIGEST_BYTES, (const unsigned char *)page->text, (size_t)page->length);
+        env_write(page, state, static_fields);
+    }
+    Py_END_ALLOW_THREADS
+    XXH3_freeState(state);
+    release(&batch);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(verify_envelopes_doc,
+"verify_envelopes(static, keys, pages, full) -> list[int]\n\n"
+"The verdict on each page (header slot pages[i][0], payload pages[i][1:], asked for under\n"
+"keys[i]) against this store's static fields (56 bytes: magic, version, fingerprint,\n"
+"layout...): VALID (0) or the code of the kvtier.core.envelope.Rejection of the same name,\n"
+"exactly as verify_envelope decides, checked in its order. Without full the payload\n"
+"checksum is not computed (verify=\"header\"). The GIL is released for the whole batch.");
+
+static PyObject *
+verify_envelopes(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *static_obj, *keys, *pages;
+    int full;
+    if (!PyArg_ParseTuple(args, "OOOp:verify_envelopes", &static_obj, &keys, &pages, &full))
+        return NULL;
+    const unsigned char *static_fields;
+    if (!bound() || !static_arg(static_obj, &static_fields)) return NULL;
+    Batch batch;
+    if (!load(&batch, keys, pages, 0)) return NULL;
+    XXH3_state_t *state = XXH3_createState();
+    if (state == NULL) {
+        release(&batch);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t p = 0; p < batch.count; p++) {
+        EnvPage *page = &batch.pages[p];
+        blake2b(page->digest, DIGEST_BYTES, (const unsigned char *)page->text, (size_t)page->length);
+        page->verdict = env_verdict(page, state, static_fields, full);
+    }
+    Py_END_ALLOW_THREADS
+    XXH3_freeState(state);
+    PyObject *out = PyList_New(batch.count);
+    for (Py_ssize_t p = 0; out != NULL && p < batch.count; p++) {
+        PyObject *code = PyLong_FromLong(batch.pages[p].verdict);
+        if (code == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, p, code);
+    }
+    release(&batch);
+    return out;
+}
+
+PyDoc_STRVAR(key_digest_doc,
+"key_digest(key) -> bytes\n\n"
+"The 16-byte BLAKE2b of the key's UTF-8 bytes, as this module computes it for the\n"
+"envelopes (the same as kvtier.core.envelope.key_digest).");
+
+static PyObject *
+key_digest(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    Py_ssize_t length;
+    if (!PyUnicode_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "_envelope: a key must be a str, got %R", arg);
+        return NULL;
+    }
+    const char *text = PyUnicode_AsUTF8AndSize(arg, &length);
+    if (text == NULL) return NULL;
+    unsigned char digest[DIGEST_BYTES];
+    blake2b(digest, DIGEST_BYTES, (const unsigned char *)text, (size_t)length);
+    return PyBytes_FromStringAndSize((const char *)digest, DIGEST_BYTES);
+}
+
+static PyMethodDef methods[] = {
+    {"bind", bind, METH_O, bind_doc},
+    {"key_digest", key_digest, METH_O, key_digest_doc},
+    {"verify_envelopes", verify_envelopes, METH_VARARGS, verify_envelopes_doc},
+    {"write_envelopes", write_envelopes, METH_VARARGS, write_envelopes_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_envelope",
+    "The core's per-page envelope work (write, verify) in compiled code, a batch a call.",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__envelope(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    struct { const char *name; long value; } constants[] = {
+        {"VALID", VALID}, {"BAD_MAGIC", BAD_MAGIC},
+        {"UNSUPPORTED_VERSION", UNSUPPORTED_VERSION}, {"CORRUPT_HEADER", CORRUPT_HEADER},
+        {"WRONG_GEOMETRY", WRONG_GEOMETRY}, {"LAYOUT_MISMATCH", LAYOUT_MISMATCH},
+        {"WRONG_KEY", WRONG_KEY}, {"UNKNOWN_CHECKSUM", UNKNOWN_CHECKSUM},
+        {"WRONG_LENGTH", WRONG_LENGTH}, {"CORRUPT_CHECKSUM", CORRUPT_CHECKSUM},
+        {"STATIC_BYTES", STATIC_BYTES}, {"BODY_BYTES", BODY_BYTES},
+        {"HEADER_BYTES", HEADER_BYTES}, {"CHECKSUM_XXH3_128", CHECKSUM_XXH3_128},
+    };
+    for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++) {
+        if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) != 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
+    return m;
+}
