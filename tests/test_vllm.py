@@ -61,9 +61,26 @@ OTHER_PREFIX = _tokens(8 * BLOCK)
 SUFFIX = {name: _tokens(n) for name, n in (("a", 9), ("b", 13), ("c", 7), ("d", 11), ("e", 5))}
 OTHER_SUFFIX = {"x": _tokens(6), "y": _tokens(10)}
 FLIPPED_PAGE = 3
+#: Prefixes of the production checks: shared by concurrent requests, loaded while other
+#: requests compute, all pages corrupted, and a pair for the negative control.
+SHARED, SLOW, RUINED, MINE, THEIRS = (_tokens(8 * BLOCK) for _ in range(5))
+MORE = {
+    **{f"shared{i}": SHARED + _tokens(5 + i) for i in range(6)},
+    "slow": SLOW + _tokens(7),
+    "busy0": _tokens(300),
+    "busy1": _tokens(280),
+    "ruined": RUINED + _tokens(9),
+    "mine": MINE + _tokens(6),
+    "theirs": THEIRS + _tokens(6),
+    "mine2": MINE + _tokens(8),
+}
+#: Tokens each of the MORE prompts generates (the busy ones decode while "slow" loads).
+MAX_TOKENS = {"busy0": 24, "busy1": 24, "slow": 24}
 
 
 def _prompt(name: str) -> list[int]:
+    if name in MORE:
+        return MORE[name]
     if name in SUFFIX:
         return PREFIX + SUFFIX[name]
     return OTHER_PREFIX + OTHER_SUFFIX[name]
@@ -165,12 +182,21 @@ def _one(name: str, **more: Any) -> dict[str, Any]:
     return {"name": name, "prompts": [_prompt(name)], **more}
 
 
+def _many(name: str, prompts: list[str], **more: Any) -> dict[str, Any]:
+    """One phase of several prompts, sent together (one batch)."""
+    return {"name": name, "prompts": [_prompt(p) for p in prompts], **more}
+
+
 @pytest.fixture(scope="module")
 def baseline(engine: Engine) -> dict[str, dict[str, Any]]:
-    """Greedy tokens of every prompt with no connector at all."""
-    names = [*SUFFIX, *OTHER_SUFFIX]
+    """Greedy tokens of every prompt with no connector at all (vLLM's prefix cache on)."""
+    names = [*SUFFIX, *OTHER_SUFFIX, *MORE]
+    phases = [
+        _one(name, **({"max_tokens": MAX_TOKENS[name]} if name in MAX_TOKENS else {}))
+        for name in names
+    ]
     result = engine.run(
-        {"connector": None, "phases": [{"name": "several", "prompts": SEVERAL}, *map(_one, names)]}
+        {"connector": None, "phases": [{"name": "several", "prompts": SEVERAL}, *phases]}
     )
     return _phases(result)
 
@@ -180,17 +206,47 @@ def file_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("kvtier-file") / "pages"
 
 
+#: Before a phase: empty vLLM's prefix cache (as memory pressure would), so that what the
+#: phase does not compute comes from kvtier.
+RESET = {"reset_prefix_cache": True}
+
+
 @pytest.fixture(scope="module")
 def file_run(engine: Engine, file_root: Path) -> dict[str, dict[str, Any]]:
-    """One engine on the file backend: several prompts, a shared prefix, a flipped bit."""
+    """One engine on the file backend: several prompts, a shared prefix, a flipped bit, and
+    the production checks: concurrent requests on one prefix, a slow load while other
+    requests compute, a request whose every page is corrupt, and the negative control."""
+    every_page = list(range(len(RUINED) // BLOCK))
     phases = [
         {"name": "several", "prompts": SEVERAL},
         _one("a"),
-        _one("b"),
-        _one("c", flip={"tokens": PREFIX, "page": FLIPPED_PAGE}),
-        _one("d"),
+        _one("b", **RESET),
+        _one("c", flip={"tokens": PREFIX, "page": FLIPPED_PAGE}, **RESET),
+        _one("d", **RESET),
+        # concurrent requests sharing a prefix kvtier has not seen, then one it holds
+        _many("shared-cold", ["shared0", "shared1", "shared2"]),
+        _many("shared-hot", ["shared3", "shared4", "shared5"], **RESET),
+        # a load that takes 0.8 s while two other requests are computed and decoded
+        _many("slow-seed", ["slow"]),
+        _many(
+            "slow",
+            ["slow", "busy0", "busy1"],
+            max_tokens=24,
+            hooks={"load_delay_s": 0.8},
+            **RESET,
+        ),
+        # every stored page of a prefix corrupt: nothing may be reported cached
+        _many("ruined-seed", ["ruined"], hooks={"load_delay_s": 0}),
+        _one("ruined", flip={"tokens": RUINED, "pages": every_page}, **RESET),
+        # the negative control: another prompt's pages loaded on purpose
+        _many("swap-seed", ["mine", "theirs"]),
+        _one("mine2", hooks={"swap": {"tokens": MINE, "with": THEIRS}}, **RESET),
     ]
-    job = {**_kvtier_job("file", {"root": str(file_root)}, phases), "log_stats": True}
+    job = {
+        **_kvtier_job("file", {"root": str(file_root)}, phases),
+        "log_stats": True,
+        "hooks": {},
+    }
     result = engine.run(job)
     return {**_phases(result), "_log": {"text": result["stdout"]}}
 
@@ -225,10 +281,11 @@ def test_shared_prefix_is_loaded_from_kvtier(
     file_run: dict[str, dict[str, Any]], baseline: dict[str, dict[str, Any]]
 ) -> None:
     pages = len(PREFIX) // BLOCK
-    # vLLM's own prefix cache is off: without kvtier it computes everything
-    assert baseline["b"]["cached"] == [0]
+    # without kvtier, only vLLM's own prefix cache holds the prefix (in this process)
+    assert baseline["b"]["cached"] == [pages * BLOCK]
     assert file_run["a"]["cached"] == [0]  # first sight of the prefix
-    # second request: vLLM computed only the new tokens, kvtier supplied the prefix
+    # second request, vLLM's own cache emptied: vLLM computed only the new tokens, kvtier
+    # supplied the prefix (loaded asynchronously)
     assert file_run["b"]["cached"] == [pages * BLOCK]
     scheduler = _delta(file_run, "b", "a", "scheduler")
     worker = _delta(file_run, "b", "a", "worker")
@@ -260,6 +317,81 @@ def test_flipped_bit_is_recomputed_and_counted(
     assert after("load_failed_pages") == 0
     assert after("load_hit_pages") == len(PREFIX) // BLOCK
     assert file_run["d"]["tokens"] == baseline["d"]["tokens"]
+
+
+# --- production: concurrency, asynchronous loads, all pages bad, the negative control -------
+
+
+def _tokens_of(run: dict[str, dict[str, Any]], phase: str) -> list[list[int]]:
+    return [list(t) for t in run[phase]["tokens"]]
+
+
+def test_concurrent_requests_sharing_a_prefix(
+    file_run: dict[str, dict[str, Any]], baseline: dict[str, dict[str, Any]]
+) -> None:
+    pages = len(SHARED) // BLOCK
+    cold = _delta(file_run, "shared-cold", "d", "scheduler")
+    assert file_run["shared-cold"]["tokens"] == [
+        baseline[f"shared{i}"]["tokens"][0] for i in range(3)
+    ]
+    assert cold("save_pages_planned") == pages  # computed side by side, stored once
+    # vLLM's own cache emptied: all three load the prefix from kvtier, read once
+    hot = _delta(file_run, "shared-hot", "shared-cold", "worker")
+    assert file_run["shared-hot"]["cached"] == [pages * BLOCK] * 3
+    assert file_run["shared-hot"]["tokens"] == [
+        baseline[f"shared{i}"]["tokens"][0] for i in range(3, 6)
+    ]
+    assert (hot("load_hit_pages"), hot("store_hits"), hot("load_copied_pages")) == (
+        3 * pages,
+        pages,
+        2 * pages,
+    )
+
+
+def test_an_asynchronous_load_overlaps_the_requests_computed_meanwhile(
+    file_run: dict[str, dict[str, Any]], baseline: dict[str, dict[str, Any]]
+) -> None:
+    phase = file_run["slow"]
+    assert phase["tokens"] == [baseline[n]["tokens"][0] for n in ("slow", "busy0", "busy1")]
+    assert phase["cached"][0] == len(SLOW)  # the slow request's prefix came from kvtier
+    worker = _delta(file_run, "slow", "slow-seed", "worker")
+    assert worker("load_hit_pages") == len(SLOW) // BLOCK
+    # the 0.8 s read ran while the two other requests were computed and decoded: the
+    # connector's timings count the time a load was in flight during model steps
+    assert worker("load_seconds") >= 0.8
+    # every token of the busy requests (a step each) was computed while the load was in
+    # flight: a load on the step's critical path would have let none through; how long
+    # those steps took depends on the machine, so the seconds are only said to be there
+    assert worker("load_overlap_steps") >= MAX_TOKENS["busy0"]
+    assert 0 < worker("load_overlap_seconds") <= worker("load_seconds")
+    slow_ttft, *busy_ttft = phase["ttft"]
+    assert slow_ttft is not None  # vLLM's per-request stats (log_stats is on)
+    assert max(busy_ttft) < slow_ttft  # the others did not wait for the load
+
+
+def test_a_request_whose_every_page_fails_is_not_reported_cached(
+    file_run: dict[str, dict[str, Any]], baseline: dict[str, dict[str, Any]]
+) -> None:
+    pages = len(RUINED) // BLOCK
+    assert len(file_run["ruined"]["flipped"]) == pages
+    assert file_run["ruined"]["tokens"] == baseline["ruined"]["tokens"]
+    assert file_run["ruined"]["cached"] == [0]  # vLLM looked it up again: nothing verified
+    worker = _delta(file_run, "ruined", "ruined-seed", "worker")
+    assert (worker("load_failed_pages"), worker("load_failed_requests")) == (pages, 1)
+    assert worker("store_invalid_corrupt_checksum") == pages
+    assert worker("load_deleted_pages") == pages  # proven bad: deleted, then stored again
+    assert worker("save_stored_pages") == pages
+
+
+def test_the_token_comparison_catches_wrong_kv(
+    file_run: dict[str, dict[str, Any]], baseline: dict[str, dict[str, Any]]
+) -> None:
+    """The negative control: a test-only hook loads another prompt's pages (every page
+    verifies, as they are that prompt's); the tokens differ from the right ones."""
+    assert file_run["mine2"]["cached"] == [len(MINE)]
+    worker = _delta(file_run, "mine2", "swap-seed", "worker")
+    assert (worker("load_hit_pages"), worker("load_failed_pages")) == (len(MINE) // BLOCK, 0)
+    assert file_run["mine2"]["tokens"] != baseline["mine2"]["tokens"]
 
 
 # --- the counters reach vLLM's own metrics ------------------------------------------------
@@ -380,7 +512,7 @@ def test_round_trip_on_other_backends(
         address = request.getfixturevalue("mooncake_address")
         extra = {"master_address": address, "global_segment_size": "64MiB"}
         env["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
-    phases = _phases(engine.run(_kvtier_job(backend, extra, [_one("x"), _one("y")]), env))
+    phases = _phases(engine.run(_kvtier_job(backend, extra, [_one("x"), _one("y", **RESET)]), env))
     pages = len(OTHER_PREFIX) // BLOCK
     assert phases["x"]["worker"]["save_stored_pages"] == pages
     assert phases["y"]["cached"] == [len(OTHER_PREFIX)]
@@ -569,10 +701,9 @@ def _plan(backend: str = "memory", extra: dict[str, Any] | None = None, **change
     ("changes", "words"),
     [
         ({"policy": "fail"}, "kv_load_failure_policy is 'fail'"),
-        ({"mla": True}, "MLA"),
         ({"pp": 2}, "2 pipeline-parallel stages"),
     ],
-    ids=["failure-policy", "mla", "pipeline"],
+    ids=["failure-policy", "pipeline"],
 )
 def test_plan_refuses_engines_it_cannot_serve(changes: dict[str, Any], words: str) -> None:
     with pytest.raises(UnsupportedCombinationError, match=words):
@@ -582,20 +713,30 @@ def test_plan_refuses_engines_it_cannot_serve(changes: dict[str, Any], words: st
 def test_plan_refuses_kv_caches_it_cannot_store() -> None:
     from kvtier.integrations.vllm.plan import geometry_fields
 
-    with pytest.raises(UnsupportedCombinationError, match="2 group"):
-        geometry_fields(_kv_cache_config(FullAttentionSpec(), FullAttentionSpec()))
-    with pytest.raises(UnsupportedCombinationError, match="full attention"):
-        geometry_fields(_kv_cache_config(FullAttentionSpec(sliding_window=128)))
+    @dataclass
+    class MambaSpec:
+        block_size: int = BLOCK
+
+    with pytest.raises(UnsupportedCombinationError, match="MambaSpec") as info:
+        geometry_fields(_kv_cache_config(FullAttentionSpec(), MambaSpec()))
+    assert any("hybrid" in line for line in info.value.supported)
+    with pytest.raises(UnsupportedCombinationError, match="one page shape"):
+        geometry_fields(_kv_cache_config(FullAttentionSpec(), FullAttentionSpec(head_size=32)))
     with pytest.raises(UnsupportedCombinationError, match="head sizes differ"):
         geometry_fields(_kv_cache_config(FullAttentionSpec(head_size_v=32)))
     fields = geometry_fields(_kv_cache_config())
     assert fields == {
+        "attention": "mha",
         "num_layers": 2,
         "num_kv_heads": 2,
         "head_dim": 64,
         "dtype": "bfloat16",
         "page_size": BLOCK,
     }
+    # a sliding window in the one full-attention group (vLLM's hybrid allocator off):
+    # every layer keeps every token's KV, so the pages are whole
+    windowed = geometry_fields(_kv_cache_config(FullAttentionSpec(sliding_window=128)))
+    assert windowed == fields
 
 
 @dataclass

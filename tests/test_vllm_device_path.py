@@ -277,17 +277,21 @@ def test_a_flipped_stored_bit_is_a_load_error_and_is_counted(root: Path) -> None
     worker.start_loads([PageOp("q", ["k0", "k1", "k2"], [5, 6, 7], 0)])
     for name in NAMES:
         worker.wait_layer(name)
-    # Chained keys: the page after the bad one is of no use either; both recompute.
+    # Chained keys: the page after the bad one is of no use either; both recompute ...
     assert worker.take_load_errors() == {6, 7}
     report = worker.take_report()
-    assert (report.failed, report.failed_from) == ({"k1": 1, "k2": 1}, {"q": 1})
+    # ... but only the bad one is failed (distrusted by the scheduler); k2 was never read
+    assert (report.failed, report.failed_from) == ({"k1": 1}, {"q": 1})
     for name in NAMES:
         assert torch.equal(_block(caches[name], 5), expected0[name])
         assert not _block(caches[name], 6).any()  # the bad page never reached the block
     stats = worker.stats()
-    assert (stats["load_pages"], stats["load_hit_pages"], stats["load_failed_pages"]) == (3, 1, 2)
+    assert (stats["load_pages"], stats["load_hit_pages"], stats["load_failed_pages"]) == (3, 1, 1)
+    assert stats["load_skipped_pages"] == 1
     assert stats["cache_failures_total"] >= 1
-    assert not page.exists()  # removed, so the recomputed page is stored in its place
+    # nothing is deleted on this path (the cache gives no per-page verdict): the good k2
+    # stays, and the recomputed k1 is written over the bad one
+    assert page.exists() and next(root.rglob(f"*k2{worker.suffix}*")).exists()
     worker.close()
 
 
@@ -342,3 +346,27 @@ def test_device_only_settings_on_the_cpu_engine_are_named_in_one_warning(
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "kvtier.host_pages" in warnings[0]
     assert plan.config.host_pages is None  # the CPU strategy has no host pool
+
+
+# --- preemption: bounded waits ----------------------------------------------------------------
+
+
+def test_a_preempted_requests_copy_still_running_past_the_bound_is_dropped(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.cache.handles import BackupHandle
+
+    caches = _caches("nhd", "cpu")
+    worker = _worker(root, preempt_wait_s=0.01)
+    worker.register(caches, INDEX, BLOCKS)
+    # the device -> host copy has not finished when vLLM preempts the request
+    monkeypatch.setattr(BackupHandle, "wait_host", lambda self, timeout=None: False)
+    _step_save(worker, [PageOp("p", ["k0", "k1"], [1, 2], 0)])
+    worker.preempted(["p"])  # returns at once: vLLM reuses blocks 1 and 2 now
+    monkeypatch.undo()
+    assert worker.flush(30)
+    assert worker.take_report().stored == {}  # never reported stored ...
+    stats = worker.stats()
+    assert (stats["preempt_wait_timeouts"], stats["save_tainted_pages"]) == (1, 2)
+    assert not list(root.rglob("*.kv"))  # ... and deleted once written
+    worker.close()

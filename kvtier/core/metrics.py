@@ -158,8 +158,32 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
                 ("lookup_requests", "Requests looked up beyond vLLM's own prefix-cache hit."),
                 ("lookup_pages", "Pages those lookups asked for."),
                 ("lookup_hit_pages", "Pages found stored (promised to vLLM as cached)."),
+                (
+                    "lookup_deferred",
+                    "Lookups answered 'ask again' (vLLM skips the request for a step) while "
+                    "the backend's `exists` ran off the scheduler thread.",
+                ),
+                (
+                    "lookup_timeouts",
+                    "Lookups with no answer within `lookup_timeout_s`: the request goes on "
+                    "without kvtier's pages (a miss).",
+                ),
+                (
+                    "lookup_exists_keys",
+                    "Keys asked of the backend's `exists` (a lookup stops at the first miss).",
+                ),
                 ("load_pages_planned", "Pages planned for loading into vLLM's blocks."),
+                (
+                    "load_requests_planned",
+                    "Requests whose pages load asynchronously (vLLM holds them in "
+                    "WAITING_FOR_REMOTE_KVS until the load ends).",
+                ),
                 ("save_pages_planned", "Pages planned for storing."),
+                (
+                    "requests_preempted",
+                    "Requests vLLM preempted (their queued stores are dropped, one in "
+                    "flight waited for, before vLLM reuses their blocks).",
+                ),
             ],
         )
     ),
@@ -171,9 +195,71 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
                 ("load_hit_pages", "Pages loaded and verified into vLLM's blocks."),
                 ("load_failed_pages", "Pages missing or invalid: their blocks recompute."),
                 ("load_copied_pages", "Blocks filled by copying a page read once for the step."),
+                ("load_requests", "Requests whose load ended (reported to vLLM as received)."),
+                (
+                    "load_failed_requests",
+                    "Requests reported to vLLM as failed loads (none of their pages verified, "
+                    "or a hybrid model's): vLLM looks them up again and recomputes.",
+                ),
+                (
+                    "load_deleted_pages",
+                    "Pages deleted because they failed envelope verification (proven bad); "
+                    "a missing page, a failed or timed-out call deletes nothing.",
+                ),
+                (
+                    "load_late_pages",
+                    "Pages whose read timed out: their blocks stay with the load until the "
+                    "backend call returns (it may still write into them).",
+                ),
+                (
+                    "load_skipped_pages",
+                    "Accelerator path: pages after a failed one, not loaded (chained keys); "
+                    "their blocks recompute and the pages are kept.",
+                ),
+                ("load_seconds", "Seconds from each load's start to its end, summed."),
+                (
+                    "load_overlap_seconds",
+                    "Seconds during which a load was in flight while a model step ran "
+                    "(asynchronous loads overlap compute).",
+                ),
+                (
+                    "load_overlap_steps",
+                    "Model steps that ran while a load was in flight (each one a step the "
+                    "loading request did not hold up).",
+                ),
                 ("save_pages", "Pages this rank stored or tried to."),
                 ("save_stored_pages", "Pages stored."),
                 ("save_failed_pages", "Pages not stored."),
+                (
+                    "save_dropped_pages",
+                    "Pages not stored, never waited for: the save queue (`max_save_pages`) or "
+                    "the staging memory was full, or their request was preempted first.",
+                ),
+                (
+                    "save_staged_pages",
+                    "Sliding-window pages copied aside at the end of their step (vLLM frees "
+                    "such blocks while the request runs).",
+                ),
+                (
+                    "save_late_pages",
+                    "Pages whose write timed out: their blocks stay held until the backend "
+                    "call returns (it may still read them).",
+                ),
+                (
+                    "save_tainted_pages",
+                    "Pages whose write was still running when their request was preempted: "
+                    "deleted once the call returns, never reported stored.",
+                ),
+                (
+                    "save_skipped_not_writer",
+                    "MLA pages this rank did not write: rank 0 writes the pages every rank "
+                    "shares.",
+                ),
+                ("preempt_waits", "Preemptions that waited for a store of the request in flight."),
+                (
+                    "preempt_wait_timeouts",
+                    "Of those, waits that passed `preempt_wait_s` (the store is tainted).",
+                ),
             ],
         )
     ),
@@ -188,6 +274,24 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
                 ("state_pages_copied", "State pages copied in or out of such pools."),
                 ("v2_index_mismatch", "v2 calls whose host indices did not match their keys."),
                 ("clear_failures", "Pools whose backend failed to clear."),
+                (
+                    "kv_events_emitted",
+                    "Storage-tier page events handed out as SGLang KV events "
+                    "(`take_kv_events()` or the publisher), one per page and tier.",
+                ),
+                (
+                    "kv_events_dropped",
+                    "Storage-tier page events dropped before anyone took them "
+                    "(more than `kv_events_buffer` waiting).",
+                ),
+                (
+                    "kv_events_unmapped",
+                    "Storage-tier page events left out: their key holds no SGLang page hash.",
+                ),
+                (
+                    "kv_events_publish_errors",
+                    "Times handing KV events to the publisher (`kv_events_endpoint`) failed.",
+                ),
             ],
         )
     ),

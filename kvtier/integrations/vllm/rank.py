@@ -3,9 +3,11 @@
 The CPU strategy (:mod:`.worker`, pages in place in vLLM's blocks) and the accelerator
 strategy (:mod:`.device_worker`, a TieredCache over vLLM's device tensors) differ in how
 pages move, not in what they tell vLLM and the scheduler: this rank's storage keys, the
-blocks whose page was missing or invalid (vLLM recomputes them, the bad page is deleted so
-the recomputed one takes its place) and the report of stored and failed pages. That
-bookkeeping lives here once. Nothing here imports vLLM.
+blocks whose page was missing or invalid (vLLM recomputes them) and the report of stored
+and failed pages. That bookkeeping lives here once. A page is deleted from storage only
+where it is proven bad (its envelope failed verification), never for a miss, a timeout
+or an error: on a shared store a delete removes it for every engine. Nothing here
+imports vLLM.
 """
 
 from __future__ import annotations
@@ -13,19 +15,34 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 from kvtier.core.capabilities import ResolvedPlan
-from kvtier.core.errors import KvtierError, StorageError
-from kvtier.core.pagestore import PageStore
+from kvtier.core.envelope import Rejection
+from kvtier.core.errors import StorageError
 from kvtier.core.storage import Counters
 from kvtier.integrations.vllm.messages import PageOp, Report
 from kvtier.integrations.vllm.settings import DOCS, VLLMSection
 
-__all__ = ["RankWorker", "no_pages_yet"]
+__all__ = ["NOT_PROOF", "Deleter", "RankWorker", "no_pages_yet", "proves_bad"]
 
 log = logging.getLogger("kvtier.vllm")
+
+#: Envelope verdicts that do not prove a stored page bad: a page of a newer format
+#: version or checksum (another engine on a shared store may run a newer kvtier).
+NOT_PROOF = frozenset({Rejection.UNSUPPORTED_VERSION.value, Rejection.UNKNOWN_CHECKSUM.value})
+
+
+class Deleter(Protocol):
+    """What a rank deletes pages through: its page store (or a cache's storage chain)."""
+
+    def delete(self, keys: Sequence[str]) -> Sequence[bool]: ...
+
+
+def proves_bad(reason: str | None) -> bool:
+    """Whether an envelope verdict proves the stored page bad (so it may be deleted)."""
+    return reason is not None and reason not in NOT_PROOF
 
 
 def no_pages_yet() -> StorageError:
@@ -40,11 +57,13 @@ def no_pages_yet() -> StorageError:
 class RankWorker(ABC):
     """Keys, counters, load errors and the scheduler's report of one worker rank."""
 
-    def __init__(self, plan: ResolvedPlan, settings: VLLMSection) -> None:
+    def __init__(self, plan: ResolvedPlan, settings: VLLMSection, *, groups: int = 1) -> None:
         self.plan = plan
         self.settings = settings
         #: This rank's key suffix (``_r<rank>of<size>`` under tensor parallelism).
         self.suffix = plan.rank_suffix
+        #: KV cache groups: with more than one, vLLM takes failed loads per request only.
+        self.groups = groups
         self.counters = Counters()
         self._lock = threading.Lock()
         self._load_errors: set[int] = set()
@@ -57,8 +76,8 @@ class RankWorker(ABC):
         return [key + self.suffix for key in keys]
 
     @abstractmethod
-    def _page_store(self) -> PageStore:
-        """The page store this rank's pages are verified and deleted through."""
+    def _page_store(self) -> Deleter:
+        """The store this rank's pages are verified and deleted through."""
 
     @abstractmethod
     def prometheus_collector(self) -> Any:
@@ -74,21 +93,23 @@ class RankWorker(ABC):
         """Wait for the started loads and record which pages failed."""
 
     def _failed(self, op: PageOp, bad: list[int]) -> None:
-        """Record pages ``bad`` of ``op`` as failed: for vLLM, the scheduler and the store."""
+        """Record pages ``bad`` of ``op`` as failed, for vLLM and the scheduler.
+
+        Their blocks go back to vLLM (by block where it takes them: one KV cache group);
+        the scheduler distrusts the pages until stored again and re-plans the request's
+        stores from the first of them. Nothing is deleted here (see :func:`proves_bad`).
+        """
         self.counters.add("load_failed_pages", len(bad))
-        self._load_errors.update(op.blocks[i] for i in bad)
         failed = [op.keys[i] for i in bad]
         with self._lock:
+            if self.groups == 1:
+                self._load_errors.update(op.blocks[i] for i in bad)
             for key in failed:
                 self._report.failed[key] = self._report.failed.get(key, 0) + 1
             first = op.first + bad[0]
             self._report.failed_from[op.req_id] = min(
                 first, self._report.failed_from.get(op.req_id, first)
             )
-        try:  # a bad page is removed, so the recomputed one is stored in its place
-            self._page_store().delete(self.names(failed))
-        except KvtierError as exc:
-            log.warning("kvtier: deleting %d failed pages raised %s", len(failed), exc)
         log.info(
             "kvtier: %d of %d pages of request %s were missing or invalid; vLLM recomputes them",
             len(bad),
@@ -100,7 +121,12 @@ class RankWorker(ABC):
         """vLLM blocks whose page was missing or failed verification (finishes loads)."""
         if self.loading:
             self.finish_loads()
-        errors, self._load_errors = self._load_errors, set()
+        return self.pop_load_errors()
+
+    def pop_load_errors(self) -> set[int]:
+        """The load errors recorded so far, without waiting for loads in flight."""
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
         return errors
 
     def take_report(self) -> Report:

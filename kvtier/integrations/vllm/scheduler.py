@@ -1,38 +1,72 @@
 """The scheduler side of kvtier's vLLM connector: prefix hits, and what the workers do.
 
 :class:`SchedulerSide` keys each request's full blocks with the plan's keyer (chained over
-token ids, in the request's tenant namespace), counts how many blocks beyond vLLM's own
-hit are stored, plans their loads into the blocks vLLM allocates, plans the store of every
-newly computed full block, and learns from the workers' reports which pages are stored
-and which failed to load. It reads a request through the attributes vLLM's ``Request``
-has (``request_id``, ``all_token_ids``, ``num_computed_tokens``, ``cache_salt``, and what
-else changes its KV: ``lora_request``, ``mm_features``, ``prompt_embeds``, see
-:mod:`.inputs`) and imports nothing from vLLM, so it is tested without an engine too.
-A request with an input that cannot be keyed is kept away from kvtier: no hit, no store.
+token ids, in the request's tenant namespace, one chain per KV cache group under vLLM's
+hybrid allocator), counts how many blocks beyond vLLM's own hit are stored, plans their
+loads into the blocks vLLM allocates, plans the store of every newly computed full block,
+and learns from the workers' reports which pages are stored and which failed to load.
+
+Lookups never block the scheduler thread for long: what the workers reported stored is
+answered at once; the rest goes to the backend's ``exists`` on a lookup thread, in
+growing chunks that stop at the first miss. :meth:`SchedulerSide.lookup` waits for it
+``lookup_wait_s`` at most, then answers None ("ask again": vLLM skips the request for a
+step), and a lookup unanswered after ``lookup_timeout_s`` is a miss. On vLLM's CPU engine
+the loads are asynchronous: vLLM holds the request in ``WAITING_FOR_REMOTE_KVS`` until the
+workers report the load ended, so a load never stalls a model step.
+
+It reads a request through the attributes vLLM's ``Request`` has (``request_id``,
+``all_token_ids``, ``num_computed_tokens``, ``cache_salt``, and what else changes its KV:
+``lora_request``, ``mm_features``, ``prompt_embeds``, see :mod:`.inputs`) and imports
+nothing from vLLM, so it is tested without an engine too. A request with an input that
+cannot be keyed is kept away from kvtier: no hit, no store.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvtier.core.capabilities import ResolvedPlan
-from kvtier.core.errors import StorageError, UnkeyableInputError
+from kvtier.core.errors import KvtierError, StorageError, UnkeyableInputError
 from kvtier.core.extents import Extent
+from kvtier.core.geometry import AttentionKind
 from kvtier.core.keys import PageKeyer, layout_namespace, rank_suffix
 from kvtier.core.layout import Layout
 from kvtier.core.metrics import zeroed
-from kvtier.core.pagestore import PageStore
 from kvtier.core.storage import Counters
 from kvtier.integrations.vllm.inputs import AdapterIdentities, page_extras
 from kvtier.integrations.vllm.messages import PageOp, Report, StepWork
+from kvtier.integrations.vllm.plan import KVGroup, plan_strategy
 from kvtier.integrations.vllm.settings import VLLMSection, tenant_of
 
-__all__ = ["NoPages", "RequestLike", "SchedulerSide", "TenantKeyers"]
+__all__ = [
+    "NULL_BLOCK",
+    "NoPages",
+    "RequestLike",
+    "SchedulerSide",
+    "TenantKeyers",
+    "per_group",
+]
 
 log = logging.getLogger("kvtier.vllm")
+
+#: vLLM's null block: its block pool reserves block 0 and hands it out for the blocks a
+#: sliding-window group skips (out of the window). It holds no page.
+NULL_BLOCK = 0
+#: Pages in the first ``exists`` of a lookup; each next chunk doubles, and a lookup stops
+#: at the first miss, so a long prompt with no hit costs one small call.
+FIRST_CHUNK = 8
+#: Threads that run lookups' ``exists`` (a stuck call holds one until its bound).
+LOOKUP_THREADS = 2
+#: The fewest failed pages the scheduler distrusts at once (``known_keys`` if larger).
+MIN_BAD = 4096
 
 
 class NoPages:
@@ -69,37 +103,115 @@ class RequestLike(Protocol):
     def all_token_ids(self) -> Sequence[int]: ...
 
 
-class TenantKeyers:
-    """The plan's page keyer per tenant and adapter: the section's tenant plus a request's
-    cache salt, and the request's LoRA adapter identity (see :mod:`.inputs`).
+class ExistsStore(Protocol):
+    """What the scheduler needs of its page store: one batched ``exists``."""
 
-    Keys are base keys (no rank suffix); each worker appends its own rank's suffix.
+    def exists(self, keys: Sequence[str]) -> Sequence[bool]: ...
+
+
+def per_group(block_ids: Any, groups: int) -> list[list[int]]:
+    """vLLM's block ids as one list per KV cache group.
+
+    vLLM hands one list per group (a tuple of lists); a single group's flat list is
+    accepted too.
+    """
+    items = list(block_ids or ())
+    if items and not isinstance(items[0], int):
+        return [list(ids or ()) for ids in items]
+    if groups > 1 and not items:
+        return [[] for _ in range(groups)]
+    return [items]
+
+
+def _runs(indices: list[int], blocks: list[int]) -> list[tuple[int, int]]:
+    """The (start, end) runs of consecutive page indices whose block is not the null block."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if blocks[i] == NULL_BLOCK:
+            continue
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+class TenantKeyers:
+    """The plan's page keyer per tenant, adapter and KV cache group: the section's tenant
+    plus a request's cache salt, the request's LoRA adapter identity (see :mod:`.inputs`),
+    and, under vLLM's hybrid allocator, the group (its pages hold other layers' KV).
+
+    Keys are base keys (no rank suffix); each worker appends its own rank's suffix. A
+    model with one group keeps the keys it always had.
     """
 
-    def __init__(self, plan: ResolvedPlan, tenant: str | None) -> None:
+    def __init__(
+        self, plan: ResolvedPlan, tenant: str | None, groups: Sequence[KVGroup] = ()
+    ) -> None:
         self._plan = plan
         self._tenant = tenant
-        self._keyers: dict[tuple[str | None, str | None], PageKeyer] = {}
+        self._tags = [group.tag() for group in groups] if len(groups) > 1 else []
+        self._keyers: dict[tuple[str | None, str | None, int], PageKeyer] = {}
 
-    def __call__(self, cache_salt: str | None, adapter: str | None = None) -> PageKeyer:
-        keyer = self._keyers.get((cache_salt, adapter))
+    def __call__(
+        self, cache_salt: str | None, adapter: str | None = None, group: int = 0
+    ) -> PageKeyer:
+        keyer = self._keyers.get((cache_salt, adapter, group))
         if keyer is None:
             plan = self._plan
             namespace = plan.namespace
-            if cache_salt is not None or adapter is not None:
+            if cache_salt is not None or adapter is not None or self._tags:
                 model = plan.config.model
                 if adapter is not None:
                     model = f"{model}|lora={adapter}"
+                if self._tags:
+                    model = f"{model}|{self._tags[group]}"
                 namespace = layout_namespace(
                     model,
                     plan.layout,
                     plan.geometry.fingerprint,
                     tenant_of(self._tenant, cache_salt),
                 )
-            keyer = self._keyers[(cache_salt, adapter)] = PageKeyer(
+            keyer = self._keyers[(cache_salt, adapter, group)] = PageKeyer(
                 namespace, plan.geometry.page_size, plan.geometry.attention
             )
         return keyer
+
+
+@dataclass
+class _Lookup:
+    """A lookup whose ``exists`` runs on a lookup thread."""
+
+    start: int
+    usable: int
+    #: Pages known stored (from the workers' reports) from ``start`` on.
+    known: int
+    future: Future[int]
+    deadline: float
+    deferred: bool = False
+
+
+class _Bounded:
+    """An insertion-ordered map that forgets its oldest entries beyond ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.items: OrderedDict[str, int] = OrderedDict()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def put(self, key: str, value: int = 0) -> None:
+        self.items[key] = value
+        self.items.move_to_end(key)
+        while len(self.items) > self.limit:
+            self.items.popitem(last=False)
+
+    def pop(self, key: str, default: int = 0) -> int:
+        return self.items.pop(key, default)
 
 
 class SchedulerSide:
@@ -109,76 +221,99 @@ class SchedulerSide:
         self,
         plan: ResolvedPlan,
         settings: VLLMSection,
-        store: PageStore,
+        store: ExistsStore,
         *,
         loads: bool = True,
         saves: bool = True,
+        groups: Sequence[KVGroup] | None = None,
+        async_loads: bool | None = None,
     ) -> None:
         self.plan = plan
         self.store = store
-        self.keyers = TenantKeyers(plan, settings.tenant)
+        self.groups = list(groups) if groups else [KVGroup(0, _kind(plan), ())]
+        self.keyers = TenantKeyers(plan, settings.tenant, self.groups)
         self._loads_on = loads
         self._saves_on = saves
+        #: On vLLM's CPU engine loads run between steps (``load_async``); the accelerator
+        #: path loads layer by layer inside the step.
+        self.async_loads = plan_strategy(plan) == "host" if async_loads is None else async_loads
         self._limit = settings.known_keys
-        self._ranks = int(plan.context.tp_size)
+        self._wait_s = float(settings.lookup_wait_s)
+        self._timeout_s = float(settings.lookup_timeout_s)
+        mla = plan.geometry.attention is AttentionKind.MLA
+        #: Ranks that report a page before it counts as stored: MLA pages are written by
+        #: one rank and shared by all (no rank suffix).
+        self._ranks = 1 if mla else int(plan.context.tp_size)
         self._page_size = plan.geometry.page_size
         #: Stored pages every rank reported, oldest first (bounded by ``known_keys``),
-        #: and those some ranks reported so far.
+        #: and those some ranks reported so far (bounded too).
         self._known: OrderedDict[str, None] = OrderedDict()
-        self._confirming: dict[str, int] = {}
+        bound = max(self._limit, MIN_BAD)
+        self._confirming = _Bounded(bound)
         #: Pages that failed to load: the backend's ``exists`` is not trusted for them
-        #: until a worker stores them again.
-        self._bad: set[str] = set()
-        self._suffix0 = rank_suffix(plan.geometry.attention, 0, self._ranks)
+        #: until a worker stores them again (bounded: the oldest are trusted again).
+        self._bad = _Bounded(bound)
+        self._suffix0 = rank_suffix(plan.geometry.attention, 0, int(plan.context.tp_size))
         self.counters = Counters()
         self._adapters = AdapterIdentities()
         self._requests: dict[str, RequestLike] = {}
-        self._keyer_of: dict[str, PageKeyer] = {}
+        self._keyer_of: dict[str, list[PageKeyer]] = {}
         #: Requests with an input that cannot be keyed: never loaded or stored.
         self._unkeyed: set[str] = set()
         self._warned: set[str] = set()
-        self._keys: dict[str, list[str]] = {}
+        self._keys: dict[str, list[list[str]]] = {}
         self._matched: dict[str, tuple[int, int]] = {}
-        self._tables: dict[str, list[int]] = {}
+        self._lookups: dict[str, _Lookup] = {}
+        self._tables: dict[str, list[list[int]]] = {}
         self._done: dict[str, int] = {}
         self._has_saves: set[str] = set()
+        #: Requests whose asynchronous load the workers have not reported ended.
+        self._loading: set[str] = set()
         self._pending_loads: list[PageOp] = []
+        #: Keys planned for storing in the step being built.
+        self._step_keys: set[str] = set()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
 
     # --- keys and hits ------------------------------------------------------------------
 
-    def request_keys(self, request: RequestLike, pages: int) -> list[str]:
-        """The base keys of ``request``'s first ``pages`` full pages (cached, extended).
+    def request_keys(self, request: RequestLike, pages: int, group: int = 0) -> list[str]:
+        """The base keys of ``request``'s first ``pages`` full pages in KV cache group
+        ``group`` (cached, extended).
 
         Raises :class:`UnkeyableInputError` for a request with an input that changes its
         KV but cannot be keyed (an adapter without local files, say).
         """
-        keys = self._keys.setdefault(request.request_id, [])
-        if len(keys) < pages:
+        return self._group_keys(request, pages)[group][:pages]
+
+    def _group_keys(self, request: RequestLike, pages: int) -> list[list[str]]:
+        chains = self._keys.setdefault(request.request_id, [[] for _ in self.groups])
+        have = len(chains[0])
+        if have < pages:
             ps = self._page_size
-            first = len(keys)
-            tokens = list(request.all_token_ids[first * ps : pages * ps])
-            extras = page_extras(request, first, pages, ps)
-            keys.extend(
-                self._keyer(request).keys(tokens, parent=keys[-1] if keys else None, extras=extras)
-            )
-        return keys[:pages]
+            tokens = list(request.all_token_ids[have * ps : pages * ps])
+            extras = page_extras(request, have, pages, ps)
+            for keyer, keys in zip(self._keyers(request), chains, strict=True):
+                keys.extend(keyer.keys(tokens, parent=keys[-1] if keys else None, extras=extras))
+        return chains
 
-    def _keyer(self, request: RequestLike) -> PageKeyer:
-        """The keyer of ``request``'s namespace: its cache salt and adapter (kept)."""
-        keyer = self._keyer_of.get(request.request_id)
-        if keyer is None:
+    def _keyers(self, request: RequestLike) -> list[PageKeyer]:
+        """The keyers of ``request``'s namespace, one per group: its salt and adapter."""
+        keyers = self._keyer_of.get(request.request_id)
+        if keyers is None:
             adapter = self._adapters(getattr(request, "lora_request", None))
-            keyer = self.keyers(getattr(request, "cache_salt", None), adapter)
-            self._keyer_of[request.request_id] = keyer
-        return keyer
+            salt = getattr(request, "cache_salt", None)
+            keyers = [self.keyers(salt, adapter, group.index) for group in self.groups]
+            self._keyer_of[request.request_id] = keyers
+        return keyers
 
-    def _keyed(self, request: RequestLike, pages: int) -> list[str] | None:
-        """:meth:`request_keys`, or None (the request refused, counted, logged once per
-        reason) when an input of it cannot be keyed."""
+    def _keyed(self, request: RequestLike, pages: int) -> list[list[str]] | None:
+        """Every group's keys of the first ``pages`` pages, or None (the request refused,
+        counted, logged once per reason) when an input of it cannot be keyed."""
         if request.request_id in self._unkeyed:
             return None
         try:
-            return self.request_keys(request, pages)
+            return [keys[:pages] for keys in self._group_keys(request, pages)]
         except UnkeyableInputError as exc:
             self._unkeyed.add(request.request_id)
             self.counters.add("requests_unkeyed")
@@ -192,49 +327,125 @@ class SchedulerSide:
                 )
             return None
 
-    def stored_prefix(self, keys: Sequence[str]) -> int:
-        """How many leading ``keys`` are stored: known from the workers, else the backend."""
-        count = 0
-        while count < len(keys) and keys[count] in self._known:
-            count += 1
-        rest = keys[count:]
-        if not rest:
-            return count
-        found = self.store.exists([key + self._suffix0 for key in rest])
-        for key, stored in zip(rest, found, strict=True):
-            if not (key in self._known or (stored and key not in self._bad)):
-                break
-            count += 1
-        return count
+    def _trusted(self, keys: list[list[str]], page: int) -> bool:
+        return all(chain[page] in self._known for chain in keys)
+
+    def _distrusted(self, keys: list[list[str]], page: int) -> bool:
+        return any(chain[page] in self._bad for chain in keys)
+
+    def _probe_names(self, keys: list[list[str]], start: int, end: int) -> list[list[str]]:
+        """Per page from ``start`` to ``end``, the storage names (rank 0's) of every group."""
+        return [[chain[i] + self._suffix0 for chain in keys] for i in range(start, end)]
+
+    def _submit(self, pages: list[list[str]], deadline: float) -> Future[int]:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    LOOKUP_THREADS, thread_name_prefix="kvtier-vllm-lookup"
+                )
+            return self._pool.submit(self._probe, pages, deadline)
+
+    def _probe(self, pages: list[list[str]], deadline: float) -> int:
+        """On a lookup thread: how many leading ``pages`` are stored in every group.
+
+        ``exists`` in chunks of :data:`FIRST_CHUNK` pages, doubling, stopping at the first
+        miss or when ``deadline`` passed (the answer was given up on)."""
+        found = 0
+        size = FIRST_CHUNK
+        while found < len(pages) and time.monotonic() < deadline:
+            chunk = pages[found : found + size]
+            names = [name for page in chunk for name in page]
+            self.counters.add("lookup_exists_keys", len(names))
+            try:
+                results = list(self.store.exists(names))
+            except KvtierError as exc:  # bad keys; backend errors are already False
+                log.warning("kvtier: a lookup's exists raised %s; counted as a miss", exc)
+                return found
+            at = 0
+            for page in chunk:
+                if not all(results[at : at + len(page)]):
+                    return found
+                at += len(page)
+                found += 1
+            size *= 2
+        return found
 
     def add_request(self, request: RequestLike) -> None:
         """Remember ``request``: its token ids key its pages until it finishes."""
         self._requests[request.request_id] = request
 
+    def lookup(self, request: RequestLike, num_computed_tokens: int) -> int | None:
+        """Tokens kvtier holds beyond vLLM's own hit (whole stored pages, one token left),
+        or None while the backend's ``exists`` is still running ("ask again")."""
+        return self._lookup(request, num_computed_tokens, self._wait_s)
+
     def matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> int:
-        """Tokens kvtier holds beyond vLLM's own hit: whole stored pages, one token left."""
-        self._requests.setdefault(request.request_id, request)
+        """:meth:`lookup`, waiting for the answer (at most ``lookup_timeout_s``)."""
+        while True:
+            answer = self._lookup(request, num_computed_tokens, self._timeout_s)
+            if answer is not None:
+                return answer
+
+    def _lookup(self, request: RequestLike, num_computed_tokens: int, wait: float) -> int | None:
+        req_id = request.request_id
+        self._requests.setdefault(req_id, request)
         ps = self._page_size
         start = num_computed_tokens // ps
         usable = (len(request.all_token_ids) - 1) // ps
         if not self._loads_on or usable <= start:
-            self._matched[request.request_id] = (start, 0)
-            return 0
+            return self._answer(req_id, start, 0, counted=False)
         keys = self._keyed(request, usable)
         if keys is None:
-            self._matched[request.request_id] = (start, 0)
-            return 0
-        hits = self.stored_prefix(keys[start:])
-        self._matched[request.request_id] = (start, hits)
-        self.counters.add("lookup_requests")
-        self.counters.add("lookup_pages", usable - start)
-        self.counters.add("lookup_hit_pages", hits)
-        return hits * ps
+            return self._answer(req_id, start, 0, counted=False)
+        pending = self._lookups.get(req_id)
+        if pending is not None and (pending.start > start or pending.usable != usable):
+            del self._lookups[req_id]  # vLLM's own hit shrank: look again from there
+            pending = None
+        if pending is None:
+            known = start
+            while known < usable and self._trusted(keys, known):
+                known += 1
+            limit = next((i for i in range(known, usable) if self._distrusted(keys, i)), usable)
+            if known >= limit:
+                return self._answer(req_id, start, known - start)
+            now = time.monotonic()
+            future = self._submit(self._probe_names(keys, known, limit), now + self._timeout_s)
+            pending = self._lookups[req_id] = _Lookup(
+                start, usable, known, future, now + self._timeout_s
+            )
+        try:
+            found = pending.future.result(timeout=wait) if wait > 0 else None
+        except FutureTimeout:
+            found = None
+        if found is None and pending.future.done():
+            found = pending.future.result()
+        if found is None:
+            if time.monotonic() < pending.deadline:
+                if not pending.deferred:
+                    pending.deferred = True
+                    self.counters.add("lookup_deferred")
+                return None
+            self.counters.add("lookup_timeouts")
+            found = 0
+        del self._lookups[req_id]
+        end = pending.known + found
+        # a worker may have reported a page bad while the lookup ran
+        end = next((i for i in range(start, end) if self._distrusted(keys, i)), end)
+        return self._answer(req_id, start, max(0, end - start))
 
-    def after_alloc(
-        self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int
-    ) -> None:
-        """Plan the load of the pages vLLM accepted, into the request's blocks."""
+    def _answer(self, req_id: str, start: int, hits: int, *, counted: bool = True) -> int:
+        self._matched[req_id] = (start, hits)
+        if counted:
+            request = self._requests[req_id]
+            usable = (len(request.all_token_ids) - 1) // self._page_size
+            self.counters.add("lookup_requests")
+            self.counters.add("lookup_pages", usable - start)
+            self.counters.add("lookup_hit_pages", hits)
+        return hits * self._page_size
+
+    def after_alloc(self, request: RequestLike, block_ids: Any, num_external_tokens: int) -> None:
+        """Plan the load of the pages vLLM accepted, into the request's blocks (one list
+        of block ids per KV cache group, or one flat list for a single group)."""
         req_id = request.request_id
         default = (request.num_computed_tokens // self._page_size, 0)
         start, _ = self._matched.pop(req_id, default)
@@ -242,18 +453,28 @@ class SchedulerSide:
         self._done[req_id] = start + pages
         if pages <= 0:
             return
-        keys = self.request_keys(request, start + pages)[start:]
-        self._pending_loads.append(
-            PageOp(req_id, keys, list(block_ids[start : start + pages]), start)
-        )
-        self.counters.add("load_pages_planned", pages)
+        keys = self._keyed(request, start + pages)
+        if keys is None:  # pragma: no cover - an unkeyed request is never offered a hit
+            return
+        tables = per_group(block_ids, len(self.groups))
+        planned = 0
+        for group, (chain, blocks) in enumerate(zip(keys, tables, strict=True)):
+            for lo, hi in _runs(list(range(start, start + pages)), blocks):
+                self._pending_loads.append(
+                    PageOp(req_id, chain[lo:hi], list(blocks[lo:hi]), lo, group)
+                )
+                planned += hi - lo
+        self.counters.add("load_pages_planned", planned)
+        if self.async_loads:
+            self._loading.add(req_id)
+            self.counters.add("load_requests_planned")
 
     # --- one step -----------------------------------------------------------------------
 
     def step(
         self,
-        new: Iterable[tuple[str, Sequence[int], int]],
-        cached: Iterable[tuple[str, Sequence[int] | None, bool, int]],
+        new: Iterable[tuple[str, Any, int]],
+        cached: Iterable[tuple[str, Any, bool, int]],
         scheduled: dict[str, int],
         preempted: Iterable[str],
     ) -> StepWork:
@@ -261,18 +482,30 @@ class SchedulerSide:
 
         ``new`` holds (request id, block ids, computed tokens) of newly scheduled requests;
         ``cached`` (request id, new block ids or None, resumed, computed tokens) of the
-        others; ``scheduled`` the tokens each computes this step.
+        others; ``scheduled`` the tokens each computes this step. Block ids are one list
+        per KV cache group (or one flat list for a single group).
         """
-        work = StepWork(loads=self._pending_loads, preempted=sorted(preempted))
+        groups = len(self.groups)
+        gone = sorted(preempted)
+        for req_id in gone:  # its blocks are vLLM's again; a resumed request plans anew
+            self._has_saves.discard(req_id)
+        self.counters.add("requests_preempted", len(gone))
+        work = StepWork(loads=self._pending_loads, preempted=gone)
         self._pending_loads = []
+        self._step_keys = set()
         for req_id, blocks, computed in new:
-            self._tables[req_id] = list(blocks)
+            self._loading.discard(req_id)  # scheduled: its load (if any) has ended
+            self._tables[req_id] = per_group(blocks, groups)
             self._plan_save(work, req_id, computed + scheduled.get(req_id, 0))
         for req_id, new_blocks, resumed, computed in cached:
-            if resumed:
-                self._tables[req_id] = list(new_blocks or ())
+            fresh = per_group(new_blocks, groups)
+            if resumed:  # a preempted request back (after a load of its own, maybe)
+                self._loading.discard(req_id)
+                self._tables[req_id] = fresh
             elif new_blocks:
-                self._tables.setdefault(req_id, []).extend(new_blocks)
+                tables = self._tables.setdefault(req_id, [[] for _ in range(groups)])
+                for table, extra in zip(tables, fresh, strict=True):
+                    table.extend(extra)
             self._plan_save(work, req_id, computed + scheduled.get(req_id, 0))
         return work
 
@@ -280,8 +513,9 @@ class SchedulerSide:
         request = self._requests.get(req_id)
         if request is None or not self._saves_on:
             return
-        table = self._tables.get(req_id, [])
-        full = min(computed, len(request.all_token_ids), len(table) * self._page_size)
+        tables = self._tables.get(req_id) or [[] for _ in self.groups]
+        rows = min(len(table) for table in tables)
+        full = min(computed, len(request.all_token_ids), rows * self._page_size)
         full //= self._page_size
         done = self._done.get(req_id, 0)
         if full <= done:
@@ -290,21 +524,41 @@ class SchedulerSide:
         if keys is None:
             return
         self._done[req_id] = full
-        todo = zip(keys[done:full], table[done:full], strict=True)
-        pairs = [(k, b) for k, b in todo if k not in self._known]
-        if pairs:
-            work.saves.append(PageOp(req_id, [k for k, _ in pairs], [b for _, b in pairs], done))
+        planned = 0
+        planning = self._step_keys
+        for group, (chain, table) in enumerate(zip(keys, tables, strict=True)):
+            # a page another request of this step stores too (a shared prefix computed
+            # side by side) is stored once
+            todo = [
+                i
+                for i in range(done, full)
+                if chain[i] not in self._known and chain[i] not in planning
+            ]
+            planning.update(chain[i] for i in todo)
+            for lo, hi in _runs(todo, table):
+                work.saves.append(
+                    PageOp(
+                        req_id,
+                        chain[lo:hi],
+                        table[lo:hi],
+                        lo,
+                        group,
+                        stage=self.groups[group].volatile,
+                    )
+                )
+                planned += hi - lo
+        if planned:
             self._has_saves.add(req_id)
-            self.counters.add("save_pages_planned", len(pairs))
+            self.counters.add("save_pages_planned", planned)
 
     def learn(self, report: Report) -> None:
         """The workers' report: pages stored by every rank, pages that failed to load."""
         for key, count in report.stored.items():
             total = self._confirming.pop(key, 0) + count
             if total < self._ranks:
-                self._confirming[key] = total
+                self._confirming.put(key, total)
                 continue
-            self._bad.discard(key)
+            self._bad.pop(key)
             if self._limit:
                 self._known[key] = None
                 self._known.move_to_end(key)
@@ -312,14 +566,22 @@ class SchedulerSide:
             self._known.popitem(last=False)
         for key in report.failed:
             self._known.pop(key, None)
-            self._confirming.pop(key, None)
-            self._bad.add(key)
+            self._confirming.pop(key)
+            self._bad.put(key)
         for req_id, first in report.failed_from.items():
             if req_id in self._done:
                 self._done[req_id] = min(self._done[req_id], first)
 
+    def loads_ended(self, req_ids: Iterable[str]) -> None:
+        """The workers report these requests' loads ended (vLLM's ``finished_recving``)."""
+        self._loading.difference_update(req_ids)
+
     def finished(self, req_id: str) -> bool:
-        """Forget a finished request; True if its blocks must wait for its stores."""
+        """Forget a finished request; True if its blocks must wait for its stores.
+
+        A request aborted while its load runs is not held here: vLLM keeps its blocks
+        until the load is reported ended, and then frees them itself.
+        """
         for table in (
             self._requests,
             self._keyer_of,
@@ -327,11 +589,13 @@ class SchedulerSide:
             self._matched,
             self._tables,
             self._done,
+            self._lookups,
         ):
             table.pop(req_id, None)
         self._unkeyed.discard(req_id)
-        delay = req_id in self._has_saves
+        delay = req_id in self._has_saves and req_id not in self._loading
         self._has_saves.discard(req_id)
+        self._loading.discard(req_id)
         return delay
 
     def stats(self) -> dict[str, Any]:
@@ -339,3 +603,17 @@ class SchedulerSide:
         stats: dict[str, Any] = zeroed("vllm_scheduler")
         stats.update(self.counters.snapshot())
         return stats
+
+    def close(self) -> None:
+        """Stop the lookup threads and close the page store. Idempotent."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        close = getattr(self.store, "close", None)
+        if callable(close):
+            close()
+
+
+def _kind(plan: ResolvedPlan) -> Any:
+    return "mla" if plan.geometry.attention is AttentionKind.MLA else "full"

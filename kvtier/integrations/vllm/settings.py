@@ -70,6 +70,42 @@ class VLLMSection(EngineSection):
         description="Stored pages the scheduler remembers from the workers' reports, so "
         "that a page stored in this process is a hit before the backend's own index sees it.",
     )
+    lookup_wait_s: float = Field(
+        0.002,
+        ge=0,
+        le=1,
+        description="How long the scheduler waits for a lookup's `exists` before answering "
+        "vLLM 'ask again' (the request waits a step; the scheduler thread does not).",
+    )
+    lookup_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        description="A lookup still unanswered after this long is a miss: the request is "
+        "computed without kvtier's pages (counted as lookup_timeouts).",
+    )
+    max_save_pages: int = Field(
+        2048,
+        strict=True,
+        ge=1,
+        description="Pages a worker queues for storage at most; a save beyond it is dropped "
+        "(counted as save_dropped_pages), so a finished request's blocks are never held "
+        "behind a slow backend.",
+    )
+    preempt_wait_s: float = Field(
+        5.0,
+        ge=0,
+        description="How long a preemption waits for a store of the request in flight "
+        "before vLLM reuses its blocks; past it the store is dropped (deleted once the call "
+        "returns, never reported stored).",
+    )
+    staging_pages: int = Field(
+        256,
+        strict=True,
+        ge=0,
+        description="Hybrid models: pages of sliding-window groups copied aside at the end "
+        "of their step, since vLLM frees such blocks while the request runs; beyond it a "
+        "save is dropped.",
+    )
 
 
 def read_section(extra: Mapping[str, Any] | None, backends: Mapping[str, Any]) -> VLLMSection:

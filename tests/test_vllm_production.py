@@ -1,0 +1,245 @@
+"""kvtier in real vLLM engines as people run them: vLLM's defaults, hybrid and MLA models.
+
+Each engine is started once per module (``tests/vllm_engine/engine.py``, vLLM's CPU
+build) and shared by the checks that need it; vLLM's prefix cache is on in every one, and
+a phase that wants its prefix from kvtier empties vLLM's own first (``reset_prefix_cache``),
+as memory pressure would:
+
+- a *tight* engine (chunked prefill of 128 tokens, 32 KV blocks): a prompt longer than
+  the batch with a partial hit, and preemption under the small KV space with slow stores;
+- the *multiprocess* engine (vLLM's default): the next request arrives while the previous
+  one's store is still in flight;
+- hybrid models under vLLM's hybrid allocator (gpt-oss and Gemma 3 style: sliding-window
+  and full-attention groups), an MLA model (DeepSeek-V2 style), and tensor parallelism 2.
+
+Token comparisons are against a no-connector engine, or, for models and parallelism only
+run here, against the same prompt computed in the same engine before kvtier held it (the
+negative control in ``tests/test_vllm.py`` shows such a comparison catches wrong KV).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_vllm import BLOCK, TINY_MODEL, Engine, _phases, _vllm_python
+
+RESET = {"reset_prefix_cache": True}
+_rng = random.Random(31)
+
+
+def _tokens(n: int) -> list[int]:
+    return [_rng.randrange(1, 500) for _ in range(n)]
+
+
+LONG = _tokens(700)  # 21 full pages, longer than one 128-token batch
+CROWD = [_tokens(300) for _ in range(4)]
+CROWD_TOKENS = 48
+SHARED = _tokens(8 * BLOCK)
+FLIGHT = {name: SHARED + _tokens(n) for name, n in (("a", 9), ("b", 13), ("c", 7))}
+HYBRID = _tokens(8 * BLOCK) + _tokens(11)
+TIGHT = {"max_num_batched_tokens": 128, "num_gpu_blocks": 32, "max_model_len": 800}
+
+
+def _build(python: Path, target: Path, kind: str, layers: int = 2) -> Path:
+    subprocess.run(
+        [str(python), str(TINY_MODEL), str(target), "--kind", kind, "--layers", str(layers)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return target
+
+
+@pytest.fixture(scope="module")
+def python() -> Path:
+    return _vllm_python()
+
+
+@pytest.fixture(scope="module")
+def llama(python: Path, tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    model = _build(python, tmp_path_factory.mktemp("tiny-llama"), "llama")
+    return Engine(python, model, tmp_path_factory.mktemp("vllm-production-jobs"))
+
+
+def _kvtier(root: Path, phases: list[dict[str, Any]], **job: Any) -> dict[str, Any]:
+    section = {"backend": "file", "extra_config": {"root": str(root)}}
+    return {"connector": "kvtier", "kvtier": section, "phases": phases, **job}
+
+
+@pytest.fixture(scope="module")
+def baseline(llama: Engine) -> dict[str, dict[str, Any]]:
+    """Every prompt of this module's Llama checks, with no connector."""
+    phases = [
+        {"name": "long", "prompts": [LONG]},
+        {"name": "crowd", "prompts": CROWD, "max_tokens": CROWD_TOKENS},
+        *({"name": name, "prompts": [prompt]} for name, prompt in FLIGHT.items()),
+    ]
+    return _phases(llama.run({"connector": None, "phases": phases}))
+
+
+def _delta(phases: dict[str, dict[str, Any]], name: str, before: str, side: str) -> Any:
+    now, then = phases[name][side], phases[before][side]
+    return lambda key: now.get(key, 0) - then.get(key, 0)
+
+
+# --- chunked prefill and preemption in a small KV space ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tight(llama: Engine, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("tight") / "pages"
+    phases = [
+        {"name": "seed", "prompts": [[*LONG[: 8 * BLOCK], 3]]},  # kvtier holds 8 of 21 pages
+        {"name": "long", "prompts": [LONG], **RESET},
+        {"name": "long2", "prompts": [LONG], **RESET},
+        {
+            "name": "crowd",
+            "prompts": CROWD,
+            "max_tokens": CROWD_TOKENS,
+            "hooks": {"save_delay_s": 0.05},  # stores lag, so preemption meets them
+        },
+    ]
+    return _phases(llama.run(_kvtier(root, phases, hooks={}, log_stats=True, **TIGHT)))
+
+
+def test_chunked_prefill_of_a_long_prompt_with_a_partial_hit(
+    tight: dict[str, dict[str, Any]], baseline: dict[str, dict[str, Any]]
+) -> None:
+    pages = (len(LONG) - 1) // BLOCK
+    assert tight["long"]["tokens"] == baseline["long"]["tokens"]
+    assert tight["long"]["cached"] == [8 * BLOCK]  # the 8 stored pages, then 444 computed
+    worker = _delta(tight, "long", "seed", "worker")
+    assert (worker("load_hit_pages"), worker("load_failed_pages")) == (8, 0)
+    assert worker("save_stored_pages") >= pages - 8  # the chunks' pages, stored as they fill
+    # the whole prompt is kvtier's now
+    assert tight["long2"]["cached"] == [pages * BLOCK]
+    assert tight["long2"]["tokens"] == baseline["long"]["tokens"]
+
+
+def test_preemption_under_a_small_kv_space(
+    tight: dict[str, dict[str, Any]], baseline: dict[str, dict[str, Any]]
+) -> None:
+    assert tight["crowd"]["tokens"] == baseline["crowd"]["tokens"]
+    scheduler = _delta(tight, "crowd", "long2", "scheduler")
+    assert scheduler("requests_preempted") >= 1  # 4 x 348 tokens in 32 blocks of 32
+    worker = _delta(tight, "crowd", "long2", "worker")
+    # before vLLM reused a preempted request's blocks, its queued stores were dropped or
+    # the one in flight waited for (bounded): never a store reading reused blocks
+    assert worker("preempt_waits") + worker("save_dropped_pages") >= 1
+    assert worker("preempt_wait_timeouts") == 0 and worker("save_tainted_pages") == 0
+
+
+# --- the multiprocess engine (vLLM's default) -------------------------------------------------
+
+
+def _logged(log: str, phase: str) -> str:
+    start = log.index(f"\nphase {phase}:\n")
+    end = log.find("\nphase ", start + 1)
+    return log[start : end if end != -1 else None]
+
+
+def test_the_multiprocess_engine_while_a_store_is_in_flight(
+    llama: Engine, baseline: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Request b arrives while a's store (held 2 s by a hook) is still running: b is not
+    held up, both are right, and once the store landed c's prefix comes from kvtier."""
+    phases = [
+        {"name": "a", "prompts": [FLIGHT["a"]]},
+        {"name": "b", "prompts": [FLIGHT["b"]]},
+        {"name": "c", "prompts": [FLIGHT["c"]], **RESET},
+    ]
+    job = _kvtier(tmp_path / "pages", phases, spawn=True, log_stats=True)
+    job["hooks"] = {"save_delay_s": 2.0}
+    result = llama.run(job)
+    phases_out = _phases(result)
+    for name in FLIGHT:
+        assert phases_out[name]["tokens"] == baseline[name]["tokens"], name
+    assert phases_out["b"]["seconds"] < 2.0  # b did not wait for a's store
+    assert phases_out["b"]["cached"] == [len(SHARED)]  # vLLM's own cache, a's blocks
+    assert phases_out["c"]["cached"] == [len(SHARED)]  # vLLM's emptied: kvtier's pages
+    stats = _logged(result["stdout"], "c")
+    assert f"kvtier_load_hit_pages={len(SHARED) // BLOCK}," in stats
+    assert "kvtier_lookup_hit_pages=" in stats
+
+
+# --- hybrid models (vLLM's hybrid allocator, SupportsHMA), MLA, tensor parallelism --------
+
+
+def _same_prompt_run(engine: Engine, root: Path, prompt: list[int], **job: Any) -> Any:
+    phases = [
+        {"name": "computed", "prompts": [prompt]},
+        {"name": "loaded", "prompts": [prompt], **RESET},
+    ]
+    phases += job.pop("more", [])
+    return engine.run(_kvtier(root, phases, **job))
+
+
+@pytest.mark.parametrize("kind", ["gpt-oss", "gemma3"])
+def test_hybrid_models_are_served_with_per_group_pages(
+    kind: str, python: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    model = _build(python, tmp_path_factory.mktemp(kind), kind, layers=4)
+    engine = Engine(python, model, tmp_path_factory.mktemp(f"{kind}-jobs"))
+    pages = (len(HYBRID) - 1) // BLOCK
+    # the last page of the first (sliding-window) group, inside the window: read, corrupt
+    flip = {"tokens": HYBRID, "page": pages - 1, "group": 0}
+    more = [{"name": "flipped", "prompts": [HYBRID], "flip": flip, **RESET}]
+    phases = _phases(
+        _same_prompt_run(engine, tmp_path_factory.mktemp(kind) / "p", HYBRID, more=more)
+    )
+    computed, loaded, flipped = phases["computed"], phases["loaded"], phases["flipped"]
+    assert loaded["tokens"] == computed["tokens"]
+    assert loaded["cached"] == [pages * BLOCK]
+    worker = _delta(phases, "loaded", "computed", "worker")
+    # every group's pages were stored; the sliding-window ones copied aside first
+    assert computed["worker"]["save_staged_pages"] >= pages
+    assert computed["worker"]["save_stored_pages"] > pages
+    # loads fill only the blocks vLLM allocated: the full groups' pages and the window's
+    assert 0 < worker("load_hit_pages") < 4 * pages and worker("load_failed_pages") == 0
+    # a corrupt page: vLLM takes failures per request with several groups; it looks the
+    # request up again, and only the pages before the bad one are reported cached
+    assert flipped["tokens"] == computed["tokens"]
+    assert flipped["cached"] == [(pages - 1) * BLOCK]
+    after = _delta(phases, "flipped", "loaded", "worker")
+    assert (after("load_failed_requests"), after("load_deleted_pages")) == (1, 1)
+
+
+def test_an_mla_model_is_served(python: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    model = _build(python, tmp_path_factory.mktemp("deepseek"), "deepseek")
+    engine = Engine(python, model, tmp_path_factory.mktemp("deepseek-jobs"))
+    prompt = HYBRID
+    more = [
+        {"name": "flipped", "prompts": [prompt], "flip": {"tokens": prompt, "page": 5}, **RESET}
+    ]
+    result = _same_prompt_run(engine, tmp_path_factory.mktemp("mla") / "p", prompt, more=more)
+    # vLLM's CPU build runs MLA with blocks of 16 tokens whatever was asked: a page is one
+    block = result["block_size"]
+    assert block == 16
+    pages = (len(prompt) - 1) // block
+    phases = _phases(result)
+    assert phases["loaded"]["tokens"] == phases["computed"]["tokens"]
+    assert phases["loaded"]["cached"] == [pages * block]
+    worker = _delta(phases, "loaded", "computed", "worker")
+    assert (worker("load_hit_pages"), worker("store_hits")) == (pages, pages)
+    assert phases["flipped"]["tokens"] == phases["computed"]["tokens"]
+    after = _delta(phases, "flipped", "loaded", "worker")
+    assert (after("load_failed_pages"), after("load_deleted_pages")) == (1, 1)
+
+
+def test_tensor_parallelism_2(llama: Engine, tmp_path: Path) -> None:
+    prompt = HYBRID
+    pages = (len(prompt) - 1) // BLOCK
+    result = _same_prompt_run(llama, tmp_path / "pages", prompt, tp=2, log_stats=True)
+    phases = _phases(result)
+    assert phases["loaded"]["tokens"] == phases["computed"]["tokens"]
+    assert phases["loaded"]["cached"] == [pages * BLOCK]
+    # a page counts as stored once both ranks stored their heads; each rank loads its own
+    assert phases["loaded"]["scheduler"]["lookup_hit_pages"] == pages
+    stats = _logged(result["stdout"], "loaded")
+    assert re.search(rf"kvtier_load_hit_pages={2 * pages}\b", stats), stats
+    assert len(list((tmp_path / "pages").rglob("*_r1of2.kv"))) == pages  # rank 1's heads
