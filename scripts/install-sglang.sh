@@ -34,7 +34,10 @@ KV_DEPS=(
   "tokenizers==0.23.2"
   "gguf==0.19.0"
   "apache-tvm-ffi==0.1.11"
-  "sentencepiece==0.2.1"
+  # SGLang pins 0.2.1, whose SWIG module can crash the interpreter as it exits (a capsule
+  # destructor run after its type is gone: SIGSEGV after every test passed); 0.2.3 does not.
+  # No KV code uses it: SGLang's config package imports it for tokenizers.
+  "sentencepiece==0.2.3"
   "compressed-tensors==0.18.0"
   "prometheus-client>=0.20.0"
   "aiohttp>=3.9"

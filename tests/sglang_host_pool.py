@@ -448,17 +448,27 @@ class Controller:
     _acked: dict[int, Any] = field(default_factory=dict)
 
     @classmethod
-    def attach(cls, config: Any, pool: Any, *, backend: str = "dynamic") -> Controller:
+    def attach(
+        cls,
+        config: Any,
+        pool: Any,
+        *,
+        backend: str = "dynamic",
+        write_policy: str = "write_through_selective",
+    ) -> Controller:
         """Build SGLang's ``HiCacheController`` over ``pool`` (and the device pool it was
         built from) with the storage backend attached at start-up, as the scheduler does:
         the controller generates its storage config from the rank's parallel context,
         ``model_name`` and the extra-config, builds the backend through SGLang's factory,
         registers the host pool and starts its storage threads. ``config`` gives the
-        fields; the controller's own config is checked to agree."""
+        fields; the controller's own config is checked to agree. ``write_policy`` is
+        SGLang's ``--hicache-write-policy`` (the controller's default, as SGLang's)."""
         load_kv_classes()
         from sglang.srt.managers.cache_controller import HiCacheController
 
-        controller = _build(HiCacheController, config, pool, backend, group=None)
+        controller = _build(
+            HiCacheController, config, pool, backend, group=None, write_policy=write_policy
+        )
         return cls(controller, pool)
 
     @property
@@ -575,7 +585,15 @@ def _allocator(device: Any) -> Any:
     )
 
 
-def _build(cls: Any, config: Any, pool: Any, backend: str, *, group: Any) -> Any:
+def _build(
+    cls: Any,
+    config: Any,
+    pool: Any,
+    backend: str,
+    *,
+    group: Any,
+    write_policy: str = "write_through_selective",
+) -> Any:
     """One of SGLang's controllers over ``pool`` (``group``: its HostPoolGroup)."""
     device = device_pool_of(pool)
     extra = dict(config.extra_config or {})
@@ -586,6 +604,7 @@ def _build(cls: Any, config: Any, pool: Any, backend: str, *, group: Any) -> Any
             pool.page_size,
             None,  # tp_group: one rank, no collectives
             threading.Event(),
+            write_policy=write_policy,
             io_backend="direct",
             storage_backend=backend,
             model_name=config.model_name,

@@ -85,6 +85,7 @@ class Hybrid:
         mla: bool = False,
         options: dict[str, Any] | None = None,
         side_states: bool = False,
+        section: dict[str, Any] | None = None,
         **config: Any,
     ) -> None:
         if options is None:
@@ -94,7 +95,8 @@ class Hybrid:
             "module_path": MODULE_PATH,
             "class_name": CLASS_NAME,
             "interface_v1": 1,
-            "kvtier": {"backend": backend, "extra_config": options},
+            # ``section``: the whole kvtier section instead (a chain of ``tiers``, say)
+            "kvtier": section or {"backend": backend, "extra_config": options},
         }
         self.kv: Any = MLAHostPool(page_size=PS) if mla else MHAHostPool(page_size=PS)
         self.mamba = MambaHostPool(side_states=side_states)
@@ -255,6 +257,42 @@ def test_hybrid_round_trip_is_bit_exact(any_backend: dict[str, Any], hybrid: Any
         for prefix in ("", "swa_", "mamba_"):
             assert stats.get(f"{prefix}backend_staged_pages", 0) == 0, stats
             assert stats[f"{prefix}backend_registered_regions"] >= 2, stats
+
+
+def test_every_pool_is_a_chain_of_the_sections_tiers(hybrid: Any, tmp_path: Path) -> None:
+    """The KV, Mamba and SWA pools each sit behind the section's chain: their pages cascade
+    into the second tier, and with the first tier emptied the hybrid controller's threads
+    load every pool, bit-exact, from the second."""
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    tiers = [
+        {"backend": "file", "extra_config": {"root": str(fast)}},
+        {"backend": "file", "extra_config": {"root": str(slow)}},
+    ]
+    h = hybrid("file", section={"tiers": tiers})
+    hashes = _hashes(4)
+    data = _store(h, hashes)
+    assert h.storage.flush_tiers(30.0)
+    stats = h.storage.tier_stats()
+    assert set(stats) == {"kv", "mamba", "swa"}
+    for name, pages in (("kv", 4), ("mamba", 2), ("swa", 2)):
+        assert [t["name"] for t in stats[name]] == ["0:file", "1:file"]
+        assert stats[name][1]["cascades"] == pages, (name, stats[name])
+    for page in fast.rglob("*.kv"):
+        page.unlink()
+    operation = h.controller.query(hashes, extra_pools=_query())
+    assert operation.storage_hit_count == 4 * PS
+    kv_target, slot, swa_target = h.kv.alloc(4 * PS), h.mamba.alloc(1), h.swa.alloc(2 * PS)
+    mamba_transfer, swa_transfer = operation.pool_transfers
+    mamba_transfer.host_indices, swa_transfer.host_indices = slot, swa_target
+    assert h.controller.prefetch(operation.hash_value, kv_target, operation=operation) == 4
+    for i in range(4):
+        assert torch.equal(page_content(h.kv, int(kv_target[i * PS])), data["kv"][i])
+    assert torch.equal(page_content(h.mamba, int(slot[0])), data["mamba"][1])
+    for i in range(2):
+        assert torch.equal(page_content(h.swa, int(swa_target[i * PS])), data["swa"][i])
+    assert h.storage.flush_tiers(30.0)
+    promoted = {name: h.storage.tier_stats()[name][0]["promotions"] for name in stats}
+    assert promoted == {"kv": 4, "mamba": 1, "swa": 2}
 
 
 def test_state_pool_without_zero_copy_meta_moves_by_value(

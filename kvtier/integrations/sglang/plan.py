@@ -1,18 +1,23 @@
-"""SGLang's storage config and host pools turned into kvtier plans and page stores.
+"""SGLang's storage config and host pools turned into kvtier plans and storage chains.
 
 The one place the adapter resolves: :meth:`SGLangSetup.resolve` builds the plan of the KV
-pool and of every extra pool, and :meth:`SGLangSetup.attach` opens its page store, through
-core's ``resolve()`` and ``open_page_store()``. Ranks are spelt with core's
-:func:`~kvtier.core.keys.rank_suffix`; the namespaces are the ones stored pages carry.
+pool and of every extra pool (its chain of tiers and their policies included), and
+:meth:`SGLangSetup.attach` opens its storage, through core's ``resolve()`` and the cache's
+:func:`~kvtier.cache.chain.open_store` (one page store per tier behind one
+:class:`~kvtier.cache.chain.StorageChain`; a single ``backend`` is a chain of one). Ranks are
+spelt with core's :func:`~kvtier.core.keys.rank_suffix`; the namespaces are the ones stored
+pages carry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.core.capabilities import ResolvedPlan, check_backend, open_page_store, resolve
+from kvtier.cache.chain import open_store
+from kvtier.core.capabilities import ResolvedPlan, check_backend, resolve
 from kvtier.core.config import EngineConfig, load_engine_config
 from kvtier.core.errors import InvalidFieldError, UnsupportedCombinationError
 from kvtier.core.geometry import AttentionKind
@@ -37,7 +42,7 @@ from kvtier.integrations.sglang.pools import (
     is_per_rank,
     state_geometry_fields,
 )
-from kvtier.integrations.sglang.settings import LABEL, OPTIONS_AT, SGLangSection
+from kvtier.integrations.sglang.settings import LABEL, OPTIONS_AT, SECTION, SGLangSection
 from kvtier.plugins.registry import Registry
 
 __all__ = ["SGLangSetup", "check_parallelism", "head_slices", "model_id", "rank_tag"]
@@ -123,25 +128,42 @@ class SGLangSetup:
     model: str
     tp_rank: int
     tp_size: int
-    #: The storage backend, checked (name, availability, options) at construction.
+    #: The storage backend (the first tier's), checked (name, availability, options) at
+    #: construction.
     spec: BackendSpec
     #: Head slices per KV page (SGLang's ``tp_lcm_size // tp_size``; 1: whole pages).
     slices: int = 1
+    #: Every tier's backend, fastest first (``(spec,)`` for a single backend).
+    specs: tuple[BackendSpec, ...] = ()
 
     @classmethod
     def for_rank(cls, config: Any, settings: SGLangSection, registry: Registry) -> SGLangSetup:
         """Check what needs no host pool, as ``resolve()`` will: SGLang constructs the
-        storage first and hands its host pool over in ``register_mem_pool_host``."""
+        storage first and hands its host pool over in ``register_mem_pool_host``. Every
+        tier's backend is checked here (name, availability, attention kind, options, named
+        as ``kvtier.tiers[i].extra_config``); layouts and policies when the pool comes."""
         attention = AttentionKind.MLA if config.is_mla_model else AttentionKind.MHA
         model = model_id(settings, config)
         tp_rank, tp_size = int(config.tp_rank), int(config.tp_size)
         engine = _engine_config(settings, attention, model, tp_rank, tp_size)
-        spec, _ = check_backend(
-            engine, registry.backends, registry.io_backends, options_at=OPTIONS_AT
-        )
+        specs = []
+        for index, tier in enumerate(engine.storage_tiers()):
+            at = f"{SECTION}.tiers[{index}].extra_config" if settings.tiers else OPTIONS_AT
+            spec, _ = check_backend(
+                engine.model_copy(
+                    update={"backend": tier.backend, "extra_config": tier.extra_config}
+                ),
+                registry.backends,
+                registry.io_backends,
+                options_at=at,
+                operations=index == 0,  # a lower tier moves whole pages only
+            )
+            specs.append(spec)
         check_parallelism(config)
         slices = head_slices(config)
-        return cls(settings, registry, attention, model, tp_rank, tp_size, spec, slices)
+        return cls(
+            settings, registry, attention, model, tp_rank, tp_size, specs[0], slices, tuple(specs)
+        )
 
     def resolve(
         self,
@@ -165,16 +187,30 @@ class SGLangSetup:
             **geometry,
         )
         return resolve(
-            config, self.registry.backends, self.registry.io_backends, options_at=OPTIONS_AT
+            config,
+            self.registry.backends,
+            self.registry.io_backends,
+            options_at=OPTIONS_AT,
+            policies=self.registry.policies,
         )
 
     def attach(self, name: str, plan: ResolvedPlan, pages: P, *, writes: bool) -> AttachedPool[P]:
-        """Open ``plan``'s page store over ``pages`` (the section's bounds and threads)."""
-        store = open_page_store(plan, pages, **self.settings.page_store_options())
+        """Open ``plan``'s storage chain over ``pages`` (the section's bounds and threads).
+
+        A rank that does not write the pool (an MLA rank other than the storage writer)
+        promotes nothing either: the writer, which reads the same shared pages, promotes
+        them once, instead of every rank writing the same page into the tier above.
+        """
+        if not writes and len(plan.storage_tiers()) > 1:
+            plan = dataclasses.replace(
+                plan,
+                tiers=tuple(dataclasses.replace(t, promote=False) for t in plan.storage_tiers()),
+            )
+        store = open_store(plan, pages, **self.settings.page_store_options())
         return AttachedPool(name, pages, store, plan, writes=writes)
 
     def kv_pool(self, pool: Any, *, writes: bool) -> AttachedPool[SGLangPages]:
-        """SGLang's KV host pool, checked against the backend, with its page store."""
+        """SGLang's KV host pool, checked against the backend, with its storage chain."""
         if getattr(pool, "kv_buffer", None) is None:
             raise unsupported_pool(pool, "it has no kv_buffer (a logical-only anchor pool)")
         if getattr(pool, "dcp_size", 1) != 1:
@@ -183,7 +219,7 @@ class SGLangSetup:
         return self.attach("kv", plan, pages, writes=writes)
 
     def kv_slices(self, pool: Any, *, writes: bool) -> list[AttachedPool[SGLangPages]]:
-        """SGLang's KV host pool as its page stores: one (whole pages), or one per head
+        """SGLang's KV host pool as its storage chains: one (whole pages), or one per head
         slice where SGLang splits heads (``tp_lcm_size``).
 
         Slice ``j`` of rank ``r`` is stored as the page of rank ``r * slices + j`` of a
@@ -221,7 +257,7 @@ class SGLangSetup:
     def extra_pool(
         self, name: str, pool: Any, *, writer: bool, counters: Counters
     ) -> AttachedPool[Any]:
-        """A hybrid model's extra host pool (Mamba state, SWA KV), with its page store.
+        """A hybrid model's extra host pool (Mamba state, SWA KV), with its storage chain.
 
         Its namespace names the pool; where its pages differ per rank but core's rank
         suffix does not separate them (the Mamba state of an MLA model), the namespace
@@ -284,11 +320,20 @@ def _engine_config(
     tp_size: int,
     **plan: Any,
 ) -> EngineConfig:
-    """kvtier's engine config for an SGLang rank; ``plan`` adds layout and geometry."""
+    """kvtier's engine config for an SGLang rank; ``plan`` adds layout and geometry.
+
+    The section's ``tiers`` (or its one ``backend`` and ``extra_config``) and ``tenants``
+    are the engine config's, as any kvtier entry reads them.
+    """
+    storage: dict[str, Any] = (
+        {"tiers": [tier.model_dump() for tier in settings.tiers]}
+        if settings.tiers
+        else {"backend": settings.backend, "extra_config": settings.extra_config}
+    )
     return load_engine_config(
         {
-            "backend": settings.backend,
-            "extra_config": settings.extra_config,
+            **storage,
+            "tenants": {name: t.model_dump() for name, t in settings.tenants.items()},
             "attention": attention.value,
             "model": model,
             "tenant": settings.tenant,

@@ -1,4 +1,4 @@
-"""The host pools kvtier serves for SGLang, each behind its own plan and page store.
+"""The host pools kvtier serves for SGLang, each behind its own plan and storage chain.
 
 :class:`AttachedPool` is one registered host pool: the KV pool (``register_mem_pool_host``)
 or an extra pool of a hybrid model (``register_mem_host_pool_v2``: Mamba state,
@@ -20,11 +20,11 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from kvtier.cache.chain import StorageChain
 from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.errors import UnsupportedCombinationError
 from kvtier.core.geometry import AttentionKind
 from kvtier.core.keys import external_key
-from kvtier.core.pagestore import PageStore
 from kvtier.integrations.sglang.pages import SGLangPages, SlotPages, StatePages
 
 __all__ = [
@@ -86,12 +86,16 @@ P = TypeVar("P", bound=SGLangPages | SlotPages | StatePages)
 
 @dataclass
 class AttachedPool(Generic[P]):
-    """One registered host pool with its plan and page store: the KV pool, or an extra one."""
+    """One registered host pool with its plan and storage: the KV pool, or an extra one.
+
+    ``store`` is the pool's :class:`~kvtier.cache.chain.StorageChain` (its tiers behind
+    the page store's API; a single backend is a chain of one).
+    """
 
     #: SGLang's name for the pool: ``"kv"``, ``"mamba"``, ``"swa"``, ...
     name: str
     pages: P
-    store: PageStore
+    store: StorageChain
     plan: ResolvedPlan
     #: Whether this rank writes the pool's pages (its own pages, or the shared writer).
     writes: bool
@@ -104,6 +108,15 @@ class AttachedPool(Generic[P]):
     def keys(self, raw: Sequence[str]) -> list[str]:
         """SGLang's page hashes in this pool's namespace, with the plan's rank suffix."""
         return [external_key(self.plan.namespace, key, self.plan.rank_suffix) for key in raw]
+
+    def raw_of(self, key: str) -> str | None:
+        """SGLang's page hash inside one of this pool's keys (the inverse of :meth:`keys`:
+        ``<namespace id>-x-<hash><rank suffix>``), or None for a key of another namespace."""
+        prefix, suffix = f"{self.plan.namespace.id}-x-", self.plan.rank_suffix
+        if not key.startswith(prefix) or not key.endswith(suffix) or len(key) <= len(prefix):
+            return None
+        raw = key[len(prefix) : len(key) - len(suffix)]
+        return raw or None
 
     def move(self, op: str, keys: list[str], host_indices: Any, firsts: list[int]) -> list[bool]:
         """Get or put (``op``) the pages at SGLang's ``host_indices`` (``firsts``: each
@@ -142,14 +155,15 @@ class AttachedPool(Generic[P]):
         return results
 
     def stats(self, prefix: str = "") -> dict[str, int | float]:
-        """The page store's counters and the backend's (``backend_*``), under ``prefix``."""
+        """The page stores' counters (summed over the tiers) and the backends'
+        (``backend_*``; a lower tier's as ``backend_tier<i>.<name>``), under ``prefix``."""
         stats = {f"{prefix}{k}": v for k, v in self.store.stats().items()}
         backend = self.store.backend_stats()
         stats.update({f"{prefix}backend_{k}": v for k, v in backend.items()})
         return stats
 
     def close(self) -> None:
-        """Close the page store (and its backend). Idempotent."""
+        """Close the storage chain (its worker, every tier and its backend). Idempotent."""
         if self.closed:
             return
         self.closed = True

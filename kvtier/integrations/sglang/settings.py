@@ -6,13 +6,15 @@ One home for what an operator writes, so the docs table (generated from
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from kvtier.core.errors import InvalidFieldError, MissingFieldError
 from kvtier.core.geometry import dtype_from_name, dtype_name
+from kvtier.core.tiers import TenantConfig, TierConfig
 from kvtier.core.validation import validate_model
 from kvtier.integrations.section import OPTIONS_AT, SECTION, EngineSection, find_section
 from kvtier.plugins.registry import Registry
@@ -23,6 +25,8 @@ __all__ = ["DOCS", "LABEL", "OPTIONS_AT", "SECTION", "SGLangSection", "read_sect
 LABEL = "extra-config 'kvtier' section"
 #: The page that documents the adapter, as errors and warnings point to it.
 DOCS = "docs/sglang.md"
+#: The endpoints SGLang's ZmqEventPublisher binds or connects (its own heuristic).
+_ENDPOINT = re.compile(r"(tcp|ipc|inproc)://\S+")
 
 
 class SGLangSection(EngineSection):
@@ -46,6 +50,40 @@ class SGLangSection(EngineSection):
         description="Threads that checksum the pages of one batch in parallel (a SGLang "
         "host has cores to spare, and prefetch latency is on the request's path).",
     )
+    tiers: tuple[TierConfig, ...] = Field(
+        (),
+        description="A chain of storage tiers behind SGLang's one storage backend, fastest "
+        "first (docs/tiers.md), instead of `backend` and `extra_config` (`backend` then "
+        "reads as the first tier's).",
+    )
+    tenants: dict[str, TenantConfig] = Field(
+        default_factory=dict,
+        description="Per-tenant `quota_bytes` in each tier. SGLang hands storage no tenant "
+        "per request: every page of this server is `tenant`'s, so `tenant` must be one of "
+        "these names.",
+    )
+    kv_events_endpoint: str | None = Field(
+        None,
+        description="Publish the storage tiers' KV events (BlockStored / BlockRemoved, "
+        "medium DISK or EXTERNAL) with SGLang's ZmqEventPublisher at this endpoint "
+        "(`tcp://*:5558`; its port offset by the DP rank as SGLang's own), from TP rank 0; "
+        "null: only `take_kv_events()`.",
+    )
+    kv_events_replay_endpoint: str | None = Field(
+        None,
+        description="The publisher's ROUTER endpoint for replaying missed batches "
+        "(SGLang's `replay_endpoint`).",
+    )
+    kv_events_topic: str = Field(
+        "", description="The topic the KV events are published under (SGLang's `topic`)."
+    )
+    kv_events_buffer: int = Field(
+        65536,
+        strict=True,
+        ge=0,
+        description="KV events kept until taken (`take_kv_events()` or the publisher); "
+        "beyond it the oldest are dropped, counted as kv_events_dropped; 0: no events.",
+    )
 
     @field_validator("dtype")
     @classmethod
@@ -57,12 +95,66 @@ class SGLangSection(EngineSection):
         except InvalidFieldError as exc:
             raise ValueError(str(exc).removeprefix("dtype: ")) from None
 
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not _ENDPOINT.fullmatch(value.strip()):
+            raise ValueError(
+                f"must be a ZeroMQ endpoint such as 'tcp://*:5558', 'ipc:///tmp/kv' or "
+                f"'inproc://kv', got {value!r}"
+            )
+        return None if value is None else value.strip()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _backend_of_tiers(cls, data: Any) -> Any:
+        """With ``tiers``, ``backend`` is the first tier's (and may not be given too)."""
+        if not isinstance(data, Mapping) or not data.get("tiers"):
+            return data
+        both = sorted({"backend", "extra_config"} & set(data))
+        if both:
+            raise InvalidFieldError(
+                both[0],
+                "give either `backend` (with its `extra_config`) or `tiers`, not both: "
+                "with `tiers`, each tier names its backend and options",
+                value=data[both[0]],
+            )
+        tiers = data["tiers"]
+        first = tiers[0] if isinstance(tiers, (list, tuple)) else None
+        name = first.get("backend") if isinstance(first, Mapping) else None
+        if isinstance(first, BaseModel):
+            name = getattr(first, "backend", None)
+        # a tier without a backend name is reported at tiers[0].backend, not here
+        return {**data, "backend": name if isinstance(name, str) and name.strip() else "-"}
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> SGLangSection:
+        if self.tenants and self.tenant not in self.tenants:
+            names = ", ".join(repr(name) for name in sorted(self.tenants))
+            raise InvalidFieldError(
+                "tenant",
+                f"is {self.tenant!r}, but `tenants` names {names}: SGLang hands storage no "
+                "tenant per request, so every page of this server is `tenant`'s and only "
+                "its quota can apply; set `tenant` to one of them",
+                value=self.tenant,
+            )
+        if self.kv_events_endpoint is not None and self.kv_events_buffer == 0:
+            raise InvalidFieldError(
+                "kv_events_buffer",
+                "is 0 (no KV events), but kv_events_endpoint asks to publish them; "
+                "leave kv_events_buffer at its default or drop the endpoint",
+                value=0,
+            )
+        return self
+
 
 def read_section(extra: Mapping[str, Any] | None, registry: Registry) -> SGLangSection:
     """The validated ``kvtier`` section of SGLang's extra-config.
 
     A missing or misspelt section, a missing backend (the error lists ``registry``'s
-    backends), unknown keys and wrong types each raise kvtier's error naming the field.
+    backends), unknown keys and wrong types each raise kvtier's error naming the field;
+    ``tiers`` and ``tenants`` are checked as the engine config checks them, as
+    ``kvtier.tiers[i]...``.
     """
     section = find_section(
         extra,
@@ -71,10 +163,11 @@ def read_section(extra: Mapping[str, Any] | None, registry: Registry) -> SGLangS
         example='{"backend": "file"}',
         docs=DOCS,
     )
-    if "backend" not in section:
+    if "backend" not in section and not section.get("tiers"):
         names = ", ".join(repr(name) for name in sorted(registry.backends))
         raise MissingFieldError(
             f"{SECTION}.backend",
-            hint=f"; name the kvtier storage backend, one of {names} (see {DOCS})",
+            hint=f"; name the kvtier storage backend, one of {names}, or give `tiers` "
+            f"instead (see {DOCS})",
         )
     return validate_model(SGLangSection, section, where=SECTION, label=LABEL)

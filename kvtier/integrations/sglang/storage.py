@@ -2,10 +2,11 @@
 
 SGLang calls this class; it keeps only what SGLang's calls need (which pool, which keys,
 whether this rank writes) and delegates the rest: the section to
-:mod:`~kvtier.integrations.sglang.settings`, plans and page stores to
+:mod:`~kvtier.integrations.sglang.settings`, plans and storage chains to
 :mod:`~kvtier.integrations.sglang.plan`, the pools' pages to
 :mod:`~kvtier.integrations.sglang.pools`, what it reports to
-:mod:`~kvtier.integrations.sglang.metrics`.
+:mod:`~kvtier.integrations.sglang.metrics`, the tiers' KV events to
+:mod:`~kvtier.integrations.sglang.events`.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from kvtier.cache.metrics import identity_of, store_collector
 from kvtier.core.errors import StorageError, TransferError, UnsupportedCombinationError
+from kvtier.core.pagestore import PageStore
 from kvtier.core.storage import Counters
+from kvtier.integrations.sglang.events import KVEventLog, KVEventPublishing, sglang_kv_events
 from kvtier.integrations.sglang.metrics import TransferWindows, kvtier_stats
 from kvtier.integrations.sglang.pages import SGLangPages, flat_page
 from kvtier.integrations.sglang.plan import SGLangSetup
@@ -92,11 +95,18 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         #: The extra host pools of a hybrid model, by SGLang's pool name (v2 interface).
         self._extra: dict[str, AttachedPool[Any]] = {}
         self._warned: set[str] = set()
+        #: The KV pool's storage events as SGLang's KV events (None: kv_events_buffer 0).
+        self._events: KVEventLog | None = None
+        #: The thread publishing them (kv_events_endpoint, on the publishing rank).
+        self._publishing: KVEventPublishing | None = None
+        #: The backends of the tiers, fastest first, as logs name them.
+        self._backends = " over ".join(repr(spec.name) for spec in self.setup.specs)
 
     # --- set-up ---------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Check SGLang's host pool against the backend, then build the backend over it."""
+        """Check SGLang's host pool against every tier's backend, then build the tiers over
+        it; start watching (and, where configured, publishing) their KV events."""
         super().register_mem_pool_host(mem_pool_host)
         shards = self.setup.kv_slices(mem_pool_host, writes=self.is_writer)
         with self._lock:
@@ -104,17 +114,68 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self._state = shards[0]
         for pool in old:
             pool.close()
+        try:
+            self._watch_events(shards[0], int(mem_pool_host.page_size))
+        except BaseException:
+            self.close()  # the server stops at start-up: nothing left open behind it
+            raise
         plan = shards[0].plan
         log.info(
-            "kvtier: SGLang HiCache storage on backend %r, layout %s, %s, namespace %s, "
+            "kvtier: SGLang HiCache storage on backend %s, layout %s, %s, namespace %s, "
             "%s, zero-copy %s%s",
-            self.spec.name,
+            self._backends,
             plan.layout.value,
             plan.geometry.describe(),
             ", ".join(shard.plan.context.namespace for shard in shards),
             "writer" if self.is_writer else "reader (another rank writes)",
             "on" if self.zero_copy else "off",
             f", each page as {len(shards)} head slices (tp_lcm_size)" if len(shards) > 1 else "",
+        )
+
+    def _watch_events(self, pool: AttachedPool[SGLangPages], page_size: int) -> None:
+        """Keep the KV pool's storage events (where heads are split, the first slice's
+        stand for the page), and start publishing them where the section says so."""
+        settings = self.settings
+        old, self._events = self._events, None
+        if old is not None:
+            old.close()
+        if settings.kv_events_buffer == 0:
+            return
+        events = KVEventLog(page_size, settings.kv_events_buffer, self._counters)
+        events.watch(pool)
+        self._events = events
+        if self._publishing is not None:
+            self._publishing.events = events
+            return
+        endpoint = settings.kv_events_endpoint
+        config = self.storage_config
+        if endpoint is None:
+            return
+        if (int(config.tp_rank), int(config.pp_rank), int(config.attn_cp_rank)) != (0, 0, 0):
+            log.info(
+                "kvtier: KV events are published from TP, PP and CP rank 0 (as SGLang's own); "
+                "this rank keeps them for take_kv_events()"
+            )
+            return
+        try:
+            publisher = sglang_kv_events().ZmqEventPublisher(
+                attn_dp_rank=int(getattr(config, "dp_rank", 0) or 0),
+                endpoint=endpoint,
+                replay_endpoint=settings.kv_events_replay_endpoint,
+                topic=settings.kv_events_topic,
+            )
+        except Exception as exc:
+            raise StorageError(
+                f"kvtier.kv_events_endpoint {endpoint!r}: SGLang's ZmqEventPublisher could "
+                f"not open it ({exc!r}); give an endpoint this host can bind, apart from "
+                f"SGLang's own --kv-events-config one (see {DOCS})",
+                value=endpoint,
+            ) from exc
+        self._publishing = KVEventPublishing(events, publisher, self._counters)
+        log.info(
+            "kvtier: publishing the storage tiers' KV events at %s (topic %r)",
+            endpoint,
+            settings.kv_events_topic,
         )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -153,10 +214,10 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if old is not None:
             old.close()
         log.info(
-            "kvtier: SGLang extra host pool %r (%s) on backend %r, %s, %s, namespace %s",
+            "kvtier: SGLang extra host pool %r (%s) on backend %s, %s, %s, namespace %s",
             name,
             type(host_pool).__name__,
-            self.spec.name,
+            self._backends,
             "in place" if extra.in_place else "by value (copied through SGLang's page calls)",
             extra.plan.geometry.describe(),
             extra.plan.context.namespace,
@@ -211,15 +272,17 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
         """Fill the host pages at ``host_indices`` in place; False for a miss or a bad page."""
-        return self._v1("get", keys, host_indices)
+        return self._v1("get", keys, host_indices, extra_info)
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
         """Store the host pages at ``host_indices`` from their memory; True where stored."""
-        return self._v1("put", keys, host_indices)
+        return self._v1("put", keys, host_indices, extra_info)
 
-    def _v1(self, op: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+    def _v1(
+        self, op: str, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
         shards = self._kv()
         names = [shard.keys(keys) for shard in shards]
         state = shards[0]
@@ -229,6 +292,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if op == "put" and not self.is_writer:
             self._counters.add("skipped_not_writer", len(keys))
             return [True] * len(keys)
+        if op == "put":
+            self._learn(keys, extra_info)
         start = time.perf_counter()
         results = self._every(
             [
@@ -285,7 +350,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """One pool's transfer: the KV pool's through v1, an extra pool's through its store."""
         keys = list(transfer.keys or [])
         if str(transfer.name) == "kv":
-            return self._v1(op, keys, transfer.host_indices)
+            return self._v1(op, keys, transfer.host_indices, extra_info)
         pool = self._pool(transfer.name)
         firsts = first_slots(pool.pages.page_size, transfer.host_indices, len(keys))
         if firsts is None:
@@ -369,6 +434,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self._counters.add("skipped_not_writer", len(names))
             return True
         tensors = [flat_page(v, state.pages, writable=False) for v in values]
+        self._learn(keys, None)
         return all(self._generic("put", keys, tensors))
 
     def _generic(self, op: str, keys: list[str], tensors: list[torch.Tensor]) -> list[bool]:
@@ -385,7 +451,48 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 shard.pages.drop_scratch(ids)
         return self._every(results)
 
+    # --- the storage tiers' KV events ---------------------------------------------------
+
+    def _learn(self, keys: Sequence[str], extra_info: Any) -> None:
+        """Tell the event log the chain order of the pages SGLang backs up."""
+        events = self._events
+        if events is not None:
+            events.learn(keys, getattr(extra_info, "prefix_keys", None))
+
+    def take_kv_events(self) -> list[Any]:
+        """The storage tiers' KV events since the last call, as SGLang's ``BlockStored``
+        and ``BlockRemoved`` (``sglang.srt.disaggregation.kv_events``), medium ``DISK``
+        or ``EXTERNAL`` per tier; [] with ``kv_events_buffer`` 0 or before the host pool
+        is registered. The mapping is in :mod:`kvtier.integrations.sglang.events`."""
+        events = self._events
+        return events.take() if events is not None else []
+
+    def publish_kv_events(self, publisher: Any) -> int:
+        """Hand the events since the last take to an SGLang ``EventPublisher`` (a
+        ``ZmqEventPublisher``, say) as one ``KVEventBatch``; returns how many events."""
+        events = self._events
+        return events.publish(publisher) if events is not None else 0
+
     # --- housekeeping -----------------------------------------------------------------------
+
+    def flush_tiers(self, timeout: float | None = None) -> bool:
+        """Wait until every page queued to move between tiers (cascades, write-backs,
+        promotions) has moved; False if ``timeout`` passed first."""
+        with self._lock:
+            pools = [*self._shards, *self._extra.values()]
+        return all([pool.store.flush(timeout) for pool in pools if not pool.closed])
+
+    def tier_stats(self) -> dict[str, list[dict[str, Any]]]:
+        """Each pool's tiers (``kv`` and each extra pool): name, backend, write policy,
+        counters (promotions, cascades, drops, evictions, ...), occupancy, queue depth;
+        for the KV pool, its first head slice's where heads are split."""
+        with self._lock:
+            pools = [*self._shards[:1], *self._extra.values()]
+        return {pool.name: pool.store.tier_stats() for pool in pools}
+
+    def tenant_stats(self) -> dict[str, dict[str, Any]]:
+        """The KV pool's configured tenants: bytes in each tier, quota evictions."""
+        return self._require().store.tenant_stats()
 
     def clear(self) -> None:
         """Remove this model's (and, for MHA, this rank's) pages; MLA: the writer only."""
@@ -413,16 +520,24 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return kvtier_stats(self._counters, list(self._shards), list(self._extra.values()))
 
     def prometheus_collector(self) -> Any:
-        """A prometheus_client collector of this storage's page store (``kvtier_*`` families,
-        the names and labels a TieredCache's storage tier has; docs/operating.md); where
-        heads are split, the first head slice's store."""
+        """A prometheus_client collector of this storage's page stores (``kvtier_*``
+        families, the names and labels a TieredCache's storage tier has; docs/operating.md:
+        the tiers' counters summed, as ``kvtier_stats()``); where heads are split, the first
+        head slice's store."""
         state = self._require()
-        return store_collector(state.store, identity_of(state.plan))
+        # the chain reads as a page store here: stats(), call_counts(), backend_stats()
+        return store_collector(cast(PageStore, state.store), identity_of(state.plan))
 
     def close(self) -> None:
-        """Stop the checksum threads and close the backend. Idempotent."""
+        """Close every pool's storage chain (its queued moves first, then each tier's
+        backend), publish the KV events left and stop publishing. Idempotent."""
         with self._lock:
             shards = list(self._shards)
             extra = list(self._extra.values())
         for pool in [*extra, *shards]:
             pool.close()
+        publishing, self._publishing = self._publishing, None
+        if publishing is not None:
+            publishing.close()
+        if self._events is not None:
+            self._events.close()
