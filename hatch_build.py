@@ -1,8 +1,9 @@
 """Build hook: compile kvtier's C extensions into the wheel.
 
 Two modules, each compiled from every C file in its own source directory (one file a
-job, sharing that directory's header) plus the hashing code they share, one copy of each
-file in ``kvtier/_csrc/`` (BLAKE2b, the xxHash binding; ``kvhash.h``):
+job, sharing that directory's header) plus the code they share, one copy of each file in
+``kvtier/_csrc/`` (BLAKE2b and the xxHash binding, ``kvhash.h``; the Python glue,
+``glue.h``; the envelope's layout, ``envelope_layout.h``):
 
 - ``kvtier.backends.filestore._pageio`` (``_pageio_src/``): the file backends' per-page
   loop (open, move, checksum, envelope, publish);

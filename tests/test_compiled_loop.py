@@ -10,13 +10,17 @@ counters for every kind of damaged or foreign store entry. ``KVTIER_REQUIRE_COMP
 from __future__ import annotations
 
 import fcntl
+import itertools
+import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import string
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -438,15 +442,23 @@ for command in sys.stdin:  # each writer is a child of this one: a kill costs no
 
 #: Every way a page is written, as (backend, compiled_io, fsync): the file backend's
 #: Python and compiled loops, the ring, and uring's compiled loop (which writes only
-#: without fsync); "none" overwrites with the compiled loop go in place.
+#: without fsync); "none" overwrites with the compiled loop go in place. "batch" publishes
+#: its own way (every page written and synced, then every rename: the Python loop's
+#: deferred publish, the ring's batch of renames) and has no compiled loop: with
+#: compiled_io on, a "batch" put runs those same loops (and these cases would cover a
+#: compiled one, were one added).
 _WRITERS = [
     ("file", False, "none"),
     ("file", False, "page"),
+    ("file", False, "batch"),
     ("file", True, "none"),
     ("file", True, "page"),
+    ("file", True, "batch"),
     ("uring", False, "none"),
     ("uring", False, "page"),
+    ("uring", False, "batch"),
     ("uring", True, "none"),
+    ("uring", True, "batch"),
 ]
 _WRITER_IDS = [
     f"{kind}-{('compiled' if compiled_io else 'ring' if kind == 'uring' else 'python')}-{fsync}"
@@ -1137,3 +1149,313 @@ def test_publish_undoes_an_exchange_with_an_entry_that_took_the_temp_name(
         publish.publish(tmp, final, written=written)
     assert final.read_bytes() == b"old page"
     assert tmp.read_bytes() == b"someone else's file"
+
+
+# --- a move that publishes what is not ours (step 4 of the publish protocol) --------------
+
+#: Loaded with LD_PRELOAD into a writer's process, the other party of the moment between
+#: the writer's check of its temp name (step 2) and its move (step 3), or between the move
+#: and its check of the page's name (step 4): the first ``$SWAP_CALL`` (``rename`` or
+#: ``renameat2``) onto a name ending in ``/$SWAP_NAME`` either first moves its source to
+#: ``$SWAP_ASIDE`` and puts a foreign regular file under the source's name
+#: (``SWAP_WHEN=before``), or once it is done renames ``$SWAP_OVER`` (another writer's
+#: page of the key) over the name (``SWAP_WHEN=after``); once a case (``$SWAP_ASIDE``).
+#: The compiled loop's calls reach it (glibc's renameat2 wrapper, rename), and so do the
+#: Python steps' (ctypes' renameat2, os.replace); the ring's rename (fsync: "batch") goes
+#: through io_uring, so _SWAPPER takes the name in the backend's own step 3 instead.
+_SWAP_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static char fired[4096]; /* the case ($SWAP_ASIDE) it acted in: once a case */
+
+static int
+chosen(const char *call, const char *to, const char *when)
+{
+    const char *name = getenv("SWAP_NAME"), *wanted = getenv("SWAP_CALL");
+    const char *moment = getenv("SWAP_WHEN"), *aside = getenv("SWAP_ASIDE");
+    if (!name || !wanted || !moment || !aside || strcmp(call, wanted) || strcmp(moment, when))
+        return 0;
+    size_t n = strlen(name), t = strlen(to);
+    if (t <= n || to[t - n - 1] != '/' || strcmp(to + t - n, name) != 0) return 0;
+    if (strcmp(fired, aside) == 0 || strlen(aside) >= sizeof fired) return 0;
+    strcpy(fired, aside);
+    return 1;
+}
+
+static int
+real_rename(const char *from, const char *to)
+{
+    int (*forward)(const char *, const char *) = dlsym(RTLD_NEXT, "rename");
+    return forward(from, to);
+}
+
+static void
+take_the_name(const char *call, const char *from, const char *to)
+{
+    if (!chosen(call, to, "before") || real_rename(from, getenv("SWAP_ASIDE")) != 0) return;
+    int fd = open(from, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    static const char foreign[] = "a file some other writer left";
+    if (fd >= 0 && write(fd, foreign, sizeof foreign - 1) >= 0) close(fd);
+}
+
+static void
+replace_ours(const char *call, const char *to, int moved)
+{
+    if (moved == 0 && chosen(call, to, "after")) real_rename(getenv("SWAP_OVER"), to);
+}
+
+int
+rename(const char *from, const char *to)
+{
+    take_the_name("rename", from, to);
+    int moved = real_rename(from, to);
+    replace_ours("rename", to, moved);
+    return moved;
+}
+
+int
+renameat2(int from_dir, const char *from, int to_dir, const char *to, unsigned int flags)
+{
+    int (*forward)(int, const char *, int, const char *, unsigned int) =
+        dlsym(RTLD_NEXT, "renameat2");
+    take_the_name("renameat2", from, to);
+    int moved = forward(from_dir, from, to_dir, to, flags);
+    replace_ours("renameat2", to, moved);
+    return moved;
+}
+"""
+
+#: One process (the shim preloaded) serving every case: a line ``root kind compiled_io
+#: fsync call when`` in, a JSON line out. ``call`` is the move taken: ``renameat2`` (an
+#: exchange over the key's page, put first), ``rename`` (a new key) or ``ring`` (the
+#: ring's batch rename of a new key).
+_SWAPPER = """
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from kvtier.backends.file import FileConfig
+from kvtier.backends.file.backend import FileBackend
+from kvtier.backends.filestore import paths
+from kvtier.core.geometry import KVGeometry
+from kvtier.core.host_pool import HostPool
+from kvtier.core.keys import Namespace, PageKeyer
+from kvtier.core.pagestore import PageStore
+
+FOREIGN = b"a file some other writer left"
+geometry = KVGeometry.mha(num_layers=2, num_kv_heads=2, head_dim=64, page_size=4)
+key = PageKeyer(Namespace("swapped", geometry.fingerprint), geometry.page_size).keys(
+    list(range(geometry.page_size))
+)[0]
+
+
+def open_store(root, kind, compiled_io, fsync, pool):
+    options = dict(root=root, min_free_bytes=0, compiled_io=compiled_io, fsync=fsync)
+    if kind == "uring":
+        from kvtier.backends.uring import UringConfig
+        from kvtier.backends.uring.backend import UringBackend
+
+        backend = UringBackend(UringConfig(**options))
+    else:
+        backend = FileBackend(FileConfig(io_threads=1, **options))
+    return backend, PageStore(backend, pool, fingerprint=geometry.fingerprint)
+
+
+def payload(pool, page):
+    return b"".join(bytes(e.view) for e in pool.extents(page))
+
+
+def ring_rename_taken(original):  # the ring's RENAME is no libc call: take the name here
+    def rename(self, put):
+        if os.environ.get("SWAP_NAME") == put.final.name and not os.path.exists(
+            os.environ["SWAP_ASIDE"]
+        ):
+            os.rename(put.tmp, os.environ["SWAP_ASIDE"])
+            put.tmp.write_bytes(FOREIGN)
+        return original(self, put)
+
+    return rename
+
+
+print("ready", flush=True)
+for line in sys.stdin:
+    root, kind, compiled_io, fsync, call, when = line.split()
+    root = Path(root)
+    pool = HostPool(geometry, "page_first", num_pages=3, pin_memory=False)
+    for page in (0, 1):
+        for extent in pool.extents(page):
+            extent.view[:] = os.urandom(extent.length)
+    backend, store = open_store(root, kind, compiled_io == "1", fsync, pool)
+    final = Path(paths.page_path_str(os.fspath(backend.store), key))
+    aside, over = root.parent / (root.name + "-aside"), root.parent / (root.name + "-over")
+    if when == "after":  # another process's page of the key (this one's index lacks it,
+        other, other_store = open_store(root, kind, compiled_io == "1", fsync, pool)
+        assert other_store.put([key], [0]) == [True]  # so no put of it goes in place)
+        other_store.close()
+        other.close()
+        shutil.copyfile(final, over)  # the page it will publish over ours
+    elif call == "renameat2":
+        assert store.put([key], [0]) == [True]  # the key's page: the move exchanges
+    if call == "ring":
+        from kvtier.backends.uring.backend import UringBackend
+
+        UringBackend._rename = ring_rename_taken(UringBackend._rename)
+    os.environ.update(
+        SWAP_NAME=final.name, SWAP_CALL=call, SWAP_WHEN=when,
+        SWAP_ASIDE=str(aside), SWAP_OVER=str(over),
+    )
+    put = store.put([key], [1])
+    for name in ("SWAP_NAME", "SWAP_CALL", "SWAP_WHEN"):
+        del os.environ[name]
+    got = store.get([key], [2])
+    read = payload(pool, 2)
+    there = final.read_bytes() if final.exists() else b""
+    print(json.dumps({
+        "put": put[0],
+        "get": got[0],
+        "page": "new" if read == payload(pool, 1) else "old" if read == payload(pool, 0) else "-",
+        "final": "foreign" if there == FOREIGN else "page" if there else "none",
+        "swapped": aside.exists() or (when == "after" and not over.exists()),
+        "temp_taken": backend.stats().get("put_temp_taken", 0),
+    }), flush=True)
+    store.close()
+    backend.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def swapper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., dict[str, Any]]]:
+    """A writer's process with :data:`_SWAP_SHIM` preloaded; call it with a case."""
+    if not compiled.available():
+        pytest.skip(f"the compiled loop is not built: {compiled.MISSING}")
+    here = tmp_path_factory.mktemp("swapper")
+    source, shim = here / "shim.c", here / "shim.so"
+    source.write_text(_SWAP_SHIM)
+    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    build = [*cc, "-shared", "-fPIC", "-o", str(shim), str(source), "-ldl"]
+    built = subprocess.run(build, capture_output=True, text=True)
+    if built.returncode:  # (the compiler that builds the compiled loop)
+        require("compiled", f"cc cannot build the test's shim: {built.stderr.strip()}")
+    env = dict(os.environ, LD_PRELOAD=str(shim))
+    with subprocess.Popen(
+        [sys.executable, "-c", _SWAPPER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as server:
+        assert server.stdin is not None and server.stdout is not None
+        stdin, stdout = server.stdin, server.stdout
+        assert stdout.readline().strip() == "ready"
+        cases = itertools.count()
+
+        def run(kind: str, compiled_io: bool, fsync: str, call: str, when: str) -> dict[str, Any]:
+            root = here / f"case{next(cases)}"
+            stdin.write(f"{root} {kind} {int(compiled_io)} {fsync} {call} {when}\n")
+            stdin.flush()
+            answer = stdout.readline()
+            assert answer, "the writer's process ended"
+            result: dict[str, Any] = json.loads(answer)
+            return result
+
+        yield run
+        stdin.close()
+        server.wait(timeout=60)
+    assert server.returncode == 0
+
+
+#: (backend, compiled_io, fsync, the move taken): every loop's exchange and rename.
+_SWAPPED = [
+    ("file", True, "page", "renameat2"),  # (fsync: the compiled loop would go in place)
+    ("file", True, "none", "rename"),
+    ("uring", True, "none", "rename"),
+    ("file", False, "none", "renameat2"),
+    ("file", False, "none", "rename"),
+    ("uring", False, "none", "renameat2"),
+    ("uring", False, "none", "rename"),
+    ("uring", False, "batch", "ring"),
+]
+_SWAPPED_IDS = [
+    f"{kind}-{'compiled' if compiled_io else 'ring' if kind == 'uring' else 'python'}-{fsync}"
+    f"-{'exchange' if call == 'renameat2' else 'rename'}"
+    for kind, compiled_io, fsync, call in _SWAPPED
+]
+
+
+@pytest.mark.parametrize(("kind", "compiled_io", "fsync", "call"), _SWAPPED, ids=_SWAPPED_IDS)
+def test_a_file_swapped_into_the_temp_name_at_the_move_is_never_published(
+    swapper: Callable[..., dict[str, Any]], kind: str, compiled_io: bool, fsync: str, call: str
+) -> None:
+    # another regular file takes the temp name between the writer's check of it and its
+    # move, so the move puts that file under the page's name: step 4 finds it is not the
+    # file written. An exchange is undone (the old page is back); after a rename the file
+    # is left under the page's name (not ours to remove: see publish.py step 4). The
+    # compiled loop then writes the page again through the Python loop (True, the new
+    # page); the others report False
+    if kind == "uring":
+        _require_uring()
+    done = swapper(kind, compiled_io, fsync, call, "before")
+    assert done["swapped"], "the shim did not take the temp name"
+    assert done["temp_taken"] == 1
+    if compiled_io:
+        assert (done["put"], done["get"], done["page"]) == (True, True, "new")
+    elif call == "renameat2":
+        assert (done["put"], done["get"], done["page"]) == (False, True, "old")
+    else:
+        assert (done["put"], done["get"], done["final"]) == (False, False, "foreign")
+
+
+@pytest.mark.parametrize("uring", [False, True], ids=["file", "uring"])
+def test_another_writers_page_moved_over_ours_after_the_compiled_move_is_no_failure(
+    swapper: Callable[..., dict[str, Any]], uring: bool
+) -> None:
+    # another process's page of the key replaces ours between the compiled loop's move
+    # and its check: ours was published, then replaced. Its envelope (this store's, the
+    # key's) tells the compiled loop it is a page of the key, not a foreign file
+    if uring:
+        _require_uring()
+    done = swapper("uring" if uring else "file", True, "none", "renameat2", "after")
+    assert done["swapped"], "the shim did not replace the page"
+    assert done["temp_taken"] == 0
+    assert (done["put"], done["get"], done["page"]) == (True, True, "old")
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "rename"])
+def test_a_page_another_writer_of_this_process_moved_over_ours_is_no_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
+    # two threads put one key: the second's move lands between the first's move and its
+    # check. Both were published; neither undoes the other, and no temp file is left
+    from kvtier.backends.filestore import publish
+
+    final = tmp_path / "page.kv"
+    if exchange:
+        final.write_bytes(b"old page")
+
+    def written(content: bytes) -> tuple[str, publish.FileId]:
+        fd, tmp = fs_paths.open_temp(final)
+        os.write(fd, content)
+        written = publish.file_id(fd)
+        os.close(fd)
+        return os.fspath(tmp), written
+
+    first, second = written(b"first"), written(b"second")
+    move = publish.move
+
+    def then_the_second(tmp: str, target: str, debris: object = None) -> bool:
+        moved = move(tmp, target)
+        monkeypatch.setattr(publish, "move", move)
+        publish.publish(second[0], final, written=second[1])
+        return moved
+
+    monkeypatch.setattr(publish, "move", then_the_second)
+    publish.publish(first[0], final, written=first[1])  # no TempTaken
+    assert final.read_bytes() == b"second"
+    assert list(tmp_path.iterdir()) == [final]

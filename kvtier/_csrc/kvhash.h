@@ -10,7 +10,8 @@
  * and verifier) and kvtier.backends.filestore._pageio (_pageio_src/: the file backends'
  * page loop). Each module is linked with -fvisibility=hidden, so each has its own copy of
  * these symbols (and of the bound xxHash table): binding one module binds only that one.
- * Nothing here needs Python's headers.
+ * Nothing here needs Python's headers. (The directory also holds the envelope's layout,
+ * envelope_layout.h, and the Python glue both modules share, glue.h and glue.c.)
  */
 #ifndef KVTIER_KVHASH_H
 #define KVTIER_KVHASH_H

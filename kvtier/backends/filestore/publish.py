@@ -18,19 +18,32 @@ the io_uring ring (:mod:`kvtier.backends.uring.backend`: step 1 through the ring
 2. **Check the temp name** (:func:`check_written`): it must still hold the file written,
    a regular file of that identity, not followed. Another entry under it (a directory,
    a symlink, another file) is never published: :class:`TempTaken`, with nothing to
-   undo; the entry is left to the sweep.
+   undo; the entry is left to the sweep. (Where the caller does not know the file, the
+   regular file found is the one published: its identity is checked in step 4.)
 3. **Move** (:func:`move`): where a page is there, exchange the two names
    (``renameat2(RENAME_EXCHANGE)``): ext4 starts writeback of a file renamed over an
    existing one (``auto_da_alloc``), which made overwrites several times slower. Where
    nothing is there (ENOENT), or this kernel or filesystem cannot exchange (then it is
    not tried again), ``rename(2)``, after removing as debris whatever non-file holds the
    page's name (:func:`clear_name`, :func:`replace`). A failed move publishes nothing.
-4. **Check the page's name** (:func:`check_moved`): no non-file may hold it after the
-   move; one there means another entry took the temp name in the moment between steps 2
-   and 3. An exchange is then undone (the old page is back) and it is
-   :class:`TempTaken` either way. (A regular file slipped in within that moment would be
-   published, and refused by its envelope on every read: a miss, never wrong bytes.
-   Another writer's newer page under the name is no failure.)
+4. **Check the page's name** (:func:`check_moved`): it must hold the file written (its
+   identity, not followed), or a page another writer of the key published over ours in
+   the moment since the move, or nothing (a delete or an eviction removed it since):
+   ours was published, no failure. Anything else there (a directory, a symlink, a
+   foreign file) took the temp name in the moment between steps 2 and 3, and the move
+   published it instead of our page: :class:`TempTaken`. An exchange is then undone
+   (the old page is back, the entry under the temp name again, left to the sweep).
+   After a rename the entry is left under the page's name: it is not ours, but it
+   cannot be told from another process's page of the key published in that moment, and
+   no regular file under a page's name is removed on a guess; every read refuses a
+   foreign one by its envelope (a miss, never wrong bytes) and the next put of the key
+   replaces it (step 5). "Another writer": the Python steps know the files this
+   process's writers are moving under a name (:func:`moving`); the compiled loop
+   compares the envelope the name holds with the one it wrote (this store's static
+   fields, the key's digest, the payload's length). So another process's page that
+   replaces ours within those microseconds makes a put through the Python steps report
+   False though a page of the key is there: a put may under-report, never claim a page
+   that a get cannot find.
 5. **Drop the replaced file** (:func:`drop_replaced`): after an exchange the temp name
    holds what the page replaced. An old page file is unlinked (the compiled loop may keep
    it instead, as the spare the next page of its size is written into, when no reader
@@ -42,7 +55,8 @@ the io_uring ring (:mod:`kvtier.backends.uring.backend`: step 1 through the ring
    fsynced for ``fsync: "page"`` (for "batch", each touched directory once, after every
    rename of the batch). :class:`TempTaken` releases the page's reservation and counts
    ``put_temp_taken`` (:meth:`FileStore.temp_taken
-   <kvtier.backends.filestore.store.FileStore.temp_taken>`); any other failure counts
+   <kvtier.backends.filestore.store.FileStore.temp_taken>`; the compiled loop then puts
+   the page again through the Python loop); any other failure counts
    ``put_failed_io`` (or ``put_failed_no_space``) and removes the temp file.
 
 One write skips the protocol: without fsync, the compiled loop overwrites a page the
@@ -60,6 +74,8 @@ import errno
 import os
 import stat
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,9 +91,8 @@ __all__ = [
     "drop_replaced",
     "exchange_supported",
     "file_id",
-    "holds",
     "move",
-    "not_a_file",
+    "moving",
     "publish",
     "replace",
 ]
@@ -93,10 +108,11 @@ def file_id(fd: int) -> FileId:
 
 
 class TempTaken(OSError):
-    """A temp name no longer held the file written under it: nothing was published.
+    """A temp name no longer held the file written under it: nothing of ours was published.
 
     Another entry (a directory, a symlink, another file) took the name between the write
-    and the rename; publishing it would report a page that no reader can find.
+    and the move: found before the move (step 2), or after it under the page's name
+    (step 4, an exchange undone). Reporting the put would claim a page no reader finds.
     """
 
 
@@ -106,33 +122,67 @@ def _taken(tmp: Path | str) -> TempTaken:
     )
 
 
-def holds(path: Path | str, written: FileId | None) -> bool:
-    """Whether ``path`` (not followed) is a regular file, the one ``written`` names if given."""
+def check_written(tmp: Path | str, written: FileId | None) -> FileId:
+    """Step 2: the identity of the file ``tmp`` holds, which must be the file written
+    (any regular file where ``written`` is None); else raise :class:`TempTaken`."""
     try:
-        info = os.lstat(path)
+        info = os.lstat(tmp)
     except OSError:
-        return False
-    if not stat.S_ISREG(info.st_mode):
-        return False
-    return written is None or (info.st_dev, info.st_ino) == written
-
-
-def not_a_file(path: Path | str) -> bool:
-    """Whether something other than a regular file holds ``path`` (not followed).
-
-    No writer of pages puts one under a page's name: right after a rename of ours, it
-    means another entry took our temp name in the moment before.
-    """
-    try:
-        return not stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def check_written(tmp: Path | str, written: FileId | None) -> None:
-    """Step 2: raise :class:`TempTaken` unless ``tmp`` still holds the file written."""
-    if not holds(tmp, written):
+        raise _taken(tmp) from None
+    found = (info.st_dev, info.st_ino)
+    if not stat.S_ISREG(info.st_mode) or (written is not None and found != written):
         raise _taken(tmp)
+    return found
+
+
+class _Moves:
+    """The files this process's writers are moving under each page name (steps 3-4).
+
+    Step 4 asks it whether a file that is not the writer's own under the page's name is
+    another writer's page, published over ours since the move: a file some writer of
+    this process is moving under that name, for as long as any of them is (so the last
+    to check still sees the others' files). A process forked while a writer held the
+    lock starts with none.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._names: dict[str, tuple[int, frozenset[FileId]]] = {}
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        self._lock = threading.Lock()
+        self._names = {}
+
+    def begin(self, final: str, written: FileId) -> None:
+        with self._lock:
+            writers, files = self._names.get(final, (0, frozenset()))
+            self._names[final] = (writers + 1, files | {written})
+
+    def end(self, final: str) -> None:
+        with self._lock:
+            writers, files = self._names.pop(final, (1, frozenset()))
+            if writers > 1:
+                self._names[final] = (writers - 1, files)
+
+    def moving(self, final: str, found: FileId) -> bool:
+        with self._lock:
+            return found in self._names.get(final, (0, frozenset()))[1]
+
+
+_MOVES = _Moves()
+
+
+@contextlib.contextmanager
+def moving(final: Path | str, written: FileId) -> Iterator[None]:
+    """Steps 3 and 4 of a writer of this process run inside: while they do, ``written``
+    under ``final`` is a page of the key to every other writer's step 4."""
+    name = os.fspath(final)
+    _MOVES.begin(name, written)
+    try:
+        yield
+    finally:
+        _MOVES.end(name)
 
 
 _AT_FDCWD = -100
@@ -241,13 +291,24 @@ def move(tmp: Path | str, final: Path | str, debris: Debris | None = None) -> bo
     return False
 
 
-def check_moved(tmp: Path | str, final: Path | str, *, exchanged: bool) -> None:
-    """Step 4: raise :class:`TempTaken` when a non-file holds ``final`` after the move.
+def check_moved(
+    tmp: Path | str, final: Path | str, written: FileId | None, *, exchanged: bool
+) -> None:
+    """Step 4: raise :class:`TempTaken` unless ``final`` holds the file written after the
+    move, or a page another writer of this process is moving there (see :func:`moving`).
 
-    An exchange is undone first (the old page goes back under ``final``); a rename has
-    nothing to undo.
+    ``written`` None (a caller that does not know the file) checks only that a regular
+    file is there. An exchange is undone first (the old page goes back under ``final``);
+    after a rename, what holds ``final`` is left there (see step 4 above).
     """
-    if not not_a_file(final):
+    try:
+        info = os.lstat(final)
+    except OSError:  # removed since the move (a delete, an eviction): it was published
+        return
+    found = (info.st_dev, info.st_ino)
+    if stat.S_ISREG(info.st_mode) and (
+        written is None or found == written or _MOVES.moving(os.fspath(final), found)
+    ):
         return
     if exchanged:
         _exchange(tmp, final)
@@ -279,13 +340,14 @@ def publish(
 
     ``written`` is the file step 1 wrote, where the caller knows it. Whatever non-page
     held ``final`` is removed as debris and counted in ``debris``. Raises
-    :class:`TempTaken` (nothing published, an exchange undone) or OSError (nothing
-    published); once the page is published nothing here raises except the directory
+    :class:`TempTaken` (nothing of ours published, an exchange undone) or OSError
+    (nothing published); once the page is published nothing here raises except the directory
     fsync of ``sync_dir``, so a caller never reports a published page as failed.
     """
-    check_written(tmp, written)
-    exchanged = move(tmp, final, debris)
-    check_moved(tmp, final, exchanged=exchanged)
+    written = check_written(tmp, written)
+    with moving(final, written):
+        exchanged = move(tmp, final, debris)
+        check_moved(tmp, final, written, exchanged=exchanged)
     if exchanged:
         drop_replaced(tmp, debris)
     if sync_dir:

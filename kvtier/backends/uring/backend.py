@@ -16,6 +16,7 @@ backend built directly, bypassing resolution, runs the probe too and refuses wit
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -56,6 +57,7 @@ class _Put:
     retried: bool = False  # a failed create was cured once (shard dirs, stale name)
     dir_fd: int = -1
     written: publish.FileId | None = None  # the temp file, once written (only it is published)
+    checked: publish.FileId = (-1, -1)  # the file step 2 found under the temp name
     published: bool = False
     finished: bool = False  # committed or failed: nothing left to clean up
 
@@ -395,7 +397,7 @@ class UringBackend(base.FileStoreBackend[UringConfig]):
                 self._fail_put(put, request.error)
                 return
             try:
-                publish.check_moved(put.tmp, put.final, exchanged=False)  # step 4
+                publish.check_moved(put.tmp, put.final, put.checked, exchanged=False)  # step 4
             except publish.TempTaken:  # another entry took the temp name
                 self._temp_taken(put)
                 return
@@ -406,7 +408,10 @@ class UringBackend(base.FileStoreBackend[UringConfig]):
             self._rings.run(requests(), on_done)
             if to_publish:
                 ready = [put for put in to_publish if self._still_written(put)]
-                self._rings.run([self._rename(put) for put in ready], finish_batch)
+                with contextlib.ExitStack() as moves:  # (steps 3-4: the ring's renames)
+                    for put in ready:
+                        moves.enter_context(publish.moving(put.final, put.checked))
+                    self._rings.run([self._rename(put) for put in ready], finish_batch)
                 self._fs.sync_dirs(put.final for put in to_publish if put.published)
         finally:  # after an unexpected exception: close, remove and release what is left
             for put in [*live.values(), *to_publish]:
@@ -453,7 +458,7 @@ class UringBackend(base.FileStoreBackend[UringConfig]):
         """Step 2 for ``fsync='batch'``: whether ``put``'s temp name still holds the file
         written (else nothing is published, counted)."""
         try:
-            publish.check_written(put.tmp, put.written)
+            put.checked = publish.check_written(put.tmp, put.written)
         except publish.TempTaken:
             self._temp_taken(put)
             return False

@@ -19,7 +19,7 @@ env_write(EnvPage *page, XXH3_state_t *state, const unsigned char *static_fields
     hash_payload(page, state, checksum); /* before the slot is touched */
     memcpy(slot, static_fields, STATIC_BYTES);
     memcpy(slot + DIGEST_AT, page->digest, DIGEST_BYTES);
-    put_le64(slot + LENGTH_AT, env_payload_length(page));
+    put_le64(slot + LENGTH_AT, glue_payload_length(page->regions, page->count));
     memcpy(slot + CHECKSUM_AT, checksum, 16);
     put_le64(slot + BODY_BYTES, XXH3_64bits(slot, BODY_BYTES));
     memset(slot + HEADER_BYTES, 0, (size_t)page->regions[0].len - HEADER_BYTES);
@@ -43,7 +43,8 @@ env_verdict(const EnvPage *page, XXH3_state_t *state, const unsigned char *stati
     if (slot[LAYOUT_AT] != static_fields[LAYOUT_AT]) return LAYOUT_MISMATCH;
     if (memcmp(slot + DIGEST_AT, page->digest, DIGEST_BYTES) != 0) return WRONG_KEY;
     if (slot[CHECKSUM_ID_AT] != CHECKSUM_XXH3_128) return UNKNOWN_CHECKSUM;
-    if (get_le64(slot + LENGTH_AT) != env_payload_length(page)) return WRONG_LENGTH;
+    if (get_le64(slot + LENGTH_AT) != glue_payload_length(page->regions, page->count))
+        return WRONG_LENGTH;
     if (full) {
         unsigned char checksum[16];
         hash_payload(page, state, checksum);

@@ -10,47 +10,24 @@
  *
  * Files, one job each:
  *   envelope.c  writing one envelope, and the verdict on one
- *   module.c    the Python glue: arguments, the module's functions and constants
- * and, shared with the file backends' _pageio (one copy of each, in kvtier/_csrc/,
- * kvhash.h): blake2b.c, xxh.c. hatch_build.py compiles them into the one module.
- *
- * Envelope layout, little-endian (the same as _pageio_src/pageio.h):
- *   [0, 8) magic  [8, 10) version  [10, 12) header length  [12, 16) flags
- *   [16, 48) fingerprint  [48] layout code  [49] checksum id  [50, 56) reserved
- *   -- [0, 56) are the fields every page of a store shares ("static") --
- *   [56, 72) key digest          [72, 80) payload length (u64)
- *   [80, 96) payload xxh3-128, canonical (big-endian high64 then low64)
- *   [96, 104) xxh3-64 of [0, 96)  then zeros to the end of the slot.
+ *   module.c    the module's functions: arguments in, verdicts out
+ * and, shared with the file backends' _pageio (one copy of each, in kvtier/_csrc/):
+ * blake2b.c and xxh.c (kvhash.h), the Python glue both modules need (glue.c, glue.h) and
+ * the envelope's layout (envelope_layout.h). hatch_build.py compiles them into the one
+ * module.
  */
 #ifndef KVTIER_ENVELOPE_H
 #define KVTIER_ENVELOPE_H
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+/* The Python glue (and Python.h), xxHash (bound at import), BLAKE2b, the little-endian
+ * helpers and the envelope's layout: kvtier/_csrc/. */
+#include "glue.h"
 
 #include <stdint.h>
 #include <string.h>
 
-/* xxHash (bound at import), BLAKE2b and the little-endian helpers: kvtier/_csrc/. */
+#include "envelope_layout.h"
 #include "kvhash.h"
-
-/* --- sizes and offsets (kvtier.core.envelope) ------------------------------------ */
-#define MAGIC_AT 0
-#define VERSION_AT 8
-#define HEADER_LENGTH_AT 10
-#define FINGERPRINT_AT 16
-#define FINGERPRINT_BYTES 32
-#define LAYOUT_AT 48
-#define CHECKSUM_ID_AT 49
-#define STATIC_BYTES 56
-#define DIGEST_AT 56
-#define DIGEST_BYTES 16
-#define LENGTH_AT 72
-#define CHECKSUM_AT 80
-#define BODY_BYTES 96
-#define HEADER_BYTES 104
-/* The payload checksums the format knows (kvtier.core.envelope.ChecksumAlgorithm). */
-#define CHECKSUM_XXH3_128 1
 
 /* Verdicts (module constants of the same names): VALID, or the
  * kvtier.core.envelope.Rejection of that name, in the order verify_envelope checks. */
@@ -79,15 +56,6 @@ typedef struct {
     unsigned char digest[DIGEST_BYTES];
     int verdict;
 } EnvPage;
-
-/* The payload's bytes: every region after the header slot. */
-static inline uint64_t
-env_payload_length(const EnvPage *page)
-{
-    uint64_t total = 0;
-    for (Py_ssize_t i = 1; i < page->count; i++) total += (uint64_t)page->regions[i].len;
-    return total;
-}
 
 /* Hash the page's payload, then write its envelope (static fields, key digest, length,
  * payload checksum, header checksum) into its header slot and zero the slot's rest. */

@@ -1,33 +1,12 @@
-/* The Python glue of kvtier.core._envelope: arguments in, verdicts out.
+/* The module functions of kvtier.core._envelope: arguments in, verdicts out (with the
+ * glue both modules share, kvtier/_csrc/glue.c).
  *
  * Each batch function takes its arguments with the GIL held (the pages' buffers, the
  * keys, held for the call), then releases the GIL for the whole batch: key digests,
  * payload checksums, headers (see envelope.h for which file does what). */
 #include "envelope.h"
 
-PyDoc_STRVAR(bind_doc,
-"bind(path) -> bool\n\n"
-"Take xxHash's functions from the shared object at path (already loaded or loadable).\n"
-"False when it does not export them; the batch functions need a successful bind.");
-
-static PyObject *
-bind(PyObject *self, PyObject *arg)
-{
-    (void)self;
-    PyObject *encoded = NULL;
-    if (!PyUnicode_FSConverter(arg, &encoded)) return NULL;
-    int bound_now = xxh_bind(PyBytes_AS_STRING(encoded));
-    Py_DECREF(encoded);
-    return PyBool_FromLong(bound_now);
-}
-
-static int
-bound(void)
-{
-    if (xxh_bound()) return 1;
-    PyErr_SetString(PyExc_RuntimeError, "_envelope: call bind() with an xxHash library first");
-    return 0;
-}
+#define MODULE "_envelope"
 
 /* --- argument handling ------------------------------------------------------------- */
 
@@ -51,25 +30,11 @@ release(Batch *batch)
     memset(batch, 0, sizeof *batch);
 }
 
-static int
-static_arg(PyObject *value, const unsigned char **out)
-{
-    if (!PyBytes_Check(value) || PyBytes_GET_SIZE(value) != STATIC_BYTES) {
-        PyErr_SetString(PyExc_TypeError,
-                        "_envelope: the static envelope fields are 56 bytes (BatchEnvelope.static)");
-        return 0;
-    }
-    *out = (const unsigned char *)PyBytes_AS_STRING(value);
-    return 1;
-}
-
-/* One region: a buffer (a memoryview), or a tuple whose first item is one (an Extent). */
+/* One region into the batch's next buffer (glue_region). */
 static int
 take_region(Batch *batch, PyObject *region, int writable)
 {
-    if (PyTuple_Check(region) && PyTuple_GET_SIZE(region) > 0) region = PyTuple_GET_ITEM(region, 0);
-    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(region, &batch->buffers[batch->taken], flags) != 0) return 0;
+    if (!glue_region(region, writable, &batch->buffers[batch->taken])) return 0;
     batch->taken++;
     return 1;
 }
@@ -144,6 +109,44 @@ done:
     return ok;
 }
 
+/* Both batch functions: load the batch (see load; its header slots writable when
+ * writing), then, with the GIL released, digest every page's key and write its envelope
+ * (writing) or give its verdict (full: with the payload checksum). 1, the batch left for
+ * the caller to release; 0, with an exception set and nothing held, when an argument is
+ * missing or malformed. */
+static int
+run(PyObject *static_obj, PyObject *keys, PyObject *pages, int writing, int full, Batch *batch)
+{
+    const unsigned char *static_fields;
+    if (!glue_bound(MODULE) || !glue_static_fields(static_obj, 0, MODULE, &static_fields))
+        return 0;
+    if (!load(batch, keys, pages, writing)) return 0;
+    XXH3_state_t *state = XXH3_createState();
+    if (state == NULL) {
+        release(batch);
+        PyErr_NoMemory();
+        return 0;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t p = 0; p < batch->count; p++) {
+        EnvPage *page = &batch->pages[p];
+        blake2b(page->digest, DIGEST_BYTES, (const unsigned char *)page->text, (size_t)page->length);
+        if (writing)
+            env_write(page, state, static_fields);
+        else
+            page->verdict = env_verdict(page, state, static_fields, full);
+    }
+    Py_END_ALLOW_THREADS
+    XXH3_freeState(state);
+    return 1;
+}
+
+static long
+verdict_at(const void *pages, Py_ssize_t i)
+{
+    return ((const EnvPage *)pages)[i].verdict;
+}
+
 /* --- the module's functions --------------------------------------------------------- */
 
 PyDoc_STRVAR(write_envelopes_doc,
@@ -161,23 +164,8 @@ write_envelopes(PyObject *self, PyObject *args)
     (void)self;
     PyObject *static_obj, *keys, *pages;
     if (!PyArg_ParseTuple(args, "OOO:write_envelopes", &static_obj, &keys, &pages)) return NULL;
-    const unsigned char *static_fields;
-    if (!bound() || !static_arg(static_obj, &static_fields)) return NULL;
     Batch batch;
-    if (!load(&batch, keys, pages, 1)) return NULL;
-    XXH3_state_t *state = XXH3_createState();
-    if (state == NULL) {
-        release(&batch);
-        return PyErr_NoMemory();
-    }
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t p = 0; p < batch.count; p++) {
-        EnvPage *page = &batch.pages[p];
-        blake2b(page->digest, DIGEST_BYTES, (const unsigned char *)page->text, (size_t)page->length);
-        env_write(page, state, static_fields);
-    }
-    Py_END_ALLOW_THREADS
-    XXH3_freeState(state);
+    if (!run(static_obj, keys, pages, 1, 0, &batch)) return NULL;
     release(&batch);
     Py_RETURN_NONE;
 }
@@ -198,32 +186,9 @@ verify_envelopes(PyObject *self, PyObject *args)
     int full;
     if (!PyArg_ParseTuple(args, "OOOp:verify_envelopes", &static_obj, &keys, &pages, &full))
         return NULL;
-    const unsigned char *static_fields;
-    if (!bound() || !static_arg(static_obj, &static_fields)) return NULL;
     Batch batch;
-    if (!load(&batch, keys, pages, 0)) return NULL;
-    XXH3_state_t *state = XXH3_createState();
-    if (state == NULL) {
-        release(&batch);
-        return PyErr_NoMemory();
-    }
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t p = 0; p < batch.count; p++) {
-        EnvPage *page = &batch.pages[p];
-        blake2b(page->digest, DIGEST_BYTES, (const unsigned char *)page->text, (size_t)page->length);
-        page->verdict = env_verdict(page, state, static_fields, full);
-    }
-    Py_END_ALLOW_THREADS
-    XXH3_freeState(state);
-    PyObject *out = PyList_New(batch.count);
-    for (Py_ssize_t p = 0; out != NULL && p < batch.count; p++) {
-        PyObject *code = PyLong_FromLong(batch.pages[p].verdict);
-        if (code == NULL) {
-            Py_CLEAR(out);
-            break;
-        }
-        PyList_SET_ITEM(out, p, code);
-    }
+    if (!run(static_obj, keys, pages, 0, full, &batch)) return NULL;
+    PyObject *out = glue_int_list(batch.count, verdict_at, batch.pages);
     release(&batch);
     return out;
 }
@@ -249,26 +214,23 @@ key_digest(PyObject *self, PyObject *arg)
     return PyBytes_FromStringAndSize((const char *)digest, DIGEST_BYTES);
 }
 
+PyDoc_STRVAR(module_doc,
+"The core's per-page envelope work (write, verify) in compiled code, a batch a call.");
+
+PyDoc_STRVAR(bind_doc, GLUE_BIND_DOC);
+
 static PyMethodDef methods[] = {
-    {"bind", bind, METH_O, bind_doc},
+    {"bind", glue_bind, METH_O, bind_doc},
     {"key_digest", key_digest, METH_O, key_digest_doc},
     {"verify_envelopes", verify_envelopes, METH_VARARGS, verify_envelopes_doc},
     {"write_envelopes", write_envelopes, METH_VARARGS, write_envelopes_doc},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_envelope",
-    "The core's per-page envelope work (write, verify) in compiled code, a batch a call.",
-    -1, methods, NULL, NULL, NULL, NULL,
-};
-
 PyMODINIT_FUNC
 PyInit__envelope(void)
 {
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL) return NULL;
-    struct { const char *name; long value; } constants[] = {
+    static const GlueConstant constants[] = {
         {"VALID", VALID}, {"BAD_MAGIC", BAD_MAGIC},
         {"UNSUPPORTED_VERSION", UNSUPPORTED_VERSION}, {"CORRUPT_HEADER", CORRUPT_HEADER},
         {"WRONG_GEOMETRY", WRONG_GEOMETRY}, {"LAYOUT_MISMATCH", LAYOUT_MISMATCH},
@@ -277,11 +239,6 @@ PyInit__envelope(void)
         {"STATIC_BYTES", STATIC_BYTES}, {"BODY_BYTES", BODY_BYTES},
         {"HEADER_BYTES", HEADER_BYTES}, {"CHECKSUM_XXH3_128", CHECKSUM_XXH3_128},
     };
-    for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++) {
-        if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) != 0) {
-            Py_DECREF(m);
-            return NULL;
-        }
-    }
-    return m;
+    return glue_module(MODULE, module_doc, methods, constants,
+                       sizeof constants / sizeof constants[0]);
 }

@@ -1,33 +1,12 @@
-/* The Python glue of kvtier.backends.filestore._pageio: arguments in, codes out.
+/* The module functions of kvtier.backends.filestore._pageio: arguments in, codes out
+ * (with the glue both modules share, kvtier/_csrc/glue.c).
  *
  * Every function checks and copies its arguments with the GIL held (keys must be checked
  * page keys, never made a path otherwise), then releases the GIL for the whole slice of
  * pages, which the other files move (see pageio.h for which does what). */
 #include "pageio.h"
 
-PyDoc_STRVAR(bind_doc,
-"bind(path) -> bool\n\n"
-"Take xxHash's functions from the shared object at path (already loaded or loadable).\n"
-"False when it does not export them; read_pages/write_pages need a successful bind.");
-
-static PyObject *
-bind(PyObject *self, PyObject *arg)
-{
-    (void)self;
-    PyObject *encoded = NULL;
-    if (!PyUnicode_FSConverter(arg, &encoded)) return NULL;
-    int bound_now = xxh_bind(PyBytes_AS_STRING(encoded));
-    Py_DECREF(encoded);
-    return PyBool_FromLong(bound_now);
-}
-
-static int
-bound(void)
-{
-    if (xxh_bound()) return 1;
-    PyErr_SetString(PyExc_RuntimeError, "_pageio: call bind() with an xxHash library first");
-    return 0;
-}
+#define MODULE "_pageio"
 
 /* --- argument handling ------------------------------------------------------------- */
 
@@ -134,10 +113,7 @@ load_regions(Page *page, PyObject *views)
         return 0;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *region = PyList_GET_ITEM(views, i);
-        if (PyTuple_Check(region) && PyTuple_GET_SIZE(region) > 0) region = PyTuple_GET_ITEM(region, 0);
-        if (PyObject_GetBuffer(region, &page->buffers[i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
-            return 0;
+        if (!glue_region(PyList_GET_ITEM(views, i), 1, &page->buffers[i])) return 0;
         page->count = i + 1;
     }
     if (page->buffers[0].len < HEADER_BYTES) {
@@ -187,35 +163,16 @@ fail:
     return NULL;
 }
 
-static int
-static_arg(PyObject *value, const unsigned char **out)
+static long
+result_at(const void *pages, Py_ssize_t p)
 {
-    if (value == Py_None) {
-        *out = NULL;
-        return 1;
-    }
-    if (!PyBytes_Check(value) || PyBytes_GET_SIZE(value) != STATIC_BYTES) {
-        PyErr_SetString(PyExc_TypeError, "_pageio: the static envelope fields are 56 bytes");
-        return 0;
-    }
-    *out = (const unsigned char *)PyBytes_AS_STRING(value);
-    return 1;
+    return ((const Page *)pages)[p].result;
 }
 
-static PyObject *
-results_list(const Page *pages, Py_ssize_t count)
+static long
+fd_at(const void *fds, Py_ssize_t p)
 {
-    PyObject *out = PyList_New(count);
-    if (out == NULL) return NULL;
-    for (Py_ssize_t p = 0; p < count; p++) {
-        PyObject *code = PyLong_FromLong(pages[p].result);
-        if (code == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, p, code);
-    }
-    return out;
+    return ((const int *)fds)[p];
 }
 
 /* What both calls start with: xxHash bound, the static fields (56 bytes, or None: no
@@ -226,7 +183,8 @@ begin_call(PyObject *store, const char *stem, unsigned long long seq, PyObject *
            PyObject *regions, PyObject *direct, PyObject *static_obj,
            const unsigned char **static_fields, Py_ssize_t *count, XXH3_state_t **state)
 {
-    if (!bound() || !static_arg(static_obj, static_fields)) return NULL;
+    if (!glue_bound(MODULE) || !glue_static_fields(static_obj, 1, MODULE, static_fields))
+        return NULL;
     PyObject *encoded = NULL;
     if (!PyUnicode_FSConverter(store, &encoded)) return NULL;
     Names names = {PyBytes_AS_STRING(encoded), (size_t)PyBytes_GET_SIZE(encoded), stem, seq};
@@ -247,7 +205,7 @@ static PyObject *
 end_call(Page *pages, Py_ssize_t count, XXH3_state_t *state)
 {
     XXH3_freeState(state);
-    PyObject *codes = results_list(pages, count);
+    PyObject *codes = glue_int_list(count, result_at, pages);
     free_pages(pages, count);
     return codes;
 }
@@ -403,16 +361,8 @@ open_pages(PyObject *self, PyObject *args)
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t p = 0; p < count; p++) pages[p].result = open_one(&pages[p], sizes[p], &fds[p]);
         Py_END_ALLOW_THREADS
-        codes = results_list(pages, count);
-        out = codes == NULL ? NULL : PyList_New(count);
-        for (Py_ssize_t p = 0; out != NULL && p < count; p++) {
-            PyObject *fd = PyLong_FromLong(fds[p]);
-            if (fd == NULL) {
-                Py_CLEAR(out);
-                break;
-            }
-            PyList_SET_ITEM(out, p, fd);
-        }
+        codes = glue_int_list(count, result_at, pages);
+        out = codes == NULL ? NULL : glue_int_list(count, fd_at, fds);
         if (out == NULL)
             for (Py_ssize_t p = 0; p < count; p++)
                 if (fds[p] >= 0) close(fds[p]);
@@ -452,8 +402,13 @@ name(PyObject *self, PyObject *args)
     return out;
 }
 
+PyDoc_STRVAR(module_doc,
+"The file backend's per-page loop (open, move, checksum, envelope) in compiled code.");
+
+PyDoc_STRVAR(bind_doc, GLUE_BIND_DOC);
+
 static PyMethodDef methods[] = {
-    {"bind", bind, METH_O, bind_doc},
+    {"bind", glue_bind, METH_O, bind_doc},
     {"name", name, METH_VARARGS, name_doc},
     {"open_pages", open_pages, METH_VARARGS, open_pages_doc},
     {"read_pages", read_pages, METH_VARARGS, read_pages_doc},
@@ -461,18 +416,10 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_pageio",
-    "The file backend's per-page loop (open, move, checksum, envelope) in compiled code.",
-    -1, methods, NULL, NULL, NULL, NULL,
-};
-
 PyMODINIT_FUNC
 PyInit__pageio(void)
 {
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL) return NULL;
-    struct { const char *name; long value; } constants[] = {
+    static const GlueConstant constants[] = {
         {"OK", OK}, {"ABSENT", ABSENT}, {"NOT_REGULAR", NOT_REGULAR},
         {"SIZE_MISMATCH", SIZE_MISMATCH}, {"SHORT_READ", SHORT_READ},
         {"UNVERIFIED", UNVERIFIED}, {"UNPUBLISHED", UNPUBLISHED},
@@ -483,11 +430,6 @@ PyInit__pageio(void)
         {"BODY_BYTES", BODY_BYTES}, {"HEADER_BYTES", HEADER_BYTES}, {"PIECE", PIECE},
         {"MAX_KEY_LENGTH", MAX_KEY_LENGTH}, {"WRITER_WAIT_NS", WRITER_WAIT_NS},
     };
-    for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++) {
-        if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) != 0) {
-            Py_DECREF(m);
-            return NULL;
-        }
-    }
-    return m;
+    return glue_module(MODULE, module_doc, methods, constants,
+                       sizeof constants / sizeof constants[0]);
 }

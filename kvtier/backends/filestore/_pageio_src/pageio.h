@@ -14,24 +14,22 @@
  *   read.c      reading one page under the readers' lock
  *   publish.c   writing one page and publishing it: the protocol described once in
  *               kvtier/backends/filestore/publish.py, and the spare files it recycles
- *   module.c    the Python glue: arguments, the module's functions and constants
- * and, shared with kvtier.core._envelope (one copy of each, in kvtier/_csrc/, kvhash.h):
+ *   module.c    the module's functions: arguments in, codes out
+ * and, shared with kvtier.core._envelope (one copy of each, in kvtier/_csrc/):
  *   blake2b.c   BLAKE2b (RFC 7693), for page names and the keys' envelope digests
  *   xxh.c       the xxHash functions, bound at import to a loaded copy of the library
+ *               (both declared in kvhash.h)
+ *   glue.c      the Python glue both modules need (binding xxHash, the static fields and
+ *               regions arguments, lists of codes, the module object; glue.h)
+ *   envelope_layout.h  the envelope header's layout
  * hatch_build.py compiles them all into the one extension module.
- *
- * Envelope layout (kvtier/core/envelope.py, docs/integrity.md), little-endian:
- *   [0, 56)   the fields every page of a store shares ("static")
- *   [56, 72)  key digest          [72, 80) payload length (u64)
- *   [80, 96)  payload xxh3-128, canonical (big-endian high64 then low64)
- *   [96, 104) xxh3-64 of [0, 96)  then zeros to the end of the slot.
  */
 #ifndef KVTIER_PAGEIO_H
 #define KVTIER_PAGEIO_H
 
-#define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
-#include <Python.h>
+/* The Python glue (and Python.h, first), shared with the core's envelope module. */
+#include "glue.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -47,17 +45,13 @@
 #include <time.h>
 #include <unistd.h>
 
-/* xxHash (bound at import), BLAKE2b and the little-endian helpers, shared with the core's
- * envelope module: kvtier/_csrc/ (on the include path of both builds). */
+/* xxHash (bound at import), BLAKE2b, the little-endian helpers and the envelope's
+ * layout, shared with the core's envelope module: kvtier/_csrc/ (on the include path of
+ * both builds). */
+#include "envelope_layout.h"
 #include "kvhash.h"
 
 /* --- sizes and limits ------------------------------------------------------------- */
-#define STATIC_BYTES 56
-#define DIGEST_AT 56
-#define LENGTH_AT 72
-#define CHECKSUM_AT 80
-#define BODY_BYTES 96
-#define HEADER_BYTES 104
 /* Large pages are hashed piece by piece as they land, while each piece is in cache. */
 #define PIECE (256 * 1024)
 #define MAX_REGIONS 1024 /* IOV_MAX */
@@ -83,8 +77,8 @@ enum {
     IN_PLACE = 11,    /* put: published by overwriting the page's own file under its lock */
     NOT_RECYCLED = 12, /* put: published; the file it replaced (or the spare) had another
                         * link or owner, so it was neither written into nor kept */
-    TEMP_TAKEN = 13,  /* put: not published; its temp name no longer held the file written
-                        * under it (another entry took the name); nothing is left to undo */
+    TEMP_TAKEN = 13,  /* put: nothing of ours published; another entry took its temp name
+                        * before the move (or during it: an exchange was undone) */
 };
 /* Any other (negative) result is -errno of the step that failed; put removed its temp. */
 
@@ -104,9 +98,7 @@ typedef struct {
 static inline uint64_t
 payload_length(const Page *page)
 {
-    uint64_t total = 0;
-    for (Py_ssize_t i = 1; i < page->count; i++) total += (uint64_t)page->buffers[i].len;
-    return total;
+    return glue_payload_length(page->buffers, page->count);
 }
 
 /* --- names (names.c; blake2b() from kvtier/_csrc/blake2b.c) ------------------------ */

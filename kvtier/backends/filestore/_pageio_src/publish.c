@@ -138,32 +138,67 @@ overwrite_in_place(Page *page, XXH3_state_t *state, const unsigned char *static_
     return result == OK ? IN_PLACE : result;
 }
 
-/* Whether something other than a regular file holds path (no writer of pages puts one
- * there: after a rename of ours, it means another entry took our temp name). */
+/* Swap the two names atomically: renameat2(RENAME_EXCHANGE), through glibc's wrapper
+ * where it has one (2.28 and later: the same call an interposed renameat2 sees), else
+ * the system call. 0, or -1 with errno. */
 static int
-not_a_file(const char *path)
+exchange_names(const char *one, const char *other)
 {
+#ifdef RENAME_EXCHANGE
+    return renameat2(AT_FDCWD, one, AT_FDCWD, other, RENAME_EXCHANGE);
+#else
+    return (int)syscall(SYS_renameat2, AT_FDCWD, one, AT_FDCWD, other, 2 /* RENAME_EXCHANGE */);
+#endif
+}
+
+/* Whether path holds a page of this key that another writer published: a regular file
+ * whose envelope starts as the one written into the page's header slot (this store's
+ * static fields, the key's digest, the payload's length). Only with envelopes. */
+static int
+page_of_key(const char *path, const Page *page, int enveloped)
+{
+    if (!enveloped) return 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) return 0;
+    unsigned char head[CHECKSUM_AT];
     struct stat info;
-    return lstat(path, &info) == 0 && !S_ISREG(info.st_mode);
+    int same = fstat(fd, &info) == 0 && S_ISREG(info.st_mode) &&
+               pread(fd, head, sizeof head, 0) == (ssize_t)sizeof head &&
+               memcmp(head, page->buffers[0].buf, sizeof head) == 0;
+    close(fd);
+    return same;
+}
+
+/* Step 4: whether the page's name holds the file written (mine), or a page of the key
+ * another writer published over it in the moment since the move, or nothing (removed
+ * since, by a delete or an eviction): then ours was published, no failure. */
+static int
+moved_in(const Page *page, const struct stat *mine, int enveloped)
+{
+    struct stat now;
+    if (lstat(page->final, &now) != 0) return 1;
+    if (now.st_dev == mine->st_dev && now.st_ino == mine->st_ino) return 1;
+    return S_ISREG(now.st_mode) && page_of_key(page->final, page, enveloped);
 }
 
 /* Steps 2-5 of the protocol (kvtier/backends/filestore/publish.py) for the complete page
  * under ``at`` (the file ``mine`` describes): by exchange where a page is there (the
  * replaced file then becomes the spare), else by rename. Only ``mine`` is published:
- * TEMP_TAKEN, with nothing published, when another entry holds the temp name before the
- * move (step 2), or when a non-file holds the final name after it (step 4; an exchange is
- * then undone). A regular file slipped in within that moment would be published, and
- * refused by its envelope. A page this loop does not publish (a non-file under the final
- * name, which Python removes as debris) goes back to its own temp name: UNPUBLISHED, for
- * FileStore.publish_page to run the same steps in Python. */
+ * TEMP_TAKEN, with nothing of ours published, when another entry holds the temp name
+ * before the move (step 2), or when after it the page's name holds neither ``mine`` nor
+ * another writer's page of the key (step 4: another entry took the temp name between
+ * the check and the move; an exchange is then undone, and after a rename the entry is
+ * left under the page's name, as publish.py explains). A page this loop does not publish
+ * (a non-file under the final name, which Python removes as debris) goes back to its own
+ * temp name: UNPUBLISHED, for FileStore.publish_page to run the same steps in Python. */
 static long
-publish_page(Page *page, const char *at, const struct stat *mine, int exchange, Spare *spare)
+publish_page(Page *page, const char *at, const struct stat *mine, int exchange, int enveloped,
+             Spare *spare)
 {
     if (!names_file(at, mine)) return TEMP_TAKEN; /* step 2 */
-    if (exchange && /* step 3: the exchange */
-        syscall(SYS_renameat2, AT_FDCWD, at, AT_FDCWD, page->final, 2 /* RENAME_EXCHANGE */) == 0) {
-        if (not_a_file(page->final)) { /* step 4: taken between the check and the exchange */
-            syscall(SYS_renameat2, AT_FDCWD, at, AT_FDCWD, page->final, 2);
+    if (exchange && exchange_names(at, page->final) == 0) { /* step 3: the exchange */
+        if (!moved_in(page, mine, enveloped)) { /* step 4: taken before the exchange */
+            exchange_names(at, page->final); /* undone: the old page is back */
             return TEMP_TAKEN;
         }
         struct stat old; /* step 5: what the exchange moved under the temp name */
@@ -178,7 +213,7 @@ publish_page(Page *page, const char *at, const struct stat *mine, int exchange, 
     if (!exchange || errno == ENOENT) { /* step 3: a rename, where no non-file is in the way */
         struct stat there;
         if (!(lstat(page->final, &there) == 0 && !S_ISREG(there.st_mode)) && rename(at, page->final) == 0)
-            return not_a_file(page->final) ? TEMP_TAKEN : OK; /* step 4 */
+            return moved_in(page, mine, enveloped) ? OK : TEMP_TAKEN; /* step 4 */
     }
     /* not published: the bytes go to the page's own temp name, for Python's path */
     if (at != page->path && rename(at, page->path) != 0) {
@@ -238,7 +273,7 @@ put_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int
     }
     /* From here the bytes are complete under ``at`` (steps 2-5 follow); a recycled file is
      * published while still locked, and unlocked (closed) once its name is the page's. */
-    long result = publish_page(page, at, &mine, exchange, spare);
+    long result = publish_page(page, at, &mine, exchange, static_fields != NULL, spare);
     if (recycled) close(fd);
     if (result == OK && page->refused) return NOT_RECYCLED;
     return result;
