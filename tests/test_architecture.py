@@ -1,9 +1,13 @@
 """The design's structural rules, enforced on the source tree.
 
-- Layering: ``core/`` imports nothing above it; ``plugins/`` only ``core/``; backends
-  only ``core/`` and the hook markers; nothing imports the package's face
-  (``kvtier/__init__.py``) from inside the package; the import graph has no cycle, and
-  only the command itself and ``__main__`` entry scripts import ``kvtier.cli``.
+- Layering (DESIGN.md, "Architecture"), on the whole import graph (deferred and
+  ``import_module`` imports count): ``core/`` imports nothing above it; ``plugins/`` only
+  ``core/``; backends and policies only ``core/`` and the hook markers; ``cache/`` nothing
+  from ``integrations/``, ``bench/``, ``cli/`` or ``testing/``; ``integrations/`` nothing
+  from ``bench/``, ``cli/`` or ``testing/``; ``testing/`` nothing from ``bench/`` or
+  ``cli/``. Nothing imports the package's face (``kvtier/__init__.py``) from inside the
+  package; the import graph has no cycle, and only the command itself and ``__main__``
+  entry scripts import ``kvtier.cli``.
 - One construction path: only :mod:`kvtier.core.capabilities` calls a plugin's factory.
 - Privacy: no private module (``_name``) is imported from outside its package.
 - One home per concept: every public error class lives in ``core/errors.py``; every
@@ -14,6 +18,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 from pathlib import Path
 
@@ -29,15 +34,19 @@ SOURCES = sorted(PACKAGE.rglob("*.py"))
 OUTSIDE = sorted(
     path for top in ("tests", "benchmarks", "examples") for path in (ROOT / top).rglob("*.py")
 )
-FORBIDDEN_IN_CORE = (
-    "kvtier.backends",
-    "kvtier.bench",
-    "kvtier.plugins",
-    "kvtier.cache",
-    "kvtier.cli",
-    "kvtier.integrations",
-    "kvtier.testing",
-)
+#: The lower layers: each imports, inside kvtier, only itself and these.
+ONLY = {
+    "kvtier.core": (),
+    "kvtier.plugins": ("kvtier.core", "kvtier._version"),
+    "kvtier.backends": ("kvtier.core", "kvtier.plugins.hookspecs"),
+    "kvtier.policies": ("kvtier.core", "kvtier.plugins.hookspecs"),
+}
+#: The layers on top: each imports none of these (the layers beside or above it).
+NEVER = {
+    "kvtier.cache": ("kvtier.integrations", "kvtier.bench", "kvtier.cli", "kvtier.testing"),
+    "kvtier.integrations": ("kvtier.bench", "kvtier.cli", "kvtier.testing"),
+    "kvtier.testing": ("kvtier.bench", "kvtier.cli"),
+}
 
 
 def _module_name(path: Path) -> str:
@@ -76,39 +85,6 @@ def _imports(path: Path) -> list[str]:
 
 def _in_package(name: str) -> bool:
     return name == "kvtier" or name.startswith("kvtier.")
-
-
-@pytest.mark.parametrize("path", sorted((PACKAGE / "core").rglob("*.py")), ids=lambda p: p.name)
-def test_core_depends_on_nothing_above_it(path: Path) -> None:
-    bad = [name for name in _imports(path) if name.startswith(FORBIDDEN_IN_CORE)]
-    assert not bad, f"kvtier/core/{path.name} imports {bad}; core must stay at the bottom"
-
-
-@pytest.mark.parametrize("path", sorted((PACKAGE / "plugins").rglob("*.py")), ids=lambda p: p.name)
-def test_plugins_depend_only_on_core(path: Path) -> None:
-    bad = [
-        name
-        for name in _imports(path)
-        if _in_package(name)
-        and not name.startswith(("kvtier.core", "kvtier.plugins", "kvtier._version"))
-    ]
-    assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
-
-
-@pytest.mark.parametrize(
-    "path",
-    sorted((PACKAGE / "backends").rglob("*.py")),
-    ids=lambda p: str(p.relative_to(PACKAGE / "backends")),
-)
-def test_backends_use_only_core_and_the_hook_markers(path: Path) -> None:
-    bad = [
-        name
-        for name in _imports(path)
-        if _in_package(name)
-        and not name.startswith(("kvtier.core", "kvtier.backends"))
-        and not name.startswith("kvtier.plugins.hookspecs")
-    ]
-    assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -174,8 +150,10 @@ def _module_of(name: str) -> str | None:
     return None
 
 
+@functools.cache
 def _import_graph() -> dict[str, set[str]]:
-    """Module -> the package modules it imports: at the top, inside a function, or by name."""
+    """Module -> the package modules it imports: at the top, inside a function, or by name
+    (read once per run; callers do not change it)."""
     graph: dict[str, set[str]] = {}
     for name, path in MODULES.items():
         targets = {_module_of(n) for n in (*_imports(path), *_dynamic_imports(path))}
@@ -204,6 +182,63 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str]:
         if node not in state and (cycle := visit(node)):
             return cycle
     return []
+
+
+def _within(name: str, packages: tuple[str, ...]) -> bool:
+    """Whether module ``name`` is one of ``packages`` or inside one."""
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def _upward_imports(graph: dict[str, set[str]], layer: str | None = None) -> list[str]:
+    """Every import that breaks :data:`ONLY` or :data:`NEVER`, as ``module -> target``
+    (of ``layer``'s modules only, when given)."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        home = next((name for name in (*ONLY, *NEVER) if _within(module, (name,))), None)
+        if home is None or (layer is not None and home != layer):
+            continue
+        for target in sorted(targets):
+            if _within(target, (home,)):
+                continue
+            if (home in ONLY and not _within(target, ONLY[home])) or (
+                home in NEVER and _within(target, NEVER[home])
+            ):
+                bad.append(f"{module} -> {target}")
+    return bad
+
+
+def test_the_layer_rule_catches_an_upward_import() -> None:
+    graph = {
+        "kvtier.core.io": {"kvtier.core.errors", "kvtier.plugins.registry"},
+        "kvtier.plugins.manager": {"kvtier.core.specs", "kvtier._version"},
+        "kvtier.backends.file.backend": {"kvtier.plugins.hookspecs", "kvtier.cache.chain"},
+        "kvtier.policies.slru": {"kvtier.plugins.manager"},
+        "kvtier.cache.tiered": {"kvtier.plugins.registry", "kvtier.integrations.section"},
+        "kvtier.integrations.vllm.worker": {"kvtier.cache", "kvtier.testing.faults"},
+        "kvtier.testing.kit": {"kvtier.cache", "kvtier.bench.single"},
+        "kvtier.bench.single": {"kvtier.testing.content", "kvtier.integrations"},
+        "kvtier.corex": {"kvtier.cli"},  # not kvtier.core: no rule
+    }
+    assert _upward_imports(graph) == [
+        "kvtier.backends.file.backend -> kvtier.cache.chain",
+        "kvtier.cache.tiered -> kvtier.integrations.section",
+        "kvtier.core.io -> kvtier.plugins.registry",
+        "kvtier.integrations.vllm.worker -> kvtier.testing.faults",
+        "kvtier.policies.slru -> kvtier.plugins.manager",
+        "kvtier.testing.kit -> kvtier.bench.single",
+    ]
+
+
+@pytest.mark.parametrize("layer", [*ONLY, *NEVER])
+def test_no_layer_imports_one_above_it(layer: str) -> None:
+    assert any(_within(module, (layer,)) for module in MODULES), f"no modules in {layer}"
+    bad = _upward_imports(_import_graph(), layer)
+    allowed = (
+        f"only {', '.join(ONLY[layer]) or 'itself'}"
+        if layer in ONLY
+        else f"nothing from {', '.join(NEVER[layer])}"
+    )
+    assert not bad, f"{layer} imports upward: {bad}; it may import {allowed} (DESIGN.md)"
 
 
 def test_the_import_graph_has_no_cycle() -> None:

@@ -1,10 +1,11 @@
 """Every engine path bounds its backend calls: a backend that hangs never hangs the engine.
 
 The page store carries the bound (``backend_call_timeout_s``), so the vLLM connector's
-CPU worker and scheduler and the SGLang adapter get it as TieredCache does
-(``tests/test_cache_bounded.py``). Each test hangs one backend call forever (until
-teardown) and shows the engine's call returns within the bound, the batch failed and the
-failure counted under the page store's names (``backend_timeouts_<operation>``).
+CPU worker, accelerator worker (a TieredCache) and scheduler and the SGLang adapter get it
+as TieredCache does (``tests/test_cache_bounded.py``). Each test hangs one backend call
+forever (until teardown) and shows the engine's call returns within the bound, the batch
+failed and the failure counted under the page store's names
+(``backend_timeouts_<operation>``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvtier.plugins.registry import Registry
 
 BOUND = 0.3
 SLACK = 2.0  # what a shared 2-core CI host may add to a bound
+JOIN = 20.0  # waits that end when the work does: a bug fails, never hangs
 
 
 @pytest.fixture
@@ -112,6 +114,81 @@ def test_vllm_scheduler_lookup_returns_within_the_bound(
     finally:
         backend.release.set()
         store.close()
+
+
+# --- vLLM: the accelerator worker (a TieredCache over vLLM's blocks) --------------------
+
+
+def _device_worker(registry: Registry) -> Any:
+    from test_vllm_device_path import BLOCKS, INDEX, _caches, _kv_cache_config, _vllm_config
+
+    from kvtier.integrations.vllm import VLLMSection
+    from kvtier.integrations.vllm.device_worker import DeviceWorkerSide
+    from kvtier.integrations.vllm.plan import resolve_plan
+
+    settings = VLLMSection(backend="shared", backend_call_timeout_s=BOUND)
+    plan = resolve_plan(_vllm_config("cuda"), _kv_cache_config(), settings, registry, tp_rank=0)
+    worker = DeviceWorkerSide(plan, settings)
+    worker.register(_caches("nhd", "cpu"), INDEX, BLOCKS)
+    return worker
+
+
+def test_vllm_device_worker_loads_and_stores_return_within_the_bound(
+    backend: HangingBackend, registry: Registry
+) -> None:
+    from test_vllm_device_path import NAMES, _step_save
+
+    from kvtier.integrations.vllm.messages import PageOp
+
+    first = _device_worker(registry)
+    try:
+        _step_save(first, [PageOp("r", ["k0", "k1"], [1, 2], 0)])
+        assert first.flush(JOIN)
+        assert first.take_report().stored == {"k0": 1, "k1": 1}
+    finally:
+        first.close()  # the pages stay in the backend; a new worker has none in its host pool
+
+    worker = _device_worker(registry)
+    try:
+        backend.hang.add("get")
+        t0 = time.monotonic()
+        worker.start_loads([PageOp("q", ["k0", "k1"], [4, 5], 0)])  # start_load_kv
+        for name in NAMES:
+            worker.wait_layer(name)  # wait_for_layer_load
+        _quickly(t0)
+        assert worker.take_load_errors() == {4, 5}  # vLLM recomputes them
+
+        backend.hang.add("exists")
+        t0 = time.monotonic()
+        worker.start_loads([PageOp("e", ["k0"], [6], 0)])
+        for name in NAMES:
+            worker.wait_layer(name)
+        _quickly(t0)
+        assert worker.take_load_errors() == {6}
+
+        backend.hang.add("put")
+        t0 = time.monotonic()
+        _step_save(worker, [PageOp("s", ["k2"], [3], 0)])  # save_kv_layer, wait_for_save
+        done = worker.finished({"s"})  # get_finished, each step until the host copy is done
+        while not done and time.monotonic() - t0 < BOUND + SLACK:
+            time.sleep(0.01)
+            done = worker.finished(set())
+        assert done == {"s"}  # vLLM frees the block: the storage write needs it no more
+        _quickly(t0)
+        t0 = time.monotonic()
+        assert worker.flush(JOIN)  # the storage write fails within the bound
+        _quickly(t0)
+        # never reported stored: the scheduler must not promise a page storage lacks
+        assert worker.take_report().stored == {}
+        stats = worker.stats()
+        for op in ("exists", "get", "put"):
+            assert stats[f"cache_page_store_backend_timeouts_{op}"] == 1, op
+        assert stats["cache_failures_backend_timeout"] == 2 + 1 + 1  # pages: get, exists, put
+        assert stats["cache_storage_pages_written"] == 0
+        assert stats["load_failed_pages"] == 2 and stats["load_skipped_pages"] == 1
+    finally:
+        backend.release.set()
+        worker.close()
 
 
 # --- SGLang ----------------------------------------------------------------------------

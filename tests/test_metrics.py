@@ -20,6 +20,8 @@ from kvtier.backends.memory import MemoryConfig
 from kvtier.backends.memory.backend import MemoryBackend
 from kvtier.cache import TieredCache
 from kvtier.core.envelope import Rejection
+from kvtier.core.errors import UnknownNameError
+from kvtier.core.metrics import Cause
 
 pytest.importorskip("prometheus_client", reason="needs the 'prometheus' extra")
 from prometheus_client.parser import text_string_to_metric_families
@@ -255,12 +257,7 @@ def test_every_path_reports_registered_counters_only(tmp_path: Path) -> None:
     from kvtier.integrations.vllm.worker import WorkerSide
 
     store_names = set(counter_names("page_store"))
-    cache = make_cache(cache_registry())
-    try:
-        load_and_check(cache, put_pages(cache, range(16)))
-        assert set(cache.stats()["page_store"]) <= store_names
-    finally:
-        cache.close()
+    _tiered_cache_reports_registered_counters_only(tmp_path)
 
     plan = _plan("file", {"root": str(tmp_path / "pages")})
     worker = WorkerSide(plan, VLLMSection(backend="file"))
@@ -282,6 +279,145 @@ def test_every_path_reports_registered_counters_only(tmp_path: Path) -> None:
     assert {"kvtier_page_rejections_total", "kvtier_backend_stat"} <= store_series
     side = SchedulerSide(plan, VLLMSection(backend="file"), cache_registry_store())
     assert set(side.stats()) == set(counter_names("vllm_scheduler"))
+
+
+# What TieredCache.stats() holds besides counters: rates, gauges, settings, the backend's
+# own numbers (exported by name as kvtier_backend_stat), and the page store's bounded-call
+# view ``backend_calls`` (its timed_out / refused repeat the page store's registered
+# backend_timeouts / backend_refused; its late_returns is not registered yet).
+_NOT_REGISTERED = (
+    ("host", "hit_rate"),
+    ("host", "pages"),
+    ("storage", "hit_rate"),
+    ("bandwidth_bytes_per_s",),
+    ("latency_seconds",),
+    ("page_bytes",),
+    ("failures_total",),  # the sum of failures_<cause>
+    ("queues",),
+    ("backend",),
+    ("backend_calls",),
+    ("policies",),
+    ("tiers", "*", "tier"),
+    ("tiers", "*", "capacity_bytes"),
+    ("tiers", "*", "occupancy_bytes"),
+    ("tiers", "*", "queue_depth"),
+    ("tenants", "*", "quota_bytes"),
+    ("tenants", "*", "bytes"),
+    ("events", "subscribers"),
+)
+_CACHE_PARTS = ("host", "storage", "pages", "bytes", "busy_seconds", "failures")
+
+
+def _numbers(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """Every number in a stats() dict, by path (list items and tenants as ``*``)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _numbers(item, (*path, "*" if path == ("tenants",) else str(key)))
+    elif isinstance(value, list):
+        for item in value:
+            yield from _numbers(item, (*path, "*"))
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield path, value
+
+
+def _registered_as(path: tuple[str, ...]) -> tuple[str, str] | None:
+    """(who counts it, its registered name) for a counter of stats(), as
+    docs/operating.md's READ_AT says; None for what is listed as no counter."""
+    if any(path[: len(prefix)] == prefix for prefix in _NOT_REGISTERED):
+        return None
+    if len(path) == 2 and path[0] in _CACHE_PARTS:
+        return "tiered_cache", "_".join(path)
+    if path[0] == "page_store" or path[:3] == ("tiers", "*", "store"):
+        return "page_store", path[-1]
+    if path[:2] == ("tiers", "*") and len(path) == 3:
+        return "storage_tier", path[2]
+    if path == ("tenants", "*", "quota_evictions"):
+        return "storage_chain", "tenant_quota_evictions"
+    if path[0] == "events":
+        return "storage_chain", f"events_{path[1]}"
+    raise AssertionError(f"stats(){path}: a number that is no registered counter")
+
+
+def _reported(stats: dict[str, Any]) -> dict[str, set[str]]:
+    """The registered names a TieredCache's stats() reports, by who counts them."""
+    from kvtier.core.metrics import counter_names
+
+    out: dict[str, set[str]] = {}
+    for path, _ in _numbers(stats):
+        named = _registered_as(path)
+        if named is not None:
+            counted_by, name = named
+            assert name in counter_names(counted_by), (path, name, counted_by)
+            out.setdefault(counted_by, set()).add(name)
+    return out
+
+
+class _Refusing(MemoryBackend):
+    """Stores nothing: every page put fails (a ``storage_put`` failure)."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryConfig())
+
+    def put(self, keys: Any, pages: Any) -> list[bool]:
+        return [False] * len(keys)
+
+
+def _tiered_cache_reports_registered_counters_only(tmp_path: Path) -> None:
+    """Two tiers and a tenant (every tier and tenant counter), then a cache whose storage
+    refuses pages (a failure by cause): every number of stats() is a registered counter
+    or listed as none, and every registered counter is reported."""
+    from test_tiers import _file, _open
+
+    from kvtier.core.metrics import zeroed
+
+    cache = _open(
+        [_file(tmp_path / "fast"), _file(tmp_path / "slow")],
+        config={"tenants": {"team-a": {"quota_bytes": 1 << 20}}},
+    )
+    try:
+        keys = put_pages(cache, range(16))
+        assert load_and_check(cache, keys) == 4
+        reported = _reported(cache.stats())
+    finally:
+        cache.close()
+    # each counter from the start (a family's members once they count, if it has a total;
+    # a failure's cause once it fails)
+    assert set(reported) == {"page_store", "tiered_cache", "storage_tier", "storage_chain"}
+    failures = {f"failures_{cause.value}" for cause in Cause}
+    for counted_by, names in reported.items():
+        assert names == set(zeroed(counted_by)) - failures, counted_by
+
+    refusing = make_cache(cache_registry(), instance=_Refusing())
+    try:
+        put_pages(refusing, range(16))
+        assert refusing.flush(JOIN)
+        stats = refusing.stats()
+    finally:
+        refusing.close()
+    assert stats["failures"] == {"storage_put": 4}
+    assert reported["tiered_cache"] | {"failures_storage_put"} == _reported(stats)["tiered_cache"]
+
+
+def test_a_tiered_cache_counts_registered_names_only() -> None:
+    from kvtier.cache.stats import CacheStats
+
+    stats = CacheStats()
+    with pytest.raises(UnknownNameError, match="tiered_cache counter") as info:
+        stats.add("host_hit")  # a typo of a registered name
+    assert info.value.value == "host_hit" and "host_hits" in str(info.value)
+    with pytest.raises(UnknownNameError, match="'failures_tired'"):
+        stats.fail("tired")
+    with pytest.raises(UnknownNameError, match="'bytes_sideways'"):
+        stats.busy("sideways", 0.5, 10)
+    stats.add("host_hits", 3)
+    stats.busy("storage_read", 0.5, 10)
+    for cause in Cause:
+        stats.fail(cause.value, 2)
+    snap = stats.snapshot()
+    assert snap["host"]["hits"] == 3 and snap["bytes"]["storage_read"] == 10
+    assert snap["bandwidth_bytes_per_s"]["storage_read"] == 20.0
+    assert snap["failures"] == {cause.value: 2 for cause in Cause}
+    assert snap["failures_total"] == 2 * len(Cause)
 
 
 def cache_registry_store() -> Any:

@@ -5,7 +5,12 @@ are in tests/test_tiers_mooncake.py): a page stored goes to the first tier at on
 to the write-through tiers below on the chain's worker; a lookup takes the longest prefix
 across the tiers; a hit in a lower tier is served and promoted; a page that fails
 verification in one tier is asked of the next; a tier that hangs is bypassed within the
-bound; every move is an event; a mistake in a tier's config names the tier.
+bound; every move is an event; a mistake in a tier's config names the tier. Then what
+the chain promises around evictions: a running load's pages are pinned through a
+promotion, every eviction above a ``write: back`` tier hands the page down, a lookup can
+ask whether a promotion is pending, admission counts hits, quotas survive a restart, the
+cascade queue is bounded in pages, and the Prometheus exposition has every tier and
+tenant series.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from test_cache import (
     load_and_check,
     put_pages,
     shared_backend,
+    slots,
 )
 from test_cache_bounded import HangingBackend
 
@@ -32,6 +38,7 @@ from kvtier.core.config import load_engine_config
 from kvtier.core.device_pool import TorchDevicePool
 from kvtier.core.errors import ConfigError, UnknownKeyError, UnknownNameError
 from kvtier.plugins.registry import Registry
+from kvtier.testing.content import check_pages
 
 
 def _open(
@@ -174,24 +181,30 @@ def test_a_hung_lower_tier_never_blocks_the_first(tmp_path: Path) -> None:
 
 
 def test_a_full_cascade_queue_drops_and_counts(tmp_path: Path) -> None:
+    """The queue holds ``tier_queue_pages`` pages (a public option), counted per target
+    tier; beyond it pages are dropped and counted, and the first tier keeps everything."""
     hanging = HangingBackend()
     hanging.hang.add("put")
     registry = shared_backend(hanging)
     cache = _open(
         [_file(tmp_path / "fast"), {"backend": "shared"}],
         registry,
-        options={"backend_call_timeout_s": 30.0},
+        options={"backend_call_timeout_s": 30.0, "tier_queue_pages": 8},
     )
     try:
-        for start in range(0, 40 * 16, 16):  # far more batches than the queue holds
-            cache.page_store._queue.maxsize = 2  # a tiny queue for the test
+        for start in range(0, 40 * 16, 16):  # 40 batches of 4 pages: far more than 8 pages
             put_pages(cache, range(start, start + 16), start=start // 16 % 8)
-        assert cache.stats()["tiers"][1]["drops"] > 0
+        tiers = cache.stats()["tiers"]
+        # the worker holds the first batch in the hung put, one more waits: 8 pages queued
+        assert [t["queue_depth"] for t in tiers] == [0, 8]
+        assert tiers[1]["drops"] == 40 * 4 - 8
         keys = cache.keys(list(range(16)))
         assert _tier_has(cache, 0, keys) == [True] * 4  # the first tier kept everything
     finally:
         hanging.release.set()
         cache.close()
+    with pytest.raises(ConfigError, match="tier_queue_pages"):
+        _open([_file(tmp_path / "x")], options={"tier_queue_pages": 0})
 
 
 def test_tier_mistakes_name_the_tier(tmp_path: Path) -> None:
@@ -333,3 +346,267 @@ def test_kvtier_backends_lists_the_policies(capsys: pytest.CaptureFixture[str]) 
     kinds = {entry["name"]: entry["kind"] for entry in report["policies"]}
     assert kinds["lru"] == "eviction" and kinds["frequency"] == "admission"
     assert {"slru", "prefix"} <= set(kinds)
+
+
+# --- pins, write-back on every eviction, "not yet", admission after hits ------------------
+
+
+def _capacity(pages: int) -> int:
+    """Bytes of ``pages`` stored pages (envelope slot and payload) of GEOMETRY."""
+    return pages * (load_engine_config(GEOMETRY).geometry().bytes_per_page + 4096)
+
+
+def _chain_get(cache: TieredCache, keys: list[str]) -> list[bool]:
+    """A lookup straight through the chain into spare host pages (as an engine adapter
+    reads), bypassing the host pool's index."""
+    pages = cache.host_pool.allocate(len(keys))
+    try:
+        return list(cache.page_store.get(keys, pages))
+    finally:
+        cache.host_pool.free(pages)
+
+
+def test_a_running_load_keeps_its_pages_through_a_promotion(tmp_path: Path) -> None:
+    """A prefetched prefix, held by its handle, stays in a full first tier while a lower
+    tier's hit is promoted into it; released, it leaves for the next promotion."""
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    tiers = [_file(fast, capacity_bytes=_capacity(4)), _file(slow)]
+    with _open(tiers) as first:
+        other = put_pages(first, range(16))
+        assert first.page_store.flush(JOIN)  # cascaded before the first tier evicts it
+        held = put_pages(first, range(100, 116), start=4)  # the first tier: held only
+        assert first.flush(JOIN) and first.page_store.flush(JOIN)
+        assert _tier_has(first, 0, held) == [True] * 4
+        assert _tier_has(first, 0, other) == [False] * 4
+    with _open(tiers) as cache:  # an empty host pool: loads read the tiers
+        handle = cache.prefetch(held)
+        assert handle.wait(JOIN) == 4 and handle.storage_hits == 4
+        assert load_and_check(cache, other) == 4  # from the slow tier, promoted
+        assert cache.page_store.flush(JOIN)
+        assert _tier_has(cache, 0, held) == [True] * 4  # the load's pages stayed
+        assert _tier_has(cache, 0, other) == [False] * 4  # the promotion found no room
+        assert cache.stats()["tiers"][0]["promotions"] == 0
+        where = slots(40, 4, cache.geometry.page_size)
+        assert cache.load(handle, where) == 4  # loading every layer releases the handle
+        assert all(check_pages(cache.device_pool, held, where))
+        assert len(cache.page_store.pins) == 0
+        assert _chain_get(cache, other) == [True] * 4  # promoted again: room now
+        assert cache.page_store.flush(JOIN)
+        assert _tier_has(cache, 0, other) == [True] * 4
+        assert cache.stats()["tiers"][0]["promotions"] == 4
+
+
+def test_a_promotion_into_a_full_tier_above_write_back_loses_nothing(tmp_path: Path) -> None:
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    tiers = [_file(fast, capacity_bytes=_capacity(4)), {**_file(slow), "write": "back"}]
+    with _open(tiers) as first:
+        old = put_pages(first, range(16))
+        new = put_pages(first, range(100, 116), start=4)  # writes `old` back
+        assert first.flush(JOIN) and first.page_store.flush(JOIN)
+        assert _tier_has(first, 0, new) == [True] * 4 and _tier_has(first, 1, old) == [True] * 4
+        assert _tier_has(first, 1, new) == [False] * 4
+    with _open(tiers) as cache:
+        assert load_and_check(cache, old) == 4  # from the back tier, promoted up
+        assert cache.page_store.flush(JOIN)
+        assert _tier_has(cache, 0, old) == [True] * 4
+        assert _tier_has(cache, 1, new) == [True] * 4  # the promotion's victims went down
+        tiers_now = cache.stats()["tiers"]
+        assert tiers_now[0]["promotions"] == 4 and tiers_now[0]["evictions"] == 4
+        assert tiers_now[1]["cascades"] == 4 and tiers_now[1]["drops"] == 0
+        assert load_and_check(cache, new) == 4  # nothing lost (promoted back in its turn)
+        assert cache.page_store.flush(JOIN)
+        assert _tier_has(cache, 1, old + new) == [True] * 8
+        assert cache.stats()["tiers"][1]["drops"] == 0
+
+
+def test_a_write_back_tier_below_the_second_receives_its_evictions(tmp_path: Path) -> None:
+    tiers = [
+        _file(tmp_path / "a", capacity_bytes=_capacity(4)),
+        _file(tmp_path / "b", capacity_bytes=_capacity(4)),
+        {**_file(tmp_path / "c"), "write": "back"},
+    ]
+    with _open(tiers) as cache:
+        old = put_pages(cache, range(16))
+        assert cache.page_store.flush(JOIN)  # cascaded before the first tier evicts it
+        new = put_pages(cache, range(100, 116), start=4)
+        assert cache.flush(JOIN) and cache.page_store.flush(JOIN)
+        assert _tier_has(cache, 1, new) == [True] * 4
+        assert _tier_has(cache, 1, old) == [False] * 4
+        assert _tier_has(cache, 2, old) == [True] * 4  # handed down by the second tier
+        assert _tier_has(cache, 2, new) == [False] * 4  # back, not through
+        tiers_now = cache.stats()["tiers"]
+        assert tiers_now[1]["evictions"] == 4 and tiers_now[2]["cascades"] == 4
+        assert tiers_now[2]["drops"] == 0
+
+
+def test_write_back_under_a_tier_without_capacity_is_refused(tmp_path: Path) -> None:
+    from kvtier.core.errors import UnsupportedCombinationError
+
+    device = TorchDevicePool(load_engine_config(GEOMETRY).geometry(), 16)
+    config = {
+        **GEOMETRY,
+        "tiers": [_file(tmp_path / "a"), {**_file(tmp_path / "b"), "write": "back"}],
+    }
+    with pytest.raises(
+        UnsupportedCombinationError,
+        match=r"(?s)tiers\[1\]\.write: 'back'.*tiers\[0\]\.extra_config",
+    ):
+        TieredCache.open(config, device, registry=cache_registry())
+
+
+def test_pending_says_which_pages_are_being_promoted(tmp_path: Path) -> None:
+    """While a promotion is queued or being written, ``pending`` says so (an engine's
+    lookup answers "ask again"); the queue depth counts its pages on its target tier."""
+    hanging = HangingBackend()
+    registry = shared_backend(hanging)
+    cache = _open(
+        [{"backend": "shared"}, _file(tmp_path / "slow")],
+        registry,
+        options={"backend_call_timeout_s": 30.0},
+    )
+    try:
+        chain = cache.page_store
+        keys = put_pages(cache, range(16))
+        others = cache.keys(list(range(100, 116)))
+        assert chain.flush(JOIN) and _tier_has(cache, 1, keys) == [True] * 4
+        chain.tiers[0].store.delete(keys)  # only the lower tier holds them now
+        assert chain.pending(keys) == [False] * 4
+        hanging.hang.add("put")
+        puts = hanging.entered.get("put", 0)
+        assert _chain_get(cache, keys) == [True] * 4  # served from the lower tier
+        deadline = time.monotonic() + JOIN
+        while hanging.entered.get("put", 0) == puts and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert chain.pending(keys) == [True] * 4  # the promotion's put is running
+        assert chain.pending(others) == [False] * 4
+        assert [t["queue_depth"] for t in cache.stats()["tiers"]] == [4, 0]
+        hanging.release.set()
+        assert chain.flush(JOIN)
+        assert chain.pending(keys) == [False] * 4
+        assert _tier_has(cache, 0, keys) == [True] * 4
+        assert [t["queue_depth"] for t in cache.stats()["tiers"]] == [0, 0]
+    finally:
+        hanging.release.set()
+        cache.close()
+
+
+def test_frequency_admission_admits_a_page_after_hits(tmp_path: Path) -> None:
+    """``min_hits: 2``: the cascade's offer is the first sight (refused); a hit in the tier
+    above is the second, and the page is offered again and admitted. A page never hit
+    stays out."""
+    cache = _open(
+        [
+            _file(tmp_path / "fast"),
+            {**_file(tmp_path / "slow"), "admission": {"policy": "frequency", "min_hits": 2}},
+        ]
+    )
+    try:
+        hit = put_pages(cache, range(16))
+        cold = put_pages(cache, range(100, 116), start=4)
+        assert cache.flush(JOIN) and cache.page_store.flush(JOIN)
+        assert _tier_has(cache, 1, hit + cold) == [False] * 8
+        assert cache.stats()["tiers"][1]["admission_refused"] == 8
+        assert _chain_get(cache, hit) == [True] * 4  # served by the first tier
+        assert cache.page_store.flush(JOIN)
+        assert _tier_has(cache, 1, hit) == [True] * 4
+        assert _tier_has(cache, 1, cold) == [False] * 4
+        tiers = cache.stats()["tiers"]
+        assert tiers[1]["cascades"] == 4 and tiers[1]["admission_refused"] == 8
+    finally:
+        cache.close()
+
+
+def test_quotas_count_the_pages_stored_before_a_restart(tmp_path: Path) -> None:
+    quota = _capacity(4)
+    tiers = [_file(tmp_path / "pages")]
+    tenants = {"tenants": {"team-a": {"quota_bytes": quota}}}
+    with _open(tiers, config=tenants) as first:
+        before = first.keys(list(range(16)), tenant="team-a")
+        fill_and_backup(first, before)
+        assert first.flush(JOIN)
+    with _open(tiers, config=tenants) as cache:
+        assert cache.stats()["tenants"]["team-a"]["bytes"] == [quota]  # the rebuilt index
+        after = cache.keys(list(range(100, 116)), tenant="team-a")
+        fill_and_backup(cache, after)
+        assert cache.flush(JOIN)
+        assert _tier_has(cache, 0, before) == [False] * 4  # its own older pages made room
+        assert _tier_has(cache, 0, after) == [True] * 4
+        tenant = cache.stats()["tenants"]["team-a"]
+        assert tenant["bytes"] == [quota] and tenant["quota_evictions"] == 4
+
+
+def test_prometheus_has_every_tier_and_tenant_series(tmp_path: Path) -> None:
+    """A two-tier, one-tenant cache's exposition: each ``kvtier_tier_*`` series for both
+    tiers and each ``kvtier_tenant_*`` series for the tenant, with the values the run
+    implies."""
+    pytest.importorskip("prometheus_client", reason="needs the 'prometheus' extra")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvtier.cache.metrics import identity_of
+
+    quota = _capacity(4)
+    page = _capacity(1)  # a stored page: its envelope slot and payload
+    cache = _open(
+        [_file(tmp_path / "fast"), _file(tmp_path / "slow")],
+        config={"tenants": {"team-a": {"quota_bytes": quota}}},
+    )
+    try:
+        first = cache.keys(list(range(16)), tenant="team-a")
+        fill_and_backup(cache, first)
+        assert cache.page_store.flush(JOIN)
+        second = cache.keys(list(range(100, 116)), tenant="team-a")
+        fill_and_backup(cache, second)  # over the quota in each tier: `first` goes
+        assert cache.flush(JOIN) and cache.page_store.flush(JOIN)
+        assert _chain_get(cache, second) == [True] * 4  # 4 hits in the first tier
+        samples: dict[str, dict[tuple[str, ...], float]] = {}
+        identity = identity_of(cache.plan)
+        assert identity["tenant"] == ""  # the cache's own namespace has no tenant
+        for family in text_string_to_metric_families(cache.prometheus_text()):
+            for sample in family.samples:
+                labels = dict(sample.labels)
+                tier = labels.pop("tier", None)
+                if sample.name.startswith("kvtier_tier_"):
+                    assert labels == identity and tier is not None, sample
+                    samples.setdefault(sample.name, {})[(tier,)] = sample.value
+                elif sample.name.startswith("kvtier_tenant_"):
+                    # the tenant's name is the identity's tenant label
+                    assert labels == {**identity, "tenant": "team-a"}, sample
+                    where = ("team-a",) if tier is None else (tier, "team-a")
+                    samples.setdefault(sample.name, {})[where] = sample.value
+    finally:
+        cache.close()
+    from kvtier.core.metrics import COUNTERS
+
+    fast, slow = ("0:file",), ("1:file",)
+    expected_tier = {"hits", "misses"} | {spec.name for spec in COUNTERS["storage_tier"]}
+    assert {f"kvtier_tier_{n}_total" for n in expected_tier} | {
+        "kvtier_tier_queue_depth",
+        "kvtier_tier_occupancy_bytes",
+    } == {name for name in samples if name.startswith("kvtier_tier_")}
+    for name, by_tier in samples.items():
+        if name.startswith("kvtier_tier_"):
+            assert set(by_tier) == {fast, slow}, name
+    values = {name: by_tier for name, by_tier in samples.items()}
+    assert values["kvtier_tier_hits_total"] == {fast: 4, slow: 0}
+    assert values["kvtier_tier_misses_total"] == {fast: 0, slow: 0}
+    assert values["kvtier_tier_get_calls_total"] == {fast: 1, slow: 0}
+    assert values["kvtier_tier_get_seconds_total"][fast] > 0
+    assert values["kvtier_tier_cascades_total"] == {fast: 0, slow: 8}
+    assert values["kvtier_tier_quota_evictions_total"] == {fast: 4, slow: 4}
+    assert values["kvtier_tier_evictions_total"] == {fast: 4, slow: 4}
+    assert values["kvtier_tier_written_bytes_total"] == {fast: 8 * page, slow: 8 * page}
+    # what the first tier served (4 pages) and what the cascades read back from it (8)
+    assert values["kvtier_tier_read_bytes_total"] == {fast: 12 * page, slow: 0}
+    for name in ("promotions", "drops", "failures", "admission_refused"):
+        assert values[f"kvtier_tier_{name}_total"] == {fast: 0, slow: 0}, name
+    assert values["kvtier_tier_queue_depth"] == {fast: 0, slow: 0}
+    assert values["kvtier_tier_occupancy_bytes"] == {fast: quota, slow: quota}
+    assert {name for name in samples if name.startswith("kvtier_tenant_")} == {
+        "kvtier_tenant_bytes",
+        "kvtier_tenant_quota_evictions_total",
+    }
+    assert values["kvtier_tenant_bytes"] == {
+        ("0:file", "team-a"): quota,
+        ("1:file", "team-a"): quota,
+    }
+    assert values["kvtier_tenant_quota_evictions_total"] == {("team-a",): 8}

@@ -3,11 +3,13 @@
 Pages land in both tiers; a restart with the file tier emptied hits from Mooncake and
 promotes into the file tier; a bit flipped in the file tier is served from Mooncake and
 counted; killing the master mid-run leaves the cache serving from the file tier with
-nothing wrong. Without Mooncake the tests skip, and fail under KVTIER_REQUIRE_MOONCAKE=1.
+nothing wrong; a full Mooncake tier's capacity never evicts a pinned page. Without
+Mooncake the tests skip, and fail under KVTIER_REQUIRE_MOONCAKE=1.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 import pytest
 from test_cache import JOIN, cache_registry, load_and_check, put_pages
 from test_mooncake import mooncake_master  # noqa: F401 - the session master fixture
-from test_tiers import _evict_host, _file, _open, _tier_has
+from test_tiers import _capacity, _chain_get, _evict_host, _file, _open, _tier_has
 
 from kvtier.cache import TieredCache
 from kvtier.cache.events import EventKind
@@ -106,5 +108,38 @@ def test_killing_the_master_leaves_the_file_tier_serving(tmp_path: Path) -> None
             assert failed["failures"] + failed["store"]["put_failures"] >= 1
         finally:
             cache.close()
+    finally:
+        master.close()
+
+
+def test_pinned_pages_stay_in_a_full_mooncake_tier(tmp_path: Path) -> None:
+    """Mooncake's capacity (this client's occupancy) evicts through the tier's policy and
+    the chain's pins: a promotion into a full Mooncake tier takes no pinned page. (A
+    master of its own, whose read leases last 200 ms: a page the cascade read back is
+    removable soon after.)"""
+    master = MooncakeMaster(storage_node_bytes=64 << 20, lease_ttl_ms=200).start()
+    try:
+        tiers = [_mooncake(master.address, capacity_bytes=_capacity(4)), _file(tmp_path / "f")]
+        with _open(tiers, cache_registry()) as cache:
+            chain = cache.page_store
+            other = put_pages(cache, range(16))
+            assert chain.flush(JOIN)  # cascaded into the file tier before Mooncake evicts it
+            time.sleep(0.3)  # the cascade's read lease is over
+            held = put_pages(cache, range(100, 116), start=4)
+            assert cache.flush(JOIN) and chain.flush(JOIN)
+            assert _tier_has(cache, 0, held) == [True] * 4
+            assert _tier_has(cache, 0, other) == [False] * 4
+            chain.pin(held)  # a running load's pages (as TieredCache's prefetch pins them)
+            assert _chain_get(cache, other) == [True] * 4  # from the file tier, promoted
+            assert chain.flush(JOIN)
+            assert _tier_has(cache, 0, held) == [True] * 4  # no room was taken from them
+            assert _tier_has(cache, 0, other) == [False] * 4
+            chain.unpin(held)
+            time.sleep(0.3)  # (and that of `held`, read back for the file tier)
+            assert _chain_get(cache, other) == [True] * 4
+            assert chain.flush(JOIN)
+            assert _tier_has(cache, 0, other) == [True] * 4  # unpinned: room now
+            assert _tier_has(cache, 0, held) == [False] * 4
+            assert cache.stats()["tiers"][0]["promotions"] == 4
     finally:
         master.close()

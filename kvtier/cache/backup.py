@@ -133,7 +133,7 @@ class Backups:
         else:
             targets, existing = self._layer_targets(handle, keys)
         handle.pages_cached = len(existing)
-        ctx.stats.add("backup_already_cached", len(existing))
+        ctx.stats.add("pages_backup_already_cached", len(existing))
         batch_pages = ctx.options.batch_pages
         # Copy in batches, so write_through's storage writes of one batch overlap with
         # the device -> host copy of the next.

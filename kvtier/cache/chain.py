@@ -9,15 +9,24 @@ a chain of one behaves as its page store did, and more tiers change nothing upst
 - **put** stores into the first tier, in the caller's call. Pages then cascade down on a
   worker, read back from the tier above into a staging pool: into each tier whose
   ``write`` is ``through`` (through its admission policy), and into a ``back`` tier only
-  when the tier above evicts them to make room. The cascade queue is bounded: a slow or
-  full lower tier drops pages (counted), it never blocks the tier above.
+  when the tier above evicts them to make room. The cascade queue is bounded in pages: a
+  slow or full lower tier drops pages (counted), it never blocks the tier above.
 - **get** reads each page from the first tier that holds a valid copy: a page missing,
   or failing verification, in one tier is asked of the next. A page found in a lower tier
   whose ``promote`` is on is copied into staging and written up into the tiers above
   (through their admission) on the worker; a full staging pool drops the promotion.
+  :meth:`StorageChain.pending` says which pages have a promotion queued or running.
 - **exists** answers whether any tier holds the page. A tier that fails a call (a hung
   backend, a master gone) counts as not holding the pages and is counted; the others
   keep serving.
+- **pins** (:class:`~kvtier.cache.pins.PinSet`): no tier evicts a pinned page, neither
+  the chain's own victim choices nor a backend's capacity (both go through the tier's
+  :class:`ObservedEviction`). A running load (TieredCache's prefetch, until its handle is
+  released) pins the pages it found.
+- **write-back**: every eviction the chain makes out of a tier whose next tier is
+  ``write: back`` (to make room for a put, a cascade or a promotion, or for a quota)
+  hands the victim down first; one that cannot be handed down (no staging page, a full
+  queue) is a counted drop of the tier below.
 - **quotas**: a tenant (the tenant of the key's namespace, see ``tenants`` in the
   config) over its ``quota_bytes`` in a tier has its own pages evicted there first.
 
@@ -26,63 +35,96 @@ Every page entering or leaving a tier is an :class:`~kvtier.cache.events.Event`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.cache.events import Event, EventKind, EventStream
+from kvtier.cache.pins import PinSet
 from kvtier.core.bounded import DEFAULT_CALL_TIMEOUT_S, DEFAULT_MAX_ABANDONED, Outcome
 from kvtier.core.capabilities import ResolvedPlan, TierPlan, build_host_pool, open_page_store
 from kvtier.core.envelope import ENVELOPE_BYTES
+from kvtier.core.errors import InvalidFieldError
 from kvtier.core.extents import Extent
 from kvtier.core.host_pool import HostPool
 from kvtier.core.keys import NAMESPACE_ID_CHARS
+from kvtier.core.metrics import counter_names, registered_counters
 from kvtier.core.pagestore import BatchResult, PageMemory, PageStore
-from kvtier.core.policy import EvictionPolicy, PageInfo
+from kvtier.core.policy import EvictionPolicy, PageInfo, never_pinned
 from kvtier.core.storage import Counters, StorageBackend
 
-__all__ = ["StorageChain", "Tier", "open_store"]
+__all__ = ["ObservedEviction", "StorageChain", "Tier", "open_store"]
 
 log = logging.getLogger("kvtier.cache")
 
 #: Pages the cascade queue holds before it drops (a slow lower tier never blocks).
 DEFAULT_QUEUE_PAGES = 1024
-#: A tier's chain counters, reported as 0 until they move.
-_TIER_COUNTERS = (
-    "promotions",
-    "cascades",
-    "drops",
-    "evictions",
-    "quota_evictions",
-    "failures",
-    "admission_refused",
-    "get_seconds",
-    "get_calls",
-)
+#: A tier's chain counters (kvtier.core.metrics.COUNTERS), reported as 0 until they move.
+TIER_COUNTERS = tuple(counter_names("storage_tier"))
 #: Staging memory for cascades and promotions: at most this many bytes, or pages.
 STAGING_BYTES = 256 << 20
 STAGING_PAGES = 64
+#: Keys a tier's admission refused that a later hit may offer again, per tier.
+_REFUSED_KEEP = 1 << 16
+#: Descriptions the chain gave a tier's policy, kept until the page's insert.
+_DESCRIBED_KEEP = 1 << 14
 
 
 class ObservedEviction(EvictionPolicy):
     """A tier's eviction policy, watched: removals right after a victim choice are
-    evictions (an :class:`Event` and a count), other removals are removals."""
+    evictions (an :class:`Event` and a count), other removals are removals.
 
-    def __init__(self, inner: EvictionPolicy, on_removed: Callable[[str, bool], None]) -> None:
+    It also adds what the chain knows to every call the tier's backend makes: a pinned
+    key (``pins``) is never a victim, and a page inserted without the chain describing it
+    (the backend rebuilt its index at start-up, or adopted a page another process wrote)
+    is described with the tenant of its key's namespace (``tenant_of``), so quotas count
+    pages stored before a restart.
+    """
+
+    def __init__(
+        self,
+        inner: EvictionPolicy,
+        on_removed: Callable[[str, bool], None],
+        *,
+        pins: PinSet | None = None,
+        tenant_of: Callable[[str], str | None] | None = None,
+        tokens: int = 0,
+    ) -> None:
         self.inner = inner
         self._on_removed = on_removed
+        self._pins = pins
+        self._tenant_of = tenant_of
+        self._tokens = tokens
         self._chosen: set[str] = set()
+        self._described: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 
     def describe(self, key: str, info: PageInfo) -> None:
+        if self._tenant_of is not None:
+            with self._lock:
+                described = self._described
+                described[key] = None
+                described.move_to_end(key)
+                if len(described) > _DESCRIBED_KEEP:
+                    described.popitem(last=False)
         self.inner.describe(key, info)
 
     def record_insert(self, key: str, nbytes: int) -> None:
+        tenant_of = self._tenant_of
+        if tenant_of is not None:
+            with self._lock:
+                told = key in self._described
+                if told:
+                    del self._described[key]
+            if not told:
+                tenant = tenant_of(key)
+                if tenant is not None and key not in self.inner:
+                    self.inner.describe(key, PageInfo(tokens=self._tokens, tenant=tenant))
         self.inner.record_insert(key, nbytes)
 
     def record_access(self, key: str) -> None:
@@ -101,13 +143,25 @@ class ObservedEviction(EvictionPolicy):
         self,
         nbytes: int,
         *,
-        pinned: Callable[[str], bool] = lambda key: False,
+        pinned: Callable[[str], bool] = never_pinned,
         tenant: str | None = None,
     ) -> list[str]:
-        victims = self.inner.choose_victims(nbytes, pinned=pinned, tenant=tenant)
+        pins = self._pins
+        check = pinned
+        if pins is not None and len(pins):
+
+            def check(key: str) -> bool:
+                return key in pins or pinned(key)
+
+        victims = self.inner.choose_victims(nbytes, pinned=check, tenant=tenant)
         with self._lock:
             self._chosen.update(victims)
         return victims
+
+    def forget_choice(self, keys: Iterable[str]) -> None:
+        """Victims that were chosen but stay (a later removal of them is no eviction)."""
+        with self._lock:
+            self._chosen.difference_update(keys)
 
     def __contains__(self, key: object) -> bool:
         return key in self.inner
@@ -131,7 +185,8 @@ class Tier:
     store: PageStore
     eviction: ObservedEviction | None
     admission: Any  # AdmissionPolicy | None
-    counters: Counters = field(default_factory=Counters)
+    #: The chain's counters of this tier (``storage_tier`` in kvtier.core.metrics.COUNTERS).
+    counters: Counters = field(default_factory=lambda: registered_counters("storage_tier"))
 
     @property
     def index(self) -> int:
@@ -152,6 +207,11 @@ class _Job:
     kind: EventKind  # STORED (a cascade or write-back) or PROMOTED
     staged: list[int] | None = None
     done: threading.Event | None = None  # a flush marker's, set when the worker reaches it
+    #: Targets whose admission already said yes (a page offered again after hits).
+    admitted: tuple[int, ...] = ()
+    #: Pages the queue counts for this job, and the targets not written yet.
+    queued: int = 0
+    waiting: list[int] = field(default_factory=list)
 
 
 def _copy_page(source: Sequence[Extent], target: Sequence[Extent]) -> None:
@@ -182,22 +242,45 @@ class StorageChain:
         *,
         queue_pages: int = DEFAULT_QUEUE_PAGES,
         events: EventStream | None = None,
+        pins: PinSet | None = None,
     ) -> None:
+        if isinstance(queue_pages, bool) or not isinstance(queue_pages, int) or queue_pages < 1:
+            raise InvalidFieldError(
+                "queue_pages",
+                f"must be a positive number of pages, got {queue_pages!r}",
+                value=queue_pages,
+            )
         self.plan = plan
         self.tiers = tiers
         self.pool = pool
         self.events = events or EventStream()
-        self.counters = Counters()
+        #: A chain of several tiers counts its prefix lookups here (a page store's names).
+        self.counters = registered_counters("page_store")
+        self._quota_evictions: dict[str, int] = {}
+        #: Keys no tier may evict now (see :meth:`pin`).
+        self.pins = pins if pins is not None else PinSet()
+        #: Most pages the cascade queue holds (beyond it, jobs are cut and counted drops).
+        self.queue_pages = queue_pages
         self._tenants = dict(plan.tenants)
         #: What one page takes in a tier: its envelope slot and its payload.
         self._page_bytes = plan.geometry.bytes_per_page + ENVELOPE_BYTES
-        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max(1, queue_pages))
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._queued = 0
+        self._queued_by_tier = [0] * len(tiers)
+        self._promoting: dict[str, int] = {}
+        self._refused: list[OrderedDict[str, None]] = [OrderedDict() for _ in tiers]
+        #: Keys the chain is removing from a tier after it handed them down.
+        self._evicting: set[str] = set()
+        self._lost_warned = False
         self._lock = threading.Lock()
+        #: Per tier: one make-room-then-put at a time (above a write-back tier), so two
+        #: writers never both count the same free room.
+        self._room_locks = [threading.Lock() for _ in tiers]
         self._staging: HostPool | None = None
+        self._staging_free: list[int] = []
         self._staging_stores: dict[int, PageStore] = {}
         self._worker: threading.Thread | None = None
         self._closed = False
-        self._in_flight: set[str] = set()
 
     # --- what a page store has --------------------------------------------------------
 
@@ -234,12 +317,12 @@ class StorageChain:
         return BatchResult(found)
 
     def prefix_hits(self, keys: Sequence[str]) -> int:
-        """How many leading keys some tier holds."""
-        hits = 0
-        for present in self.exists(keys):
-            if not present:
-                break
-            hits += 1
+        """How many leading keys some tier holds (counted as a page store counts it)."""
+        if len(self.tiers) == 1:
+            return self.tiers[0].store.prefix_hits(keys)
+        hits = self.exists(keys).leading()
+        self.counters.add("prefix_queries")
+        self.counters.add("prefix_pages", hits)
         return hits
 
     def get(
@@ -286,6 +369,7 @@ class StorageChain:
                     rest.append(i)
             todo = rest
         self._promote(keys, pages, source)
+        self._record_hits(keys, pages, source)
         return BatchResult(results)
 
     def put(
@@ -304,37 +388,13 @@ class StorageChain:
         first = self.tiers[0]
         self._describe(first, keys)
         self._enforce_quota(first, keys)
-        results = self._put_first(first, keys, pages, on_late)
+        results, _ = self._put_into(first, first.store, keys, pages, on_late=on_late, must=True)
         stored = [key for key, ok in zip(keys, results, strict=True) if ok]
         self._emit(EventKind.STORED, first, stored)
         targets = self._through_below(0)
         if stored and targets:
             self._submit(_Job(stored, targets, 0, EventKind.STORED))
         return results
-
-    def _put_first(
-        self,
-        first: Tier,
-        keys: list[str],
-        pages: list[int],
-        on_late: Callable[[Any], None] | None,
-    ) -> BatchResult:
-        """The first tier's put; above a write-back tier, in parts that fit its capacity,
-        each after its victims moved down (so none is evicted without being written back)."""
-        capacity = first.plan.capacity_bytes
-        if len(self.tiers) < 2 or self.tiers[1].plan.write != "back" or capacity is None:
-            return first.store.put(keys, pages, on_late=on_late)
-        step = max(1, capacity // self._page_bytes)
-        results: list[bool] = []
-        for start in range(0, len(keys), step):
-            part = keys[start : start + step]
-            self._demote(first, self._page_bytes * len(part), part)
-            answer = first.store.put(part, pages[start : start + step], on_late=on_late)
-            results += answer
-            if answer.outcome is not Outcome.OK:
-                results += [False] * (len(keys) - len(results))
-                return BatchResult(results, answer.outcome)
-        return BatchResult(results)
 
     def delete(self, keys: Sequence[str]) -> BatchResult:
         """Remove each key from every tier; True where some tier removed it."""
@@ -372,13 +432,21 @@ class StorageChain:
         for tier in self.tiers:
             for key, value in tier.store.stats().items():
                 merged[key] = merged.get(key, 0) + value
+        chain = self.counters.snapshot()
+        for name in ("prefix_queries", "prefix_pages"):
+            merged[name] = merged.get(name, 0) + chain.get(name, 0)
         return merged
 
     def tier_stats(self) -> list[dict[str, Any]]:
-        """Each tier: its name, backend, page store counters, chain counters, occupancy."""
+        """Each tier: its name, backend, page store counters, chain counters, occupancy,
+        and the pages queued to be written into it."""
         out = []
-        depth = self._queue.qsize()
+        with self._lock:
+            depths = list(self._queued_by_tier)
         for tier in self.tiers:
+            staging = self._staging_stores.get(tier.index)
+            moved = staging.stats() if staging is not None else {}
+            store = tier.store.stats()
             entry: dict[str, Any] = {
                 "tier": tier.index,
                 "name": tier.name,
@@ -387,11 +455,14 @@ class StorageChain:
                 "promote": tier.plan.promote,
                 "capacity_bytes": tier.plan.capacity_bytes,
                 "occupancy_bytes": tier.eviction.nbytes if tier.eviction is not None else None,
-                "queue_depth": depth if tier.index > 0 else 0,
-                "store": tier.store.stats(),
+                "queue_depth": depths[tier.index],
+                "store": store,
             }
-            counts: dict[str, int | float] = dict.fromkeys(_TIER_COUNTERS, 0)
+            counts: dict[str, int | float] = dict.fromkeys(TIER_COUNTERS, 0)
             counts.update(tier.counters.snapshot())
+            # every byte in and out of the tier: the engine's and the chain's moves
+            counts["read_bytes"] = store["bytes_read"] + moved.get("bytes_read", 0)
+            counts["written_bytes"] = store["bytes_written"] + moved.get("bytes_written", 0)
             entry.update(counts)
             out.append(entry)
         return out
@@ -406,7 +477,7 @@ class StorageChain:
                     tier.eviction.tenant_bytes(name) if tier.eviction is not None else 0
                     for tier in self.tiers
                 ],
-                "quota_evictions": self.counters.snapshot().get(f"quota_evictions.{name}", 0),
+                "quota_evictions": self._quota_evictions.get(name, 0),
             }
         return out
 
@@ -425,18 +496,41 @@ class StorageChain:
     def abandon_in_flight(self) -> int:
         return sum(tier.store.abandon_in_flight() for tier in self.tiers)
 
+    # --- pins and promotions in flight ----------------------------------------------------
+
+    def pin(self, keys: Iterable[str]) -> None:
+        """Keep ``keys`` in every tier that holds them until :meth:`unpin`: no tier evicts
+        a pinned page (a put that needs its room is refused instead). Counted: pin twice,
+        unpin twice."""
+        self.pins.pin(keys)
+
+    def unpin(self, keys: Iterable[str]) -> None:
+        """Drop one pin of each key (see :meth:`pin`)."""
+        self.pins.unpin(keys)
+
+    def pending(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key has a promotion queued or being written (a lookup may answer
+        "ask again" for it instead of reading it from the lower tier now)."""
+        with self._lock:
+            promoting = self._promoting
+            return [key in promoting for key in keys]
+
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every job queued before now was written; False if ``timeout`` passed."""
-        if self._worker is None:
-            return True
-        done = threading.Event()
-        try:
-            self._queue.put(
-                _Job([], [], -1, EventKind.STORED, staged=[], done=done), timeout=timeout
-            )
-        except queue.Full:
-            return False
-        return done.wait(timeout)
+        """Wait until every job queued before now was written, and the write-backs those
+        jobs queued in turn (one round per tier); False if ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for _ in range(len(self.tiers) + 1):
+            with self._lock:
+                if self._worker is None or self._queued == 0:
+                    return True
+                if self._closed:  # the worker ended: what is left is never written
+                    return False
+            done = threading.Event()
+            self._queue.put(_Job([], [], -1, EventKind.STORED, staged=[], done=done))
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not done.wait(left):
+                return False
+        return True
 
     def close(self, timeout: float | None = None) -> bool:
         """Stop the worker (after the queued jobs, within ``timeout``) and close every tier."""
@@ -446,15 +540,14 @@ class StorageChain:
             self._closed = True
             worker = self._worker
         if worker is not None:
-            with contextlib.suppress(queue.Full):
-                self._queue.put(None, timeout=timeout if timeout is not None else 10.0)
+            self._queue.put(None)
             worker.join(timeout if timeout is not None else 10.0)
         for store in self._staging_stores.values():
             store.close()
         closed = [tier.store.close(timeout) for tier in reversed(self.tiers)]
         return all(closed) and (worker is None or not worker.is_alive())
 
-    # --- internals ------------------------------------------------------------------------
+    # --- internals: tenants and policies ----------------------------------------------------
 
     def tenant_of(self, key: str) -> str | None:
         """The configured tenant whose namespace the key is in (None: no configured one)."""
@@ -493,42 +586,137 @@ class StorageChain:
                 incoming[chosen[0]] = incoming.get(chosen[0], 0) + self._page_bytes
                 quotas[chosen[0]] = chosen[1]
         mine = set(keys)
-
-        def pinned(key: str) -> bool:
-            return key in mine or key in self._in_flight
-
         for tenant, nbytes in incoming.items():
             excess = tier.eviction.tenant_bytes(tenant) + nbytes - quotas[tenant]
             if excess <= 0:
                 continue
-            victims = tier.eviction.choose_victims(excess, pinned=pinned, tenant=tenant)
+            victims = tier.eviction.choose_victims(excess, pinned=mine.__contains__, tenant=tenant)
             if victims:
-                tier.store.delete(victims)
+                self._evict(tier, victims, force=True)
                 tier.counters.add("quota_evictions", len(victims))
-                self.counters.add(f"quota_evictions.{tenant}", len(victims))
+                with self._lock:
+                    count = self._quota_evictions.get(tenant, 0) + len(victims)
+                    self._quota_evictions[tenant] = count
 
-    def _demote(self, tier: Tier, incoming: int, keep: list[str]) -> None:
-        """Before ``tier`` goes over capacity, move its victims to the write-back tier below."""
+    def _admits(self, tier: Tier, key: str) -> bool:
+        admission = tier.admission
+        if admission is None:
+            return True
+        admission.record_access(key)
+        if admission.admit(key, self._page_bytes):
+            return True
+        tier.counters.add("admission_refused")
+        if tier.plan.write == "through":  # a later hit may offer it again
+            refused = self._refused[tier.index]
+            with self._lock:
+                refused[key] = None
+                if len(refused) > _REFUSED_KEEP:
+                    refused.popitem(last=False)
+        return False
+
+    # --- internals: writing into a tier, evicting out of it -----------------------------------
+
+    def _back_below(self, tier: Tier) -> Tier | None:
+        """The tier below ``tier`` when it is ``write: back`` (its evictions go there)."""
+        below = tier.index + 1
+        if below < len(self.tiers) and self.tiers[below].plan.write == "back":
+            return self.tiers[below]
+        return None
+
+    def _put_into(
+        self,
+        tier: Tier,
+        store: PageStore,
+        keys: list[str],
+        pages: list[int],
+        *,
+        on_late: Callable[[Any], None] | None = None,
+        must: bool,
+    ) -> tuple[BatchResult, int]:
+        """Put into ``tier`` (through ``store``, the tier's page store or its staging
+        sibling); above a write-back tier, in parts that fit its capacity, each after its
+        victims were handed down. ``must``: the caller's pages, stored whatever happens to
+        victims that could not be handed down (they are lost, counted); otherwise pages
+        that would evict such a victim are not written (counted drops of this tier, the
+        copy they came from is still in its own tier). Returns the results and the drops.
+        """
         capacity = tier.plan.capacity_bytes
-        if capacity is None or tier.eviction is None:
-            return
-        excess = tier.eviction.nbytes + incoming - capacity
+        if self._back_below(tier) is None or capacity is None or tier.eviction is None:
+            return store.put(keys, pages, on_late=on_late), 0
+        step = max(1, capacity // self._page_bytes)
+        results: list[bool] = []
+        dropped = 0
+        for start in range(0, len(keys), step):
+            part = keys[start : start + step]
+            with self._room_locks[tier.index]:
+                fit = self._make_room(tier, part, force=must)
+                if fit < len(part):
+                    dropped += len(part) - fit
+                    tier.counters.add("drops", len(part) - fit)
+                answer = store.put(part[:fit], pages[start : start + fit], on_late=on_late)
+            results += answer
+            results += [False] * (len(part) - fit)
+            if answer.outcome is not Outcome.OK:
+                results += [False] * (len(keys) - len(results))
+                return BatchResult(results, answer.outcome), dropped
+        return BatchResult(results), dropped
+
+    def _make_room(self, tier: Tier, keys: list[str], *, force: bool) -> int:
+        """Before ``keys`` enter ``tier`` (above a write-back tier), hand down the victims
+        that make room for them; how many of ``keys`` fit (all with ``force``)."""
+        eviction, capacity = tier.eviction, tier.plan.capacity_bytes
+        assert eviction is not None and capacity is not None
+        incoming = sum(self._page_bytes for key in keys if key not in eviction)
+        excess = eviction.nbytes + incoming - capacity
         if excess <= 0:
-            return
-        mine = set(keep)
-        victims = tier.eviction.choose_victims(
-            excess, pinned=lambda k: k in mine or k in self._in_flight
-        )
+            return len(keys)
+        mine = set(keys)
+        victims = eviction.choose_victims(excess, pinned=mine.__contains__)
+        removed = self._evict(tier, victims, force=force)
+        if force:
+            return len(keys)
+        short = excess - self._page_bytes * len(removed)
+        if short <= 0:
+            return len(keys)
+        return max(0, len(keys) - -(-short // self._page_bytes))
+
+    def _evict(self, tier: Tier, victims: list[str], *, force: bool) -> list[str]:
+        """Remove ``victims`` from ``tier``; above a write-back tier, each is handed down
+        first (read into staging, queued for the tier below). One that cannot be handed
+        down is removed anyway with ``force`` (a counted drop of the tier below), else it
+        stays. Returns the victims removed."""
         if not victims:
-            return
-        staged = self._stage_from(tier, victims)
-        kept = [key for key, page in zip(victims, staged, strict=True) if page is not None]
-        pages = [page for page in staged if page is not None]
-        if len(kept) < len(victims):
-            self.tiers[tier.index + 1].counters.add("drops", len(victims) - len(kept))
-        tier.store.delete(victims)
-        if kept:
-            self._submit(_Job(kept, [tier.index + 1], tier.index, EventKind.STORED, staged=pages))
+            return []
+        below = self._back_below(tier)
+        moved: list[str] = []
+        if below is not None:
+            staged = self._stage_from(tier, victims)
+            keys = [key for key, page in zip(victims, staged, strict=True) if page is not None]
+            pages = [page for page in staged if page is not None]
+            if keys:
+                targets = [below.index, *self._through_below(below.index)]
+                accepted = self._submit(
+                    _Job(keys, targets, tier.index, EventKind.STORED, staged=pages)
+                )
+                moved = keys[:accepted]
+            gone = set(moved)
+            stay = [key for key in victims if key not in gone]
+            if stay and not force:
+                assert tier.eviction is not None
+                tier.eviction.forget_choice(stay)
+                victims = moved
+            elif stay:
+                below.counters.add("drops", len(stay))  # lost: counted where it was owed
+        if not victims:
+            return []
+        with self._lock:
+            self._evicting.update(victims)
+        try:
+            tier.store.delete(victims)
+        finally:
+            with self._lock:
+                self._evicting.difference_update(victims)
+        return victims
 
     def _through_below(self, index: int) -> list[int]:
         """The write-through tiers a page stored in tier ``index`` cascades into."""
@@ -539,6 +727,8 @@ class StorageChain:
             out.append(tier.index)
         return out
 
+    # --- internals: promotions and re-offers ---------------------------------------------------
+
     def _promote(self, keys: list[str], pages: list[int], source: dict[int, int]) -> None:
         """Copy the pages a lower tier served into staging, to write them up."""
         by_tier: dict[int, list[int]] = {}
@@ -546,19 +736,64 @@ class StorageChain:
             if tier_index > 0 and self.tiers[tier_index].plan.promote:
                 by_tier.setdefault(tier_index, []).append(i)
         for tier_index, positions in by_tier.items():
-            staged = self._take_staging(len(positions))
-            if len(staged) < len(positions):
-                self.tiers[tier_index].counters.add("drops", len(positions) - len(staged))
-            if not staged:
-                continue
-            chosen = positions[: len(staged)]
-            staging = self._staging_pool()
-            for position, page in zip(chosen, staged, strict=True):
-                _copy_page(self.pool.page_buffers(pages[position]), staging.page_buffers(page))
-            targets = list(range(tier_index))
-            self._submit(
-                _Job([keys[i] for i in chosen], targets, tier_index, EventKind.PROMOTED, staged)
+            self._offer(
+                keys, pages, positions, list(range(tier_index)), tier_index, EventKind.PROMOTED
             )
+
+    def _record_hits(self, keys: list[str], pages: list[int], source: dict[int, int]) -> None:
+        """Tell the admission policies below the tier that served each page of the hit;
+        a page one of them refused before and admits now is offered to it again."""
+        offers: dict[int, list[int]] = {}
+        for i, served in source.items():
+            for tier in self.tiers[served + 1 :]:
+                admission = tier.admission
+                if admission is None:
+                    continue
+                admission.record_access(keys[i])
+                refused = self._refused[tier.index]
+                if keys[i] in refused and admission.admit(keys[i], self._page_bytes):
+                    with self._lock:
+                        refused.pop(keys[i], None)
+                    offers.setdefault(tier.index, []).append(i)
+        for target, positions in offers.items():
+            targets = [target, *self._through_below(target)]
+            self._offer(
+                keys, pages, positions, targets, source[positions[0]], EventKind.STORED, target
+            )
+
+    def _offer(
+        self,
+        keys: list[str],
+        pages: list[int],
+        positions: list[int],
+        targets: list[int],
+        source: int,
+        kind: EventKind,
+        admitted: int | None = None,
+    ) -> None:
+        """Copy the caller's pages at ``positions`` into staging and queue them for
+        ``targets``; a full staging pool drops the rest (counted on the first target)."""
+        staged = self._take_staging(len(positions))
+        if len(staged) < len(positions):
+            self.tiers[targets[0]].counters.add("drops", len(positions) - len(staged))
+        if not staged:
+            return
+        chosen = positions[: len(staged)]
+        staging = self._staging_pool()
+        for position, page in zip(chosen, staged, strict=True):
+            _copy_page(self.pool.page_buffers(pages[position]), staging.page_buffers(page))
+        self._submit(
+            _Job(
+                [keys[i] for i in chosen],
+                targets,
+                source,
+                kind,
+                staged,
+                admitted=() if admitted is None else (admitted,),
+            )
+        )
+
+    # --- internals: staging memory ----------------------------------------------------------
 
     def _staging_pool(self) -> HostPool:
         with self._lock:
@@ -601,21 +836,37 @@ class StorageChain:
         self._give_staging(unused)
         return out
 
-    def _submit(self, job: _Job) -> None:
-        """Queue a job for the worker; a full queue drops it (counted on its targets)."""
+    # --- internals: the queue and its worker ---------------------------------------------------
+
+    def _submit(self, job: _Job) -> int:
+        """Queue a job for the worker; the pages beyond ``queue_pages`` are cut off and
+        dropped (counted on its first target). Returns the pages queued."""
         with self._lock:
-            if self._closed:
-                return
-            if self._worker is None:
+            take = 0 if self._closed else min(len(job.keys), self.queue_pages - self._queued)
+            take = max(0, take)
+            if take and self._worker is None:
                 self._worker = threading.Thread(target=self._run, name="kvtier-chain", daemon=True)
                 self._worker.start()
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            for target in job.targets[:1]:
-                self.tiers[target].counters.add("drops", len(job.keys))
+            if take:
+                self._queued += take
+                for target in job.targets:
+                    self._queued_by_tier[target] += take
+                if job.kind is EventKind.PROMOTED:
+                    promoting = self._promoting
+                    for key in job.keys[:take]:
+                        promoting[key] = promoting.get(key, 0) + 1
+        cut = len(job.keys) - take
+        if cut:
+            self.tiers[job.targets[0]].counters.add("drops", cut)
             if job.staged:
-                self._give_staging(job.staged)
+                self._give_staging(job.staged[take:])
+        if take:
+            job.keys = job.keys[:take]
+            if job.staged is not None:
+                job.staged = job.staged[:take]
+            job.queued, job.waiting = take, list(job.targets)
+            self._queue.put(job)
+        return take
 
     def _run(self) -> None:
         while True:
@@ -628,10 +879,36 @@ class StorageChain:
             try:
                 self._write(job)
             except Exception as exc:  # a bug must not stop the worker
-                self.counters.add("worker_errors")
+                for target in job.waiting[:1]:  # its pages were not written there
+                    self.tiers[target].counters.add("failures", len(job.keys))
                 log.warning("kvtier: the storage chain's worker failed a job: %r", exc)
-                if job.staged:
-                    self._give_staging(job.staged)
+            finally:
+                self._finish(job)
+
+    def _target_done(self, job: _Job, target: int) -> None:
+        with self._lock:
+            if target in job.waiting:
+                job.waiting.remove(target)
+                self._queued_by_tier[target] -= job.queued
+
+    def _finish(self, job: _Job) -> None:
+        """The job left the queue: its pages no longer count, its staging is free."""
+        with self._lock:
+            for target in job.waiting:
+                self._queued_by_tier[target] -= job.queued
+            job.waiting = []
+            self._queued -= job.queued
+            if job.kind is EventKind.PROMOTED:
+                promoting = self._promoting
+                for key in job.keys:
+                    left = promoting.get(key, 0) - 1
+                    if left > 0:
+                        promoting[key] = left
+                    else:
+                        promoting.pop(key, None)
+        if job.staged:
+            self._give_staging(job.staged)
+            job.staged = []
 
     def _write(self, job: _Job) -> None:
         """Write one job's pages into its target tiers (from staging, or read back)."""
@@ -639,44 +916,42 @@ class StorageChain:
         if staged is None:
             got = self._stage_from(self.tiers[job.source], keys)
             keys = [key for key, page in zip(keys, got, strict=True) if page is not None]
-            staged = [page for page in got if page is not None]
+            staged = job.staged = [page for page in got if page is not None]
             if len(keys) < len(job.keys) and job.targets:
                 self.tiers[job.targets[0]].counters.add("drops", len(job.keys) - len(keys))
-        try:
-            with self._lock:
-                self._in_flight.update(keys)
-            for target_index in job.targets:
-                tier = self.tiers[target_index]
-                chosen = [
-                    (k, p) for k, p in zip(keys, staged, strict=True) if self._admits(tier, k)
-                ]
-                if not chosen:
-                    continue
-                names = [k for k, _ in chosen]
-                self._describe(tier, names)
-                self._enforce_quota(tier, names)
-                results = self._staging_store(tier).put(names, [p for _, p in chosen])
-                written = [k for k, ok in zip(names, results, strict=True) if ok]
-                tier.counters.add(
-                    "promotions" if job.kind is EventKind.PROMOTED else "cascades", len(written)
-                )
-                if len(written) < len(names):
-                    tier.counters.add("failures", len(names) - len(written))
-                self._emit(job.kind, tier, written)
-        finally:
-            with self._lock:
-                self._in_flight.difference_update(keys)
-            self._give_staging(staged)
+        for target in job.targets:  # (the staged copies are the worker's: nothing to pin)
+            self._write_one(job, self.tiers[target], keys, staged)
+            self._target_done(job, target)
 
-    def _admits(self, tier: Tier, key: str) -> bool:
-        admission = tier.admission
-        if admission is None:
-            return True
-        admission.record_access(key)
-        if admission.admit(key, self._page_bytes):
-            return True
-        tier.counters.add("admission_refused")
-        return False
+    def _write_one(self, job: _Job, tier: Tier, keys: list[str], staged: list[int]) -> None:
+        """Write staged pages into one target tier, through its admission."""
+        chosen = [
+            (key, page)
+            for key, page in zip(keys, staged, strict=True)
+            if tier.index in job.admitted or self._admits(tier, key)
+        ]
+        if not chosen:
+            return
+        names = [key for key, _ in chosen]
+        self._describe(tier, names)
+        self._enforce_quota(tier, names)
+        results, dropped = self._put_into(
+            tier, self._staging_store(tier), names, [page for _, page in chosen], must=False
+        )
+        written = [key for key, ok in zip(names, results, strict=True) if ok]
+        tier.counters.add(
+            "promotions" if job.kind is EventKind.PROMOTED else "cascades", len(written)
+        )
+        if len(written) + dropped < len(names):
+            tier.counters.add("failures", len(names) - len(written) - dropped)
+        refused = self._refused[tier.index]
+        if refused and written:
+            with self._lock:
+                for key in written:
+                    refused.pop(key, None)
+        self._emit(job.kind, tier, written)
+
+    # --- internals: events ---------------------------------------------------------------------
 
     def _emit(self, kind: EventKind, tier: Tier, keys: Iterable[str]) -> None:
         self.events.emit(
@@ -685,10 +960,28 @@ class StorageChain:
         )
 
     def removed(self, tier_index: int, key: str, evicted: bool) -> None:
-        """A page left tier ``tier_index`` (evicted: to make room): count it, emit it."""
+        """A page left tier ``tier_index`` (evicted: to make room): count it, emit it.
+
+        A page the tier's backend evicted on its own (not through the chain: its disk
+        filled, or the chain's room estimate was short) above a write-back tier was not
+        written back: a counted drop of the tier below.
+        """
         tier = self.tiers[tier_index]
         if evicted:
             tier.counters.add("evictions")
+            below = self._back_below(tier)
+            if below is not None and key not in self._evicting:
+                below.counters.add("drops")
+                with self._lock:
+                    first, self._lost_warned = not self._lost_warned, True
+                if first:
+                    log.warning(
+                        "kvtier: tier %s evicted a page on its own (its backend's capacity or "
+                        "free-space guard) that write-back tier %s never received; later such "
+                        "pages are counted in that tier's drops only",
+                        tier.name,
+                        below.name,
+                    )
         self._emit(EventKind.EVICTED if evicted else EventKind.REMOVED, tier, [key])
 
 
@@ -704,10 +997,17 @@ def open_store(
     """Open every storage tier of ``plan`` over ``pool`` and the chain in front of them.
 
     Each tier's eviction policy is built here and handed to its backend (its capacity
-    goes through it); a tier that fails to open closes the ones opened before it.
+    goes through it, and through the chain's pins); a tier that fails to open closes the
+    ones opened before it. ``queue_pages`` bounds the pages waiting to cascade or promote.
     """
     tiers: list[Tier] = []
     chain_box: list[StorageChain] = []
+    pins = PinSet()
+    tenants = dict(plan.tenants)
+
+    def tenant_of(key: str) -> str | None:
+        entry = tenants.get(key[:NAMESPACE_ID_CHARS])
+        return entry[0] if entry is not None else None
 
     def removed(index: int) -> Callable[[str, bool], None]:
         def forward(key: str, evicted: bool) -> None:
@@ -720,7 +1020,13 @@ def open_store(
         for tier_plan in plan.storage_tiers():
             eviction = None
             if tier_plan.eviction is not None:
-                eviction = ObservedEviction(tier_plan.eviction.build(), removed(tier_plan.index))
+                eviction = ObservedEviction(
+                    tier_plan.eviction.build(),
+                    removed(tier_plan.index),
+                    pins=pins,
+                    tenant_of=tenant_of if tenants else None,
+                    tokens=plan.geometry.page_size,
+                )
             store = open_page_store(
                 plan,
                 pool,
@@ -732,10 +1038,10 @@ def open_store(
             )
             admission = tier_plan.admission.build() if tier_plan.admission is not None else None
             tiers.append(Tier(tier_plan, store, eviction, admission))
+        chain = StorageChain(plan, tiers, pool, queue_pages=queue_pages, pins=pins)
     except BaseException:
         for tier in reversed(tiers):
             tier.store.close()
         raise
-    chain = StorageChain(plan, tiers, pool, queue_pages=queue_pages)
     chain_box.append(chain)
     return chain

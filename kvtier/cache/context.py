@@ -62,7 +62,7 @@ class CacheContext:
         self.index = HostIndex(
             host_pool,
             write_back=options.write_policy == "write_back",
-            on_evicted=lambda n: self.stats.add("evictions", n),
+            on_evicted=lambda n: self.stats.add("host_evictions", n),
         )
         self.closed = False
         self.stop_at = float("inf")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvtier.cache.index import Entry, EntryState
@@ -41,6 +41,9 @@ class BackupHandle:
         self.pages_cached = 0
         self.pages_written = 0
         self.pages_failed = 0
+        #: Pages this backup owed storage that were not stored (refused, failed, timed out
+        #: or cancelled): in the host pool, not in storage.
+        self.pages_unwritten = 0
         self.error: BaseException | None = None
         self._lock = threading.Lock()
         self._writes_pending = 0
@@ -77,10 +80,11 @@ class BackupHandle:
         with self._lock:
             self._writes_pending += 1
 
-    def write_ended(self, written: int) -> None:
-        """One owed storage write ended, ``written`` pages stored."""
+    def write_ended(self, written: int, unwritten: int = 0) -> None:
+        """One owed storage write ended: ``written`` pages stored, ``unwritten`` not."""
         with self._lock:
             self.pages_written += written
+            self.pages_unwritten += unwritten
             self._writes_pending -= 1
             done = self._writes_pending == 0 and self.host_done.is_set()
         if done:
@@ -98,7 +102,8 @@ class BackupHandle:
         return (
             f"BackupHandle(pages={len(self.keys)}, copied={self.pages_copied}, "
             f"cached={self.pages_cached}, written={self.pages_written}, "
-            f"failed={self.pages_failed}, finished={self.finished.is_set()})"
+            f"failed={self.pages_failed}, unwritten={self.pages_unwritten}, "
+            f"finished={self.finished.is_set()})"
         )
 
 
@@ -107,7 +112,8 @@ class PrefetchHandle:
 
     The handle pins its host pages until it is loaded (all layers) or released, so they
     cannot be evicted in between. Use it as a context manager, or call :meth:`release`.
-    ``pins`` is the host index that pinned them; ``options`` the cache's, for its policy.
+    ``pins`` is the host index that pinned them; ``options`` the cache's, for its policy;
+    ``on_release`` runs once at release (the cache drops its storage pins there).
     """
 
     def __init__(
@@ -118,8 +124,11 @@ class PrefetchHandle:
         entries: list[Entry],
         host_hits: int,
         started: float,
+        *,
+        on_release: Callable[[], None] | None = None,
     ) -> None:
         self._pins = pins
+        self._on_release = on_release
         self._options = options
         self.keys = list(keys)
         self._entries = entries
@@ -215,8 +224,11 @@ class PrefetchHandle:
             self._released = True
             entries, self._entries = self._entries, []
             self._usable = 0 if self._usable is None else self._usable
+            on_release, self._on_release = self._on_release, None
         if entries:
             self._pins.release(entries)
+        if on_release is not None:
+            on_release()
 
     # --- recorded by the cache's load (package-internal) --------------------------------
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.cache.stats import LATENCY_BUCKETS
 from kvtier.core.envelope import Rejection
 from kvtier.core.errors import PrometheusMissingError
-from kvtier.core.metrics import BACKEND_CALLS, Cause
+from kvtier.core.metrics import BACKEND_CALLS, COUNTERS, Cause
 
 if TYPE_CHECKING:
     from kvtier.core.capabilities import ResolvedPlan
@@ -168,6 +168,8 @@ def _cache_families(f: _Families, s: dict[str, Any]) -> Iterator[Any]:
             "storage_read": s["storage"]["pages_read"],
             "storage_write": s["storage"]["pages_written"],
             "storage_write_skipped": s["storage"]["writes_skipped"],
+            "storage_write_inline": s["storage"]["writes_inline"],
+            "storage_write_cancelled": s["storage"]["writes_cancelled"],
             "write_back": s["storage"]["write_backs"],
         },
     )
@@ -270,42 +272,25 @@ def _store_families(
     )
 
 
-#: Per-tier counters of the storage chain: (series, what the tier's stats call it, help).
-_TIER_COUNTERS = (
-    ("kvtier_tier_hits", ("store", "hits"), "Pages this tier served (read and verified)."),
-    ("kvtier_tier_misses", ("store", "misses"), "Pages asked of this tier that it did not serve."),
-    ("kvtier_tier_read_bytes", ("store", "bytes_read"), "Bytes of pages this tier served."),
-    (
-        "kvtier_tier_written_bytes",
-        ("store", "bytes_written"),
-        "Bytes of pages stored in this tier.",
-    ),
-    ("kvtier_tier_evictions", ("evictions",), "Pages this tier evicted to make room."),
-    ("kvtier_tier_promotions", ("promotions",), "Pages copied up into this tier from a lower one."),
-    (
-        "kvtier_tier_cascades",
-        ("cascades",),
-        "Pages written down into this tier from the one above.",
-    ),
-    (
-        "kvtier_tier_drops",
-        ("drops",),
-        "Pages that would have entered this tier but were dropped (a full queue or staging pool).",
-    ),
-    ("kvtier_tier_failures", ("failures",), "Calls to this tier that failed (it was bypassed)."),
-    (
-        "kvtier_tier_admission_refused",
-        ("admission_refused",),
-        "Pages this tier's admission policy kept out.",
-    ),
-)
+#: The page store's counters that each tier's series carry too (the engine's reads).
+_TIER_STORE_COUNTERS = ("hits", "misses")
+
+
+def _tier_counters() -> Iterator[tuple[str, tuple[str, ...], str]]:
+    """(series, path in a tier's stats, help) of every per-tier counter: the page store's
+    above and the chain's own (``storage_tier`` in kvtier.core.metrics.COUNTERS)."""
+    store = {spec.name: spec.meaning for spec in COUNTERS["page_store"]}
+    for name in _TIER_STORE_COUNTERS:
+        yield f"kvtier_tier_{name}", ("store", name), store[name]
+    for spec in COUNTERS["storage_tier"]:
+        yield f"kvtier_tier_{spec.name}", (spec.name,), spec.meaning
 
 
 def _tier_families(
     f: _Families, tiers: list[dict[str, Any]], tenants: Mapping[str, Any]
 ) -> Iterator[Any]:
     """The storage chain's tiers (label ``tier``: ``<index>:<backend>``) and tenants."""
-    for name, path, doc in _TIER_COUNTERS:
+    for name, path, doc in _tier_counters():
         family = f.counter(name, doc, "tier")
         for tier in tiers:
             value: Any = tier
@@ -327,20 +312,18 @@ def _tier_families(
             occupancy.add_metric([*f.ident, tier["name"]], float(tier["occupancy_bytes"]))
     yield depth
     yield occupancy
-    held = f.core.GaugeMetricFamily(
-        "kvtier_tenant_bytes",
-        "Bytes of a tenant's pages in a tier.",
-        labels=[*f.names, "tenant", "tier"],
-    )
+    # a tenant's series carry its name as the identity's ``tenant`` label (not a second one)
+    held = f.gauge("kvtier_tenant_bytes", "Bytes of a tenant's pages in a tier.", "tier")
     quota = f.counter(
         "kvtier_tenant_quota_evictions",
         "A tenant's own pages evicted because it was over its quota_bytes.",
-        "tenant",
     )
+    at = IDENTITY_LABELS.index("tenant")
     for tenant, entry in tenants.items():
+        ident = [*f.ident[:at], tenant, *f.ident[at + 1 :]]
         for tier, nbytes in zip(tiers, entry["bytes"], strict=False):
-            held.add_metric([*f.ident, tenant, tier["name"]], float(nbytes))
-        quota.add_metric([*f.ident, tenant], float(entry["quota_evictions"]))
+            held.add_metric([*ident, tier["name"]], float(nbytes))
+        quota.add_metric(ident, float(entry["quota_evictions"]))
     yield held
     yield quota
 

@@ -58,6 +58,7 @@ def open_parts(
         host_pool,
         call_timeout_s=options.backend_call_timeout_s,
         max_abandoned_calls=options.max_abandoned_calls,
+        queue_pages=options.tier_queue_pages,
     )
     return OpenedParts(plan, io_backend, host_pool, store)
 

@@ -47,6 +47,13 @@ class CacheOptions(BaseModel):
         default=256, ge=1, description="Bound of each work queue; a full queue fails the operation."
     )
     batch_pages: int = Field(default=32, ge=1, description="Pages per storage get/put call.")
+    tier_queue_pages: int = Field(
+        default=1024,
+        ge=1,
+        description="Pages the storage chain's queue holds waiting to cascade into lower "
+        "tiers, be written back or promoted; beyond it pages are dropped (counted as the "
+        "tier's `drops`), never waited for.",
+    )
     alloc_wait_s: float = Field(
         default=0.5,
         ge=0,

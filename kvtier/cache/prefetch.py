@@ -3,6 +3,10 @@
 Host hits are pinned at once; the storage part is found with one batched ``exists`` and
 read in batches by the fetch job, each a bounded page-store get. Keys are chained, so a
 missing or corrupt page ends the prefix: the pages after it are given back unread.
+
+The storage part is also pinned in the storage chain (before its ``exists``, until the
+handle is released): no tier evicts a page a running load found there, not even to make
+room for a promotion.
 """
 
 from __future__ import annotations
@@ -46,16 +50,33 @@ class Prefetcher:
         entries = list(host)
         fresh: list[Entry] = []
         rest = keys[len(host) :]
+        pins = ctx.page_store.pins
         if rest:
-            placed = self._place_stored(rest, host)
+            pins.pin(rest)  # before the lookup: nothing it finds may leave before it is read
+            try:
+                placed = self._place_stored(rest, host)
+            except BaseException:
+                pins.unpin(rest)
+                raise
             entries += [entry for entry, _ in placed]
             fresh = [entry for entry, new in placed if new]
+            pinned = {entry.key for entry in fresh}
+            pins.unpin([key for key in rest if key not in pinned])
+        stored = [entry.key for entry in fresh]
         from_host = len(entries) - len(fresh)
         ctx.stats.add("host_hits", from_host)
         ctx.stats.add("host_misses", len(keys) - from_host)
         ctx.stats.add("storage_hits", len(fresh))
         ctx.stats.add("storage_misses", len(keys) - len(entries))
-        handle = PrefetchHandle(ctx.index, ctx.options, keys, entries, from_host, started)
+        handle = PrefetchHandle(
+            ctx.index,
+            ctx.options,
+            keys,
+            entries,
+            from_host,
+            started,
+            on_release=(lambda: pins.unpin(stored)) if stored else None,
+        )
         if not fresh:
             handle.finished.set()
             ctx.stats.latency["prefetch"].observe(time.monotonic() - started)

@@ -2,7 +2,10 @@
 
 Counters and histograms are plain thread-safe objects updated on the data path; a
 snapshot is a nested dict for logs, ``--json`` and tests. The Prometheus view
-(:mod:`kvtier.cache.metrics`) reads the same snapshot, so both views always agree.
+(:mod:`kvtier.cache.metrics`) reads the same snapshot, so both views always agree. The
+counters are the ``tiered_cache`` ones of :data:`kvtier.core.metrics.COUNTERS`, counted
+under their registered names (``host_hits`` is ``stats()["host"]["hits"]``): counting a
+name missing there raises.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import bisect
 import threading
 from typing import Any
+
+from kvtier.core.metrics import DIRECTIONS, registered_counters
 
 __all__ = ["LATENCY_BUCKETS", "OPERATIONS", "CacheStats", "Histogram"]
 
@@ -87,85 +92,91 @@ class CacheStats:
     """Every counter and histogram of one TieredCache."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: dict[str, int] = {}
-        self._seconds: dict[str, float] = {}
-        self._failures: dict[str, int] = {}
+        self._counters = registered_counters("tiered_cache")
         self.latency = {op: Histogram() for op in OPERATIONS}
 
     def add(self, name: str, amount: int = 1) -> None:
-        """Add to a named counter (pages, bytes, events)."""
-        with self._lock:
-            self._counts[name] = self._counts.get(name, 0) + amount
+        """Add to a registered counter (pages, bytes, events)."""
+        self._counters.add(name, amount)
 
-    def busy(self, name: str, seconds: float, nbytes: int) -> None:
+    def busy(self, direction: str, seconds: float, nbytes: int) -> None:
         """Record a transfer of ``nbytes`` that took ``seconds``, for bytes and bandwidth."""
-        with self._lock:
-            self._counts[f"bytes_{name}"] = self._counts.get(f"bytes_{name}", 0) + nbytes
-            self._seconds[name] = self._seconds.get(name, 0.0) + seconds
+        self._counters.add(f"bytes_{direction}", nbytes)
+        self._counters.add(f"busy_seconds_{direction}", seconds)
 
     def fail(self, cause: str, pages: int = 1) -> None:
-        """Count ``pages`` failed for ``cause`` (queue_full, host_exhausted, backend, ...)."""
-        with self._lock:
-            self._failures[cause] = self._failures.get(cause, 0) + pages
+        """Count ``pages`` failed for ``cause`` (a :class:`~kvtier.core.metrics.Cause` value)."""
+        self._counters.add(f"failures_{cause}", pages)
 
-    def get(self, name: str) -> int:
+    def get(self, name: str) -> int | float:
         """One counter's value (0 when never touched)."""
-        with self._lock:
-            return self._counts.get(name, 0)
+        return self._counters.snapshot().get(name, 0)
 
     def failures(self) -> dict[str, int]:
-        """Failed pages by cause."""
-        with self._lock:
-            return dict(self._failures)
+        """Failed pages by cause (the causes that failed any)."""
+        return _failures(self._counters.snapshot())
 
     def snapshot(self) -> dict[str, Any]:
         """A nested dict: pages, hits per tier, bytes, bandwidth, latency, failures."""
-        with self._lock:
-            counts = dict(self._counts)
-            seconds = dict(self._seconds)
-            failures = dict(self._failures)
+        counts = self._counters.snapshot()
 
         def c(name: str) -> int:
-            return counts.get(name, 0)
+            return int(counts.get(name, 0))
 
-        host_q = c("host_hits") + c("host_misses")
-        storage_q = c("storage_hits") + c("storage_misses")
-        bytes_moved = {
-            name: c(f"bytes_{name}")
-            for name in ("device_to_host", "host_to_device", "storage_read", "storage_write")
-        }
-        bandwidth = {
-            name: (bytes_moved[name] / seconds[name]) if seconds.get(name) else 0.0
-            for name in bytes_moved
-        }
+        def ratio(hits: str, misses: str) -> float:
+            asked = c(hits) + c(misses)
+            return c(hits) / asked if asked else 0.0
+
+        bytes_moved = {d: c(f"bytes_{d}") for d in DIRECTIONS}
+        seconds = {d: float(counts.get(f"busy_seconds_{d}", 0.0)) for d in DIRECTIONS}
+        failures = _failures(counts)
         return {
             "host": {
                 "hits": c("host_hits"),
                 "misses": c("host_misses"),
-                "hit_rate": c("host_hits") / host_q if host_q else 0.0,
-                "evictions": c("evictions"),
+                "hit_rate": ratio("host_hits", "host_misses"),
+                "evictions": c("host_evictions"),
             },
             "storage": {
                 "hits": c("storage_hits"),
                 "misses": c("storage_misses"),
-                "hit_rate": c("storage_hits") / storage_q if storage_q else 0.0,
-                "pages_read": c("storage_pages_read"),
-                "pages_written": c("storage_pages_written"),
-                "writes_skipped": c("storage_writes_skipped"),
-                "write_backs": c("write_backs"),
+                "hit_rate": ratio("storage_hits", "storage_misses"),
+                **{
+                    key: c(f"storage_{key}")
+                    for key in (
+                        "pages_read",
+                        "pages_written",
+                        "writes_skipped",
+                        "write_backs",
+                        "writes_inline",
+                        "writes_cancelled",
+                    )
+                },
             },
             "pages": {
-                "backed_up": c("pages_backed_up"),
-                "backup_already_cached": c("backup_already_cached"),
-                "prefetched": c("pages_prefetched"),
-                "loaded": c("pages_loaded"),
-                "cancelled": c("pages_cancelled"),
+                key: c(f"pages_{key}")
+                for key in (
+                    "backed_up",
+                    "backup_already_cached",
+                    "prefetched",
+                    "loaded",
+                    "cancelled",
+                )
             },
             "bytes": bytes_moved,
-            "bandwidth_bytes_per_s": bandwidth,
-            "busy_seconds": {name: seconds.get(name, 0.0) for name in bytes_moved},
+            "bandwidth_bytes_per_s": {
+                d: bytes_moved[d] / seconds[d] if seconds[d] else 0.0 for d in DIRECTIONS
+            },
+            "busy_seconds": seconds,
             "latency_seconds": {op: h.snapshot() for op, h in self.latency.items()},
             "failures": failures,
             "failures_total": sum(failures.values()),
         }
+
+
+def _failures(counts: dict[str, int | float]) -> dict[str, int]:
+    """Failed pages by cause, from the ``failures_<cause>`` counters (in first-failure order)."""
+    prefix = "failures_"
+    return {
+        name[len(prefix) :]: int(value) for name, value in counts.items() if name.startswith(prefix)
+    }

@@ -63,7 +63,7 @@ class StorageWriter:
     def write_victims(self, victims: list[Entry]) -> None:
         """``write_back``: dirty pages the host index evicts go to storage first."""
         if victims:
-            self.ctx.stats.add("write_backs", len(victims))
+            self.ctx.stats.add("storage_write_backs", len(victims))
             self.submit(victims, None)
 
     def flush_dirty(self) -> None:
@@ -72,7 +72,7 @@ class StorageWriter:
         if ctx.options.write_policy == "write_back" and ctx.writes_storage:
             dirty = ctx.index.claim_dirty()
             if dirty:
-                ctx.stats.add("write_backs", len(dirty))
+                ctx.stats.add("storage_write_backs", len(dirty))
                 self.submit(dirty, None)
 
     # --- the write path -------------------------------------------------------------------
@@ -84,7 +84,7 @@ class StorageWriter:
             lambda: self._cancel(entries, handle),
         )
         if not self.ctx.writes.submit(job):
-            self.ctx.stats.add("writes_inline")
+            self.ctx.stats.add("storage_writes_inline", len(entries))
             self._run(entries, handle)
 
     def _run(self, entries: list[Entry], handle: BackupHandle | None) -> None:
@@ -92,11 +92,11 @@ class StorageWriter:
         stats, index = ctx.stats, ctx.index
         batch = ctx.options.batch_pages
         chunk: list[Entry] = []
-        written = 0
+        owed, written = len(entries), 0
         try:
             while entries:
                 if ctx.stopping():
-                    stats.add("writes_cancelled", len(entries))
+                    stats.add("storage_writes_cancelled", len(entries))
                     break
                 chunk, entries = entries[:batch], entries[batch:]
                 t0 = time.monotonic()
@@ -130,7 +130,7 @@ class StorageWriter:
             if entries:  # an unexpected error mid-way: give the rest back unwritten
                 index.finish_write(entries, [False] * len(entries))
             if handle is not None:
-                handle.write_ended(written)
+                handle.write_ended(written, owed - written)
 
     def _late_put(self, chunk: list[Entry], results: object) -> None:
         """A timed-out put returned at last: record what it stored, unpin its pages."""
@@ -138,7 +138,7 @@ class StorageWriter:
         self.ctx.index.finish_write(chunk, ok or [False] * len(chunk))
 
     def _cancel(self, entries: list[Entry], handle: BackupHandle | None) -> None:
-        self.ctx.stats.add("writes_cancelled", len(entries))
+        self.ctx.stats.add("storage_writes_cancelled", len(entries))
         self.ctx.index.finish_write(entries, [False] * len(entries))
         if handle is not None:
-            handle.write_ended(0)
+            handle.write_ended(0, len(entries))

@@ -72,7 +72,8 @@ def _availability(spec: BackendSpec | IOBackendSpec) -> dict[str, Any]:
     }
 
 
-def _config_fields(spec: BackendSpec | IOBackendSpec) -> list[dict[str, Any]]:
+def _config_fields(spec: BackendSpec | IOBackendSpec | PolicySpec) -> list[dict[str, Any]]:
+    """The options of ``spec``'s config model, one dict each."""
     return [
         {
             "name": doc.name,
@@ -152,16 +153,7 @@ def _policy_dict(registry: Registry, spec: PolicySpec) -> dict[str, Any]:
         "available": True,
         "unavailable_reason": None,
         "install_hint": None,
-        "config": [
-            {
-                "name": doc.name,
-                "type": doc.type,
-                "required": doc.required,
-                "default": doc.default,
-                "description": doc.description,
-            }
-            for doc in describe_fields(spec.config_model)
-        ],
+        "config": _config_fields(spec),
     }
 
 

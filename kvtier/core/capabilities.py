@@ -39,6 +39,7 @@ so an engine that needs, say, per-layer loads still gets a layout that can do th
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -469,6 +470,19 @@ def _resolve_tiers(
                 promote=tier.promote,
             )
         )
+    for above, plan in itertools.pairwise(plans):
+        if plan.write == "back" and above.capacity_bytes is None:
+            raise UnsupportedCombinationError(
+                f"tiers[{plan.index}].write: 'back' moves a page into this tier only when "
+                f"tiers[{above.index}] (backend {above.backend.name!r}) evicts it to stay "
+                "within its capacity_bytes, and that tier has none, so this tier would never "
+                "receive a page (pages its backend drops on its own are not written back)",
+                value=plan.write,
+                supported=[
+                    f"capacity_bytes in tiers[{above.index}].extra_config",
+                    f'"write": "through" on tiers[{plan.index}]',
+                ],
+            )
     return tuple(plans)
 
 

@@ -1,8 +1,10 @@
 """kvtier's one metrics vocabulary: every counter any part counts, with what it means.
 
 Each counter is declared here once, by the part that counts it: the page store (every
-engine path has one), a TieredCache's failures by :class:`Cause`, the vLLM connector's
-scheduler and worker sides, the SGLang adapter. A new metric is added here, then counted;
+engine path has one), a TieredCache (its failures by :class:`Cause`), the storage chain's
+tiers, the vLLM connector's scheduler and worker sides, the SGLang adapter. A new metric
+is added here, then counted (a part that counts through :func:`registered_counters`
+cannot count a name missing here);
 ``docs/operating.md`` lists this registry (a test keeps the two equal), the Prometheus
 exposition (:mod:`kvtier.cache.metrics`) and the engines' own stats read their names from
 it. Names are plain ``[a-z0-9_]``; a family (``invalid_<reason>``) is one entry whose
@@ -16,16 +18,19 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kvtier.core.envelope import Rejection
+from kvtier.core.storage import Counters
 
 __all__ = [
     "BACKEND_CALLS",
     "COUNTERS",
+    "DIRECTIONS",
     "READ_AT",
     "Cause",
     "CounterSpec",
     "causes_markdown",
     "counter_names",
     "counters_markdown",
+    "registered_counters",
     "zeroed",
 ]
 
@@ -75,17 +80,20 @@ BACKEND_CALLS = ("exists", "get", "put", "delete", "clear", "stats", "close")
 class CounterSpec:
     """One counter: its name, who counts it, what it counts; ``suffixes`` for a family.
 
-    A family counts ``name`` in total and ``name_<suffix>`` for each of ``suffixes``.
+    A family counts ``name_<suffix>`` for each of ``suffixes``, and ``name`` in total
+    unless ``total`` is False.
     """
 
     name: str
     counted_by: str
     meaning: str
     suffixes: tuple[str, ...] = ()
+    total: bool = True
 
     def names(self) -> list[str]:
-        """The counter's name, and each member's for a family."""
-        return [self.name, *(f"{self.name}_{suffix}" for suffix in self.suffixes)]
+        """The counter's name (a family's total), and each member's for a family."""
+        members = [f"{self.name}_{suffix}" for suffix in self.suffixes]
+        return [self.name, *members] if self.total or not self.suffixes else members
 
 
 def _counters(counted_by: str, specs: Iterable[tuple[str, str] | CounterSpec]) -> list[CounterSpec]:
@@ -96,14 +104,19 @@ def _counters(counted_by: str, specs: Iterable[tuple[str, str] | CounterSpec]) -
 
 
 _REASONS = tuple(reason.value for reason in Rejection)
+#: The directions a TieredCache moves bytes in (``stats()["bytes"]``).
+DIRECTIONS = ("device_to_host", "host_to_device", "storage_read", "storage_write")
 _STORE = "page_store"
+_CACHE = "tiered_cache"
+_TIER = "storage_tier"
+_CHAIN = "storage_chain"
 _VLLM_SCHEDULER = "vllm_scheduler"
 _VLLM_WORKER = "vllm_worker"
 _SGLANG = "sglang"
 
-#: Every counter, by who counts it (``page_store``, ``vllm_scheduler``, ``vllm_worker``,
-#: ``sglang``). A TieredCache's counters are its nested ``stats()`` (docs/operating.md,
-#: "Every metric"), with failures by :class:`Cause`.
+#: Every counter, by who counts it (``page_store``, ``tiered_cache``, ``storage_tier``,
+#: ``storage_chain``, ``vllm_scheduler``, ``vllm_worker``, ``sglang``); :data:`READ_AT`
+#: says where each part's are read.
 COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
     _STORE: tuple(
         _counters(
@@ -147,6 +160,133 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
             ],
         )
     ),
+    _CACHE: tuple(
+        _counters(
+            _CACHE,
+            [
+                ("host_hits", "Pages a prefetch found in the host pool."),
+                ("host_misses", "Pages a prefetch did not find in the host pool."),
+                ("host_evictions", "Host-pool pages evicted, least recently used first."),
+                (
+                    "storage_hits",
+                    "Pages a prefetch found in storage (after missing the host pool).",
+                ),
+                ("storage_misses", "Pages a prefetch found in neither tier."),
+                ("storage_pages_read", "Pages read from storage into the host pool and verified."),
+                ("storage_pages_written", "Pages written to storage."),
+                (
+                    "storage_writes_skipped",
+                    "Pages backed up but not written: this rank writes nothing (MLA ranks "
+                    "other than 0).",
+                ),
+                (
+                    "storage_write_backs",
+                    "Dirty pages `write_back` queued for writing (evicted from the host pool, "
+                    "or at close).",
+                ),
+                (
+                    "storage_writes_inline",
+                    "Pages written by the thread that queued them, because the write queue "
+                    "was full.",
+                ),
+                (
+                    "storage_writes_cancelled",
+                    "Pages whose storage write was given up at close (`drain=False`, or "
+                    "`close_timeout_s` passed).",
+                ),
+                ("pages_backed_up", "Pages backed up whole into the host pool."),
+                (
+                    "pages_backup_already_cached",
+                    "Pages a backup skipped: the host pool held them already.",
+                ),
+                (
+                    "pages_prefetched",
+                    "Pages prefetches brought in from storage (the pages `storage_pages_read` "
+                    "counts).",
+                ),
+                ("pages_loaded", "Pages loaded into the device pool."),
+                (
+                    "pages_cancelled",
+                    "Pages of backups and prefetches given up before they were done (closed, "
+                    "released, or after a failed page).",
+                ),
+                CounterSpec(
+                    "bytes",
+                    _CACHE,
+                    "Bytes moved, by direction.",
+                    DIRECTIONS,
+                    total=False,
+                ),
+                CounterSpec(
+                    "busy_seconds",
+                    _CACHE,
+                    "Seconds spent moving those bytes, by direction (summed over workers).",
+                    DIRECTIONS,
+                    total=False,
+                ),
+                CounterSpec(
+                    "failures",
+                    _CACHE,
+                    'Pages that failed, by cause (the causes above); `stats()["failures_total"]` '
+                    "sums them.",
+                    tuple(cause.value for cause in Cause),
+                    total=False,
+                ),
+            ],
+        )
+    ),
+    _TIER: tuple(
+        _counters(
+            _TIER,
+            [
+                ("promotions", "Pages copied up into a tier from a lower tier that served them."),
+                ("cascades", "Pages written down into a tier from the tier above."),
+                (
+                    "drops",
+                    "Pages that would have entered a tier but were dropped: a full cascade "
+                    "queue (`tier_queue_pages`) or staging pool, or a write-back victim that "
+                    "could not be handed down (or that its backend evicted on its own).",
+                ),
+                ("evictions", "Pages a tier evicted to make room."),
+                (
+                    "quota_evictions",
+                    "Pages a tier evicted because their tenant was over its `quota_bytes`.",
+                ),
+                (
+                    "failures",
+                    "Calls to a tier that failed (the chain bypassed it), and pages a cascade "
+                    "or promotion failed to write there.",
+                ),
+                ("admission_refused", "Pages a tier's admission policy kept out."),
+                ("get_seconds", "Seconds spent in a tier's reads."),
+                ("get_calls", "Reads asked of a tier."),
+                ("read_bytes", "Bytes of pages a tier served, to the engine or the chain."),
+                (
+                    "written_bytes",
+                    "Bytes of pages stored in a tier (puts, cascades, write-backs, promotions).",
+                ),
+            ],
+        )
+    ),
+    _CHAIN: tuple(
+        _counters(
+            _CHAIN,
+            [
+                (
+                    "tenant_quota_evictions",
+                    "A tenant's own pages evicted because it was over its `quota_bytes`.",
+                ),
+                (
+                    "events_emitted",
+                    "Page events (stored, promoted, evicted, removed) handed to subscribers.",
+                ),
+                (
+                    "events_subscriber_errors",
+                    "Times an event subscriber raised (its events are dropped).",
+                ),
+            ],
+        )
+    ),
     _VLLM_SCHEDULER: tuple(
         _counters(
             _VLLM_SCHEDULER,
@@ -183,6 +323,36 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
                     "requests_preempted",
                     "Requests vLLM preempted (their queued stores are dropped, one in "
                     "flight waited for, before vLLM reuses their blocks).",
+                ),
+                (
+                    "known_forgotten",
+                    "Pages the scheduler remembered stored and forgot because no tier holds "
+                    "them any more (an eviction or removal the workers reported): never "
+                    "promised to vLLM from memory.",
+                ),
+                (
+                    "lookup_promoting",
+                    "Lookups answered 'ask again' while a worker's load promoted their pages "
+                    "into a faster tier (at most `lookup_timeout_s`).",
+                ),
+                (
+                    "vllm_events_emitted",
+                    "Storage-tier page events handed to vLLM as KV events (BlockStored / "
+                    "BlockRemoved, one per page and tier).",
+                ),
+                (
+                    "vllm_events_unmapped",
+                    "Storage-tier page events left out of vLLM's KV events: the scheduler "
+                    "never saw the page's vLLM block hash.",
+                ),
+                (
+                    "vllm_events_dropped",
+                    "Storage-tier page events dropped before vLLM took them (more than "
+                    "`events_buffer` waiting).",
+                ),
+                (
+                    "resets",
+                    "Connector resets (vLLM's `reset_cache`): a new key epoch each time.",
                 ),
             ],
         )
@@ -260,6 +430,11 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
                     "preempt_wait_timeouts",
                     "Of those, waits that passed `preempt_wait_s` (the store is tainted).",
                 ),
+                (
+                    "tier_events_dropped",
+                    "Storage-chain events this rank dropped before its next report (more "
+                    "than `events_buffer` waiting): the scheduler misses them.",
+                ),
             ],
         )
     ),
@@ -304,13 +479,20 @@ def counter_names(counted_by: str) -> list[str]:
 
 
 def zeroed(counted_by: str, *, families: bool = False) -> dict[str, int | float]:
-    """``counted_by``'s counters at 0 (a family's total only, unless ``families``), so a
-    reader sees each from the start."""
+    """``counted_by``'s counters at 0 (a family's total only, unless ``families`` or it
+    has none), so a reader sees each from the start."""
     return {
         name: 0
         for spec in COUNTERS[counted_by]
-        for name in (spec.names() if families else [spec.name])
+        for name in (spec.names() if families or not spec.total else [spec.name])
     }
+
+
+def registered_counters(counted_by: str) -> Counters:
+    """Counters that count ``counted_by``'s registered names only: counting another name
+    raises :class:`~kvtier.core.errors.UnknownNameError`, so an unregistered counter fails
+    where it is counted, not in a review."""
+    return Counters(counter_names(counted_by), kind=f"{counted_by} counter (see COUNTERS)")
 
 
 #: Where each part's counters are read.
@@ -318,6 +500,14 @@ READ_AT: Mapping[str, str] = {
     _STORE: '`PageStore.stats()`: a TieredCache\'s `stats()["page_store"]`, the vLLM '
     "worker's `store_<name>` (`kvtier_store_<name>` in vLLM's metrics), SGLang's "
     "`kvtier_stats()` (an extra pool's with its name first)",
+    _CACHE: "`TieredCache.stats()`, a counter `<part>_<key>` as `stats()[part][key]` "
+    '(`host_hits`: `stats()["host"]["hits"]`, `failures_queue_full`: '
+    '`stats()["failures"]["queue_full"]`); the vLLM accelerator worker\'s `cache_<name>`',
+    _TIER: 'Each tier\'s `TieredCache.stats()["tiers"][i][name]` (SGLang: '
+    "`tier_stats()[pool][i][name]`)",
+    _CHAIN: "`tenant_quota_evictions` as "
+    '`TieredCache.stats()["tenants"][tenant]["quota_evictions"]`, `events_<key>` as '
+    '`stats()["events"][key]`',
     _VLLM_SCHEDULER: "`kvtier_<name>` in vLLM's KV-connector metrics (scheduler side)",
     _VLLM_WORKER: "`kvtier_<name>` in vLLM's KV-connector metrics (each worker, summed)",
     _SGLANG: "`KvtierHiCacheStorage.kvtier_stats()`",

@@ -75,6 +75,15 @@ class BatchResult(list[bool]):
         super().__init__(results)
         self.outcome = outcome
 
+    def leading(self) -> int:
+        """How many leading results are True (the prefix a lookup found)."""
+        count = 0
+        for ok in self:
+            if not ok:
+                break
+            count += 1
+        return count
+
 
 VerifyMode = Literal["full", "header"]
 _VERIFY_MODES = ("full", "header")
@@ -284,11 +293,7 @@ class PageStore:
 
     def prefix_hits(self, keys: Sequence[str]) -> int:
         """How many leading keys are stored, from one batched ``exists`` call."""
-        hits = 0
-        for found in self.exists(keys):
-            if not found:
-                break
-            hits += 1
+        hits = self.exists(keys).leading()
         self._counters.add("prefix_queries")
         self._counters.add("prefix_pages", hits)
         return hits

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvtier.core.errors import UnknownNameError
 from kvtier.core.extents import Extent
 from kvtier.core.geometry import KVGeometry
 from kvtier.core.layout import Layout
@@ -51,19 +52,33 @@ class BackendContext:
 
 
 class Counters:
-    """Thread-safe named counters, the usual body of ``stats()``."""
+    """Thread-safe named counters, the usual body of ``stats()``.
 
-    def __init__(self) -> None:
+    ``names``: the only names it counts, a part's registered counters
+    (:func:`kvtier.core.metrics.registered_counters`); any other name raises
+    :class:`~kvtier.core.errors.UnknownNameError` naming ``kind``, so a counter nobody
+    registered fails where it is counted. None (a backend's own stats): any name.
+    """
+
+    def __init__(self, names: Iterable[str] | None = None, *, kind: str = "counter") -> None:
         self._lock = threading.Lock()
         self._values: dict[str, int | float] = {}
+        self._names = None if names is None else frozenset(names)
+        self._kind = kind
 
     def add(self, name: str, amount: int | float = 1) -> None:
+        self._check(name)
         with self._lock:
             self._values[name] = self._values.get(name, 0) + amount
 
     def set(self, name: str, value: int | float) -> None:
+        self._check(name)
         with self._lock:
             self._values[name] = value
+
+    def _check(self, name: str) -> None:
+        if self._names is not None and name not in self._names:
+            raise UnknownNameError(self._kind, name, self._names)
 
     def snapshot(self) -> dict[str, int | float]:
         with self._lock:

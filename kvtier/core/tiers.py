@@ -75,7 +75,9 @@ class TierConfig(BaseModel):
     write: Literal["through", "back"] = Field(
         default="through",
         description="How pages reach this tier: `through` as soon as the tier above "
-        "stored them, `back` only when the tier above evicts them. Ignored on the first tier.",
+        "stored them, `back` only when the tier above evicts them (every eviction the chain "
+        "makes there hands the page down; the tier above needs a `capacity_bytes`). "
+        "Ignored on the first tier.",
     )
     promote: bool = Field(
         default=True,
