@@ -226,13 +226,16 @@ def file_run(engine: Engine, file_root: Path) -> dict[str, dict[str, Any]]:
         # concurrent requests sharing a prefix kvtier has not seen, then one it holds
         _many("shared-cold", ["shared0", "shared1", "shared2"]),
         _many("shared-hot", ["shared3", "shared4", "shared5"], **RESET),
-        # a load that takes 0.8 s while two other requests are computed and decoded
+        # a load held (0.8 s, then until 24 steps ran) while two other requests compute
         _many("slow-seed", ["slow"]),
         _many(
             "slow",
             ["slow", "busy0", "busy1"],
             max_tokens=24,
-            hooks={"load_delay_s": 0.8},
+            hooks={
+                "load_delay_s": 0.8,
+                "load_until_steps": {"steps": MAX_TOKENS["busy0"], "max_s": 20},
+            },
             **RESET,
         ),
         # every stored page of a prefix corrupt: nothing may be reported cached
@@ -359,10 +362,11 @@ def test_an_asynchronous_load_overlaps_the_requests_computed_meanwhile(
     # the 0.8 s read ran while the two other requests were computed and decoded: the
     # connector's timings count the time a load was in flight during model steps
     assert worker("load_seconds") >= 0.8
-    # every token of the busy requests (a step each) was computed while the load was in
-    # flight: a load on the step's critical path would have let none through; how long
-    # those steps took depends on the machine, so the seconds are only said to be there
+    # the read was held until as many model steps as the busy requests have tokens ran
+    # while it was in flight (or 20 s passed): a load on the steps' critical path would
+    # have let none through; how long those steps took depends on the machine
     assert worker("load_overlap_steps") >= MAX_TOKENS["busy0"]
+    assert worker("load_seconds") < 20
     assert 0 < worker("load_overlap_seconds") <= worker("load_seconds")
     slow_ttft, *busy_ttft = phase["ttft"]
     assert slow_ttft is not None  # vLLM's per-request stats (log_stats is on)

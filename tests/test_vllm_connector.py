@@ -29,15 +29,19 @@ from test_vllm import BLOCK, ROOT, FullAttentionSpec, _kv_cache_config, _plan, _
 
 from kvtier.backends.memory import MemoryConfig
 from kvtier.backends.memory.backend import MemoryBackend
+from kvtier.cache.chain import open_store
 from kvtier.core.capabilities import open_page_store
-from kvtier.core.errors import UnsupportedCombinationError
+from kvtier.core.envelope import ENVELOPE_BYTES
+from kvtier.core.errors import InvalidFieldError, UnsupportedCombinationError
 from kvtier.core.storage import PageBuffers, StorageBackend
-from kvtier.integrations.vllm import VLLMSection
+from kvtier.integrations.vllm import VLLMSection, read_section
+from kvtier.integrations.vllm.events import BlockInfo, TierLedger
 from kvtier.integrations.vllm.messages import PageOp, Report
 from kvtier.integrations.vllm.plan import geometry_fields, kv_groups, resolve_plan
 from kvtier.integrations.vllm.rank import proves_bad
 from kvtier.integrations.vllm.scheduler import NoPages, SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
+from kvtier.plugins.manager import default_registry
 from kvtier.plugins.registry import Registry
 
 NAMES = ["model.layers.0.a", "model.layers.1.a"]
@@ -152,7 +156,7 @@ def test_the_page_store_says_which_pages_were_read_and_failed_verification(
     page[-7] ^= 0x40
     stored[name] = bytes(page)
     verdicts: dict[int, str] = {}
-    found = worker.store.get(worker.names(["k0", "k1", "k2"]), [4, 5, 6], verdicts=verdicts)
+    found = worker._store_get(worker.names(["k0", "k1", "k2"]), [4, 5, 6], None, verdicts)
     assert list(found) == [True, False, False]
     assert verdicts == {1: "corrupt_checksum"}  # k2 was never read: no verdict
     worker.close()
@@ -612,6 +616,234 @@ def test_mla_pages_are_written_by_one_rank_and_read_by_every_rank(
         worker.close()
 
 
+# --- 5. what the tiers hold: evictions, KV events, tiers, promotions, tenants, resets ---------
+
+
+def _plan_of(settings: VLLMSection, registry: Registry | None = None) -> Any:
+    return resolve_plan(
+        _vllm_config(), _kv_cache_config(), settings, registry or default_registry(), tp_rank=0
+    )
+
+
+def _page_bytes(plan: Any) -> int:
+    """What one page takes in a tier: its envelope and its payload."""
+    return int(plan.geometry.bytes_per_page) + ENVELOPE_BYTES
+
+
+def _registered(plan: Any, settings: VLLMSection) -> WorkerSide:
+    worker = WorkerSide(plan, settings)
+    caches = {name: torch.randn(16, 2, BLOCK, 128).to(torch.bfloat16) for name in NAMES}
+    worker.register(caches, INDEX, 16)
+    return worker
+
+
+class _Absent:
+    """The scheduler's store where nothing is stored (hits come from what it learnt)."""
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [False] * len(keys)
+
+
+def test_a_page_the_backend_evicts_is_forgotten_and_never_promised() -> None:
+    settings = VLLMSection(backend="memory", extra_config={"capacity_bytes": 1})
+    page = _page_bytes(_plan_of(settings))
+    settings = VLLMSection(backend="memory", extra_config={"capacity_bytes": 3 * page + 100})
+    plan = _plan_of(settings)
+    worker = _registered(plan, settings)
+    side = SchedulerSide(plan, settings, _Absent())
+    request = _Request("r", _tokens(5))
+    keys = side.request_keys(request, 5)
+    worker.submit_saves([PageOp("r", keys[:3], [0, 1, 2], 0)])
+    assert worker.flush()
+    side.learn(worker.take_report())
+    # stored in this process: a hit from the scheduler's memory (its store holds nothing)
+    assert side.matched_tokens(_Request("a", request.all_token_ids), 0) == 3 * BLOCK
+    worker.submit_saves([PageOp("r", keys[3:], [3, 4], 3)])  # the backend evicts 0 and 1
+    assert worker.flush()
+    report = worker.take_report()
+    assert [(held, key) for _, held, _, key in report.events if not held] == [
+        (False, keys[0]),
+        (False, keys[1]),
+    ]
+    side.learn(report)
+    # page 0 left storage: nothing is promised, though the scheduler stored all five
+    assert side.matched_tokens(_Request("b", request.all_token_ids), 0) == 0
+    assert side.stats()["known_forgotten"] == 2
+    worker.close()
+
+
+def test_a_tier_holds_a_page_once_every_rank_holds_its_share() -> None:
+    ledger = TierLedger(tiers=2, ranks=2, limit=8)
+    assert ledger.apply(0, True, 0, "k") is None  # rank 0's heads only
+    assert ledger.held("k") is False and ledger.held("never") is None
+    assert ledger.apply(1, True, 0, "k") is True
+    assert ledger.apply(1, True, 1, "k") is None and ledger.apply(0, True, 1, "k") is True
+    assert ledger.tier_of("k") == 0
+    assert ledger.apply(1, False, 0, "k") is False  # rank 1's share left tier 0
+    assert (ledger.held("k"), ledger.tier_of("k")) == (True, 1)
+    assert ledger.apply(0, False, 1, "never") is None  # nothing known changes
+    for i in range(20):
+        ledger.apply(0, True, 0, f"x{i}")
+    assert len(ledger) == 8  # bounded: the oldest are forgotten
+
+
+def _describe(request: Any, lo: int, hi: int) -> list[BlockInfo]:
+    """vLLM's blocks as its scheduler would describe them (hashes h<i>, chained)."""
+    tokens = request.all_token_ids
+    return [
+        BlockInfo(
+            f"h{i}".encode(),
+            f"h{i - 1}".encode() if i else None,
+            tuple(tokens[i * BLOCK : (i + 1) * BLOCK]),
+        )
+        for i in range(lo, hi)
+    ]
+
+
+def test_kv_events_say_what_each_tier_holds_under_vllms_block_hashes(tmp_path: Path) -> None:
+    tiers = [{"backend": "memory"}, {"backend": "file", "extra_config": {"root": str(tmp_path)}}]
+    settings = VLLMSection(tiers=tiers)  # type: ignore[arg-type]
+    plan = _plan_of(settings)
+    assert [tier.eviction is not None for tier in plan.storage_tiers()] == [True, True]
+    side = SchedulerSide(plan, settings, _Absent(), describe=_describe)
+    request = _Request("r", _tokens(3))
+    side.add_request(request)
+    side.after_alloc(request, [], 0)
+    saves = side.step([("r", [1, 2, 3, 4], 0)], [], {"r": 3 * BLOCK + 1}, []).saves
+    keys = [key for op in saves for key in op.keys]
+    assert len(keys) == 3
+    stored = [(0, True, 0, key) for key in keys] + [(0, True, 1, key) for key in keys]
+    side.learn(Report(stored={key: 1 for key in keys}, events=stored))
+    hashes = [b"h0", b"h1", b"h2"]
+    common = {
+        "block_hashes": hashes,
+        "parent_block_hash": None,
+        "token_ids": request.all_token_ids[: 3 * BLOCK],
+        "block_size": BLOCK,
+        "lora_id": None,
+        "lora_name": None,
+        "extra_keys": None,
+        "group_idx": 0,
+    }
+    assert side.take_events() == [
+        ("BlockStored", {**common, "medium": "KVTIER:0:memory"}),
+        ("BlockStored", {**common, "medium": "KVTIER:1:file"}),
+    ]
+    # tier 0 evicts page 0: a removal there; tier 1 still holds it, so it is still a hit
+    side.learn(Report(events=[(0, False, 0, keys[0])]))
+    removed = {"block_hashes": [b"h0"], "medium": "KVTIER:0:memory", "group_idx": 0}
+    assert side.take_events() == [("BlockRemoved", removed)]
+    other = _Request("o", request.all_token_ids)
+    assert side.matched_tokens(other, 0) == 3 * BLOCK
+    # a load reads each page from the fastest tier holding it: page 0 from the file tier
+    side.after_alloc(other, [5, 6, 7, 8], 3 * BLOCK)
+    assert side.hit_sources("o", 3 * BLOCK) == {"disk": BLOCK, "host": 2 * BLOCK}
+    assert side.hit_sources("unknown", 2 * BLOCK) == {"external_unspecified": 2 * BLOCK}
+    # tier 1 loses it too: no tier holds page 0, so it is never promised from memory
+    side.learn(Report(events=[(0, False, 1, keys[0])]))
+    assert side.matched_tokens(_Request("p", request.all_token_ids), 0) == 0
+    assert side.stats()["known_forgotten"] == 1
+    side.take_events()
+    # vLLM's reset: vLLM hears the tiers no longer hold what they held for it, a request
+    # keyed from now on has new keys, one admitted before stores nothing and hits nothing
+    early = _Request("e", _tokens(3, seed=9))
+    side.add_request(early)
+    assert side.reset() is True
+    assert sorted((f["medium"], h) for _, f in side.take_events() for h in f["block_hashes"]) == [
+        ("KVTIER:0:memory", b"h1"),
+        ("KVTIER:0:memory", b"h2"),
+        ("KVTIER:1:file", b"h1"),
+        ("KVTIER:1:file", b"h2"),
+    ]
+    assert not set(side.request_keys(_Request("n", request.all_token_ids), 3)) & set(keys)
+    assert side.lookup(_Request("m", request.all_token_ids), 0) == 0
+    assert side.step([("e", [9, 10, 11, 12], 0)], [], {"e": 3 * BLOCK + 1}, []).saves == []
+    assert side.lookup(early, 0) == 0 and side.stats()["resets"] == 1
+
+
+def test_a_load_from_a_lower_tier_promotes_and_a_lookup_waits_for_it(
+    registry: Registry, backend: GatedBackend
+) -> None:
+    tiers = [{"backend": "shared"}, {"backend": "memory"}]
+    settings = VLLMSection(tiers=tiers, backend_call_timeout_s=5.0)  # type: ignore[arg-type]
+    plan = _plan_of(settings, registry)
+    worker = _registered(plan, settings)
+    store = open_store(plan, NoPages(plan.layout), **settings.page_store_options())
+    side = SchedulerSide(plan, settings, store)
+    request = _Request("r", _tokens(4))
+    keys = side.request_keys(request, 4)
+    worker.submit_saves([PageOp("r", keys, [0, 1, 2, 3], 0)])
+    assert worker.flush()  # stored in tier 0, cascaded into tier 1
+    report = worker.take_report()
+    assert sorted((tier, key) for _, held, tier, key in report.events if held) == sorted(
+        (tier, key) for tier in (0, 1) for key in keys
+    )
+    side.learn(report)
+    for name in worker.names(keys[:2]):  # tier 0 lost pages 0 and 1; tier 1 holds them
+        del backend.inner._pages[name]
+    gate = backend.hold("put")  # the promotion into tier 0 waits
+    worker.start_loads([PageOp("q", keys, [4, 5, 6, 7], 0)])
+    _wait(lambda: worker.poll_loads()[0] == {"q"})
+    assert worker.pop_load_errors() == set()  # every page served, two by tier 1
+    report = worker.take_report()
+    assert sorted(report.promoting) == sorted(keys[:2])
+    side.learn(report)
+    other = _Request("o", request.all_token_ids)
+    assert side.lookup(other, 0) is None  # "ask again": the load would read tier 1 twice
+    assert side.stats()["lookup_promoting"] == 1
+    gate.set()
+    assert worker.flush()
+    report = worker.take_report()
+    assert [(held, tier, key) for _, held, tier, key in report.events] == [
+        (True, 0, keys[0]),
+        (True, 0, keys[1]),
+    ]
+    side.learn(report)
+    assert side.lookup(other, 0) == 4 * BLOCK
+    worker.close()
+    side.close()
+
+
+def test_a_tenants_quota_covers_the_requests_salted_with_its_name() -> None:
+    settings = VLLMSection(backend="memory")
+    page = _page_bytes(_plan_of(settings))
+    settings = VLLMSection(
+        backend="memory",
+        tenant="a",
+        tenants={"a": {}, "b": {"quota_bytes": 2 * page}},  # type: ignore[dict-item]
+    )
+    plan = _plan_of(settings)
+    worker = _registered(plan, settings)
+    side = SchedulerSide(plan, settings, _Absent())
+    salted, plain = _Request("b", _tokens(4), cache_salt="b"), _Request("a", _tokens(4, seed=1))
+    of_b, of_a = side.request_keys(salted, 4), side.request_keys(plain, 4)
+    for op in (
+        PageOp("b", of_b[:2], [0, 1], 0),
+        PageOp("a", of_a, [4, 5, 6, 7], 0),
+        PageOp("b", of_b[2:], [2, 3], 2),
+    ):
+        worker.submit_saves([op])
+        assert worker.flush()
+    evicted = [key for _, held, _, key in worker.take_report().events if not held]
+    assert evicted == of_b[:2]  # b's own oldest pages, never a's
+    assert worker.store is not None
+    assert worker.store.tenant_stats()["b"]["quota_evictions"] == 2
+    worker.close()
+
+
+def test_the_section_takes_tiers_and_tenants_as_every_entry_does() -> None:
+    section = read_section(
+        {"kvtier": {"tiers": [{"backend": "memory"}, {"backend": "file"}], "tenant": "a"}},
+        default_registry().backends,
+    )
+    assert section.backend == "memory" and [t.backend for t in section.tiers] == ["memory", "file"]
+    with pytest.raises(InvalidFieldError, match="not both"):
+        read_section(
+            {"kvtier": {"backend": "file", "tiers": [{"backend": "memory"}]}},
+            default_registry().backends,
+        )
+
+
 # --- the connector's class-level declarations (vLLM's environment) -----------------------------
 
 
@@ -638,3 +870,34 @@ print("ok")
         [str(python), "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
     )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_the_connector_registers_kvtiers_counters_with_vllms_prometheus() -> None:
+    """vLLM's Prometheus logger builds the connector's metrics from the class and feeds
+    them what ``get_kv_connector_stats`` reported (summed): each kvtier counter grows a
+    ``vllm:kvtier_<name>`` series with vLLM's labels."""
+    from test_vllm import _vllm_python
+
+    code = """
+from types import SimpleNamespace
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, generate_latest
+from kvtier.integrations.vllm import KvtierConnector as C
+config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}))
+types = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
+metrics = C.build_prom_metrics(config, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+names = {m.name for m in REGISTRY.collect()}
+assert "vllm:kvtier_load_hit_pages" in names
+assert "vllm:kvtier_store_invalid_corrupt_checksum" in names
+stats = C.build_kv_connector_stats({"kvtier_load_hit_pages": 8, "kvtier_store_hits": 8})
+metrics.observe(stats.data, 0)
+metrics.observe({"kvtier_load_hit_pages": 2, "kvtier_lookup_hit_pages": 0}, 0)
+text = generate_latest().decode()
+assert 'vllm:kvtier_load_hit_pages_total{engine="0",model_name="tiny"} 10.0' in text, text
+assert 'vllm:kvtier_store_hits_total{engine="0",model_name="tiny"} 8.0' in text
+assert 'vllm:kvtier_lookup_hit_pages_total{engine="0"' not in text  # nothing counted yet
+print("ok")
+"""
+    proc = subprocess.run(
+        [str(_vllm_python()), "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

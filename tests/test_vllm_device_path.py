@@ -369,4 +369,45 @@ def test_a_preempted_requests_copy_still_running_past_the_bound_is_dropped(
     stats = worker.stats()
     assert (stats["preempt_wait_timeouts"], stats["save_tainted_pages"]) == (1, 2)
     assert not list(root.rglob("*.kv"))  # ... and deleted once written
+    # ... and gone from the host pool (L2) too: the copy may have read reused blocks, so
+    # no later load may serve it from there (it would pass every check: mixed KV)
+    assert worker.cache is not None
+    with worker.cache.prefetch(worker.names(["k0", "k1"])) as handle:
+        assert (handle.host_hits, handle.storage_hits) == (0, 0)
+    worker.start_loads([PageOp("q", ["k0", "k1"], [5, 6], 0)])
+    assert worker.take_load_errors() == {5, 6}  # vLLM recomputes both
+    worker.close()
+
+
+def test_a_backup_that_runs_after_the_preemption_is_dropped_from_the_host_pool(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tainted backup's job had not even started when vLLM preempted the request: its
+    pages enter the host pool after the preemption, and leave it when the backup ends."""
+    from kvtier.cache.handles import BackupHandle
+
+    caches = _caches("nhd", "cpu")
+    worker = _worker(root, preempt_wait_s=0.01)
+    worker.register(caches, INDEX, BLOCKS)
+    monkeypatch.setattr(BackupHandle, "wait_host", lambda self, timeout=None: False)
+    assert worker.cache is not None
+    discarded: list[list[str]] = []
+    discard = worker.cache.discard
+    gate_open = False
+
+    def late_discard(keys: Any) -> int:  # the first drop runs before the job: a no-op
+        discarded.append(list(keys))
+        return discard(keys) if gate_open else 0
+
+    monkeypatch.setattr(worker.cache, "discard", late_discard)
+    _step_save(worker, [PageOp("p", ["k0", "k1"], [1, 2], 0)])
+    worker.preempted(["p"])
+    gate_open = True
+    assert worker.flush(30)
+    worker.take_report()  # settles the backup: dropped from host pool and storage
+    monkeypatch.undo()
+    assert discarded == [worker.names(["k0", "k1"])] * 2
+    with worker.cache.prefetch(worker.names(["k0", "k1"])) as handle:
+        assert (handle.host_hits, handle.storage_hits) == (0, 0)
+    assert not list(root.rglob("*.kv"))
     worker.close()

@@ -1,9 +1,10 @@
 """Every request input that changes a vLLM page's KV is in its key (``integrations/vllm/inputs``).
 
 These run without vLLM, on request objects with vLLM's attribute names; the same checks
-on vLLM's own ``Request``, ``LoRARequest`` and ``MultiModalFeatureSpec`` run in the vLLM
-environment (``test_keys_of_real_vllm_requests``), and the LoRA case in a real engine
-(``tests/test_vllm_lora.py``).
+on vLLM's own ``Request``, ``LoRARequest``, ``MultiModalFeatureSpec``, ``ModelConfig`` and
+``CacheConfig`` run in the vLLM environment (``test_keys_of_real_vllm_requests``), and the
+LoRA and image cases in a real engine (``tests/test_vllm_lora.py``,
+``tests/test_vllm_multimodal.py``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,15 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier.core.errors import InvalidKeyError, UnkeyableInputError
+from kvtier.core.errors import InvalidKeyError, UnkeyableInputError, UnsupportedCombinationError
 from kvtier.core.keys import Namespace, PageKeyer
 from kvtier.integrations.vllm import VLLMSection
-from kvtier.integrations.vllm.inputs import AdapterIdentities, model_identity, page_extras
+from kvtier.integrations.vllm.inputs import (
+    AdapterIdentities,
+    check_engine_inputs,
+    model_identity,
+    page_extras,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = 32
@@ -149,8 +155,12 @@ def test_an_adapter_rewritten_in_place_is_hashed_again(tmp_path: Path) -> None:
 def test_an_adapter_without_local_files_is_never_cached(tmp_path: Path) -> None:
     side = _scheduler()
     request = _Request("remote", lora_request=_lora("hub", tmp_path / "not-downloaded"))
-    with pytest.raises(UnkeyableInputError, match="no local files"):
+    with pytest.raises(UnkeyableInputError) as refused:
         side.request_keys(request, 4)
+    message = str(refused.value)  # the input, why, and what would work
+    assert "LoRA adapter 'hub' has no local files at" in message
+    assert "keys an adapter's pages by its files' contents" in message
+    assert "give vLLM the adapter as a local directory (lora_path)" in message
     side.add_request(request)
     assert side.matched_tokens(request, 0) == 0  # served without kvtier: no hit
     work = side.step(
@@ -199,10 +209,61 @@ def test_prompt_embeddings_key_their_pages() -> None:
     assert not set(first) & set(_keys(_Request("z", all_token_ids=zeros)))
 
 
+def test_an_adapter_that_cannot_be_read_is_refused_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # root reads any file, so the unreadable file is a stat() that fails (a stand-in)
+    def denied(path: Path) -> tuple[int, int]:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(AdapterIdentities, "_stamp", staticmethod(denied))
+    with pytest.raises(UnkeyableInputError) as refused:
+        AdapterIdentities()(_lora("a", _adapter(tmp_path, "a", 1)))
+    message = str(refused.value)
+    assert "LoRA adapter 'a' at" in message and "Permission denied" in message
+    assert "make every file under lora_path readable" in message
+
+
 def test_a_multimodal_input_without_a_content_hash_is_refused() -> None:
-    request = _Request("r", mm_features=[_image("", 40)])
-    with pytest.raises(UnkeyableInputError, match="no content hash"):
+    request = _Request(
+        "r",
+        mm_features=[
+            SimpleNamespace(
+                modality="audio", identifier="", mm_position=SimpleNamespace(offset=40, length=30)
+            )
+        ],
+    )
+    with pytest.raises(UnkeyableInputError) as refused:
         page_extras(request, 0, 4, PAGE)
+    message = str(refused.value)
+    assert "the audio input at tokens 40..69 of request 'r' has no content hash" in message
+    assert "keys the pages holding it by that hash" in message
+    assert "pass multi_modal_uuids naming each audio item's content" in message
+    side = _scheduler()  # the scheduler serves it without kvtier
+    side.add_request(request)
+    assert side.matched_tokens(request, 0) == 0
+    assert side.stats()["requests_unkeyed"] == 1
+
+
+def _engine(mm_cache_gb: float | None, prefix_caching: bool) -> Any:
+    multimodal = None if mm_cache_gb is None else SimpleNamespace(mm_processor_cache_gb=mm_cache_gb)
+    return SimpleNamespace(
+        model_config=SimpleNamespace(multimodal_config=multimodal),
+        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching),
+    )
+
+
+def test_an_engine_that_names_images_by_request_is_refused() -> None:
+    # both of vLLM's caches off: vLLM skips hashing and names each item by request
+    with pytest.raises(UnsupportedCombinationError) as refused:
+        check_engine_inputs(_engine(0, prefix_caching=False))
+    message = str(refused.value)
+    assert "cannot key the multimodal inputs of this engine" in message
+    assert "names it by request instead" in message
+    assert "vLLM's prefix cache on" in message and "--mm-processor-cache-gb above 0" in message
+    check_engine_inputs(_engine(0, prefix_caching=True))  # content hashes: accepted
+    check_engine_inputs(_engine(4, prefix_caching=False))
+    check_engine_inputs(_engine(None, prefix_caching=False))  # a text model
 
 
 # --- the model ------------------------------------------------------------------------------
@@ -253,6 +314,38 @@ def test_a_declared_model_id_is_shared_across_paths_and_weights(tmp_path: Path) 
     assert model_identity(other, "llama-3-8b@v2") != one
 
 
+class _Resolved(str):
+    """huggingface_hub's ``ResolvedRevision`` as vLLM 0.32 leaves it in ``revision`` (its
+    value the name asked for, ``resolved`` the commit); the real one is checked in
+    ``test_keys_of_real_vllm_requests``."""
+
+    resolved: str
+
+    def __new__(cls, commit: str) -> _Resolved:
+        value = super().__new__(cls, "main")
+        value.resolved = commit
+        return value
+
+
+def test_a_hub_model_is_keyed_by_the_commit_its_revision_resolved_to() -> None:
+    first = model_identity(_model_config("org/model", revision=_Resolved("a" * 40)))
+    pushed = model_identity(_model_config("org/model", revision=_Resolved("b" * 40)))
+    assert first != pushed  # "main" both times, two commits: two sets of pages
+    assert first == model_identity(_model_config("org/model", revision="a" * 40))
+
+
+def test_a_hub_model_without_a_revision_is_refused_at_start_up() -> None:
+    with pytest.raises(UnsupportedCombinationError) as refused:
+        model_identity(_model_config("org/model"))
+    message = str(refused.value)
+    assert "cannot key the pages of model 'org/model'" in message
+    assert "not a local model directory" in message and "resolved no revision" in message
+    assert "--revision COMMIT" in message and "a local model directory as --model" in message
+    assert '"kvtier": {"model": "NAME"}' in message
+    # a declared identity needs neither
+    assert model_identity(_model_config("org/model"), "model@v1").startswith("model@v1#")
+
+
 def test_hub_blobs_are_keyed_by_their_content_hash(tmp_path: Path) -> None:
     blobs = tmp_path / "blobs"
     blobs.mkdir()
@@ -277,15 +370,19 @@ def test_keys_of_real_vllm_requests(tmp_path: Path) -> None:
     python = _vllm_python()
     a, b = _adapter(tmp_path, "a", 1), _adapter(tmp_path, "b", 2)
     script = ROOT / "tests" / "vllm_engine" / "request_keys.py"
+    hub = tmp_path / "hub"  # a local hub cache, offline: nothing is downloaded
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(
-        [str(python), str(script), str(a), str(b)],
+        [str(python), str(script), str(a), str(b), str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=ROOT,
+        env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    keys: dict[str, list[str]] = json.loads(out.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    keys: dict[str, list[str]] = result["keys"]
     text, cat, dog = keys["text"], keys["cat"], keys["dog"]
     assert cat[0] == dog[0] == text[0]
     assert all(len({t, c, d}) == 3 for t, c, d in zip(text[1:], cat[1:], dog[1:], strict=True))
@@ -295,3 +392,13 @@ def test_keys_of_real_vllm_requests(tmp_path: Path) -> None:
     assert keys["lora_a_other_id"] == keys["lora_a"]
     assert keys["embeds"] == keys["embeds_again"] != keys["embeds_changed"]
     assert keys["embeds"][0] == keys["embeds_changed"][0]
+    # a hub id without --revision: vLLM resolves "main" to its commit, kvtier keys the
+    # commit, so weights pushed under the same name are other pages
+    before, after = result["hub"]["a"], result["hub"]["b"]
+    assert before["revision"] == after["revision"] == "main"
+    assert (before["resolved"], after["resolved"]) == ("a" * 40, "b" * 40)
+    assert before["identity"] != after["identity"]
+    # vLLM's configs with both caches off are refused; either cache on is accepted
+    refusals = result["refusals"]
+    assert "cannot key the multimodal inputs" in (refusals["both_off"] or "")
+    assert refusals["prefix_on"] is None and refusals["processor_cache_on"] is None

@@ -19,6 +19,7 @@ negative control in ``tests/test_vllm.py`` shows such a comparison catches wrong
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import subprocess
@@ -243,3 +244,122 @@ def test_tensor_parallelism_2(llama: Engine, tmp_path: Path) -> None:
     stats = _logged(result["stdout"], "loaded")
     assert re.search(rf"kvtier_load_hit_pages={2 * pages}\b", stats), stats
     assert len(list((tmp_path / "pages").rglob("*_r1of2.kv"))) == pages  # rank 1's heads
+
+
+# --- a chain of tiers the router can see: KV events, hit sources, metrics, a reset ----------
+
+
+def _page_bytes(model: Path) -> int:
+    """What one of the tiny Llama's pages takes in a tier (envelope and payload)."""
+    from kvtier.core.envelope import ENVELOPE_BYTES
+
+    config = json.loads((model / "config.json").read_text())
+    head = config["hidden_size"] // config["num_attention_heads"]
+    kv = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head * BLOCK * 2
+    return kv + ENVELOPE_BYTES
+
+
+@pytest.fixture(scope="module")
+def tiered(llama: Engine, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One engine on a memory tier of 10.5 pages above a file tier, publishing vLLM's KV
+    events: SHARED's 8 pages are stored (and cascade), HYBRID's push 6 of them out of the
+    memory tier, then SHARED is loaded from both tiers (and promoted), the connector is
+    reset, and SHARED is stored and loaded again under the new epoch."""
+    root = tmp_path_factory.mktemp("tiered") / "pages"
+    tiers = [
+        {
+            "backend": "memory",
+            "extra_config": {"capacity_bytes": _page_bytes(llama.model) * 21 // 2},
+        },
+        {"backend": "file", "extra_config": {"root": str(root)}},
+    ]
+    warm = _tokens(5)  # one step first: the scheduler learns what the last phase did
+    phases = [
+        {"name": "seed", "prompts": [FLIGHT["a"]]},
+        {"name": "push", "prompts": [HYBRID], "warmup": warm},
+        {"name": "hit", "prompts": [FLIGHT["b"]], "warmup": warm, **RESET},
+        {"name": "promoted", "prompts": [FLIGHT["c"]], "warmup": warm, **RESET},
+        {"name": "reset", "prompts": [FLIGHT["c"]], "reset_connector": True},
+        {"name": "after-reset", "prompts": [FLIGHT["c"]], "warmup": warm, **RESET},
+        {"name": "drain", "prompts": [warm]},
+    ]
+    job = {
+        "connector": "kvtier",
+        "kvtier": {"tiers": tiers},
+        "phases": phases,
+        "kv_events": True,
+        "log_stats": True,
+    }
+    result = llama.run(job)
+    return {"phases": _phases(result), "prometheus": result.get("prometheus", {})}
+
+
+def _chunks(tokens: list[int]) -> list[tuple[int, ...]]:
+    return [tuple(tokens[i : i + BLOCK]) for i in range(0, len(tokens) - BLOCK + 1, BLOCK)]
+
+
+def test_the_tiers_are_served_and_a_reset_starts_a_new_epoch(
+    tiered: dict[str, Any], baseline: dict[str, dict[str, Any]]
+) -> None:
+    phases = tiered["phases"]
+    for phase, prompt in (("seed", "a"), ("hit", "b"), ("promoted", "c"), ("reset", "c")):
+        assert phases[phase]["tokens"] == baseline[prompt]["tokens"], phase
+    assert phases["after-reset"]["tokens"] == baseline["c"]["tokens"]
+    pages = len(SHARED) // BLOCK
+    assert phases["hit"]["cached"] == [pages * BLOCK]  # both tiers' pages
+    hit = _delta(phases, "hit", "push", "worker")
+    assert (hit("load_hit_pages"), hit("load_failed_pages")) == (pages, 0)
+    # the memory tier held 2 of SHARED's pages, the file tier the 6 it had lost: those
+    # were promoted back up
+    assert phases["promoted"]["cached"] == [pages * BLOCK]
+    # the reset: nothing stored before it is served again; pages stored after it are
+    reset = _delta(phases, "reset", "promoted", "scheduler")
+    assert (reset("resets"), reset("lookup_hit_pages")) == (1, 0)
+    assert phases["reset"]["cached"] == [0]
+    assert phases["after-reset"]["cached"] == [pages * BLOCK]
+
+
+def test_kv_events_carry_each_tiers_pages_under_vllms_own_block_hashes(
+    tiered: dict[str, Any],
+) -> None:
+    events = [event for phase in tiered["phases"].values() for event in phase["kv_events"]]
+    # vLLM's own blocks: hash -> tokens (the hashes a KV-aware router knows)
+    own: dict[str, tuple[int, ...]] = {}
+    for event in events:
+        if event["type"] == "BlockStored" and not str(event["medium"]).startswith("KVTIER:"):
+            chunks = _chunks(event["token_ids"])
+            own.update(zip(event["block_hashes"], chunks, strict=True))
+    shared = {h for h, tokens in own.items() if tokens in set(_chunks(SHARED))}
+    assert len(shared) == len(SHARED) // BLOCK
+    stored: dict[str, set[str]] = {}
+    removed: dict[str, set[str]] = {}
+    for event in events:
+        medium = str(event["medium"])
+        if not medium.startswith("KVTIER:"):
+            continue
+        assert set(event["block_hashes"]) <= set(own), "a hash vLLM never published"
+        if event["type"] == "BlockStored":
+            stored.setdefault(medium, set()).update(event["block_hashes"])
+            # the tokens kvtier announces are vLLM's for the same blocks
+            assert _chunks(event["token_ids"]) == [own[h] for h in event["block_hashes"]]
+            assert event["block_size"] == BLOCK
+        else:
+            removed.setdefault(medium, set()).update(event["block_hashes"])
+    assert set(stored) == {"KVTIER:0:memory", "KVTIER:1:file"}
+    assert shared <= stored["KVTIER:0:memory"] and shared <= stored["KVTIER:1:file"]
+    # HYBRID's pages pushed SHARED's out of the memory tier; the reset took the rest
+    assert len(shared & removed["KVTIER:0:memory"]) == len(shared)
+    assert shared <= removed["KVTIER:1:file"]
+
+
+def test_vllm_metrics_show_kvtiers_counters_and_the_tier_of_each_hit(
+    tiered: dict[str, Any],
+) -> None:
+    metrics = tiered["prometheus"]
+    worker = tiered["phases"]["drain"]["worker"]
+    assert metrics["vllm:kvtier_load_hit_pages_total"] == worker["load_hit_pages"] > 0
+    assert metrics["vllm:kvtier_store_bytes_written_total"] > 0
+    by_source = "vllm:prompt_tokens_cached_by_source_total{source=%s}"
+    # "hit" read 6 pages from the file tier (disk) and 2 from the memory tier (host)
+    assert metrics[by_source % "disk"] == 6 * BLOCK
+    assert metrics[by_source % "host"] >= 2 * BLOCK

@@ -114,6 +114,25 @@ class HostIndex:
         with self._lock:
             return len(self._entries)
 
+    def discard(self, keys: Sequence[str]) -> int:
+        """Drop ``keys``' entries whatever their state: never found again, never claimed
+        for a storage write (one already running finishes); a page in use is freed at its
+        last unpin. Returns how many entries were present."""
+        free: list[int] = []
+        present = 0
+        with self._lock:
+            for key in dict.fromkeys(keys):
+                entry = self._entries.pop(key, None)
+                if entry is None:
+                    continue
+                present += 1
+                entry.detached = True
+                entry.dirty = False
+                if entry.pins == 0:
+                    free.append(entry.page)
+            self._free_locked(free)
+        return present
+
     # --- insertion ------------------------------------------------------------------
 
     def insert(

@@ -245,6 +245,15 @@ class TieredCache:
         prefetched.wait(self.options.max_load_wait_s)
         return self._loader.load(prefetched, device_slots, layer, own=True)
 
+    def discard(self, keys: Sequence[str]) -> int:
+        """Drop ``keys``' pages from the host pool (L2) at once: no later prefetch serves
+        them and they are not written to storage from there; a page in use is freed when
+        its user lets go. Storage is not touched (delete there too where the page is bad).
+        For pages known wrong, such as a backup whose device slots the engine reused
+        before its copy ended. Returns how many the host pool held."""
+        self._check_open()
+        return self._index.discard([validate_key(k) for k in keys])
+
     def stats(self) -> dict[str, Any]:
         """Hits and misses per tier, bytes, bandwidth, latency histograms, failures by cause."""
         return self._ctx.snapshot()

@@ -15,10 +15,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvtier.core.bounded import DEFAULT_CALL_TIMEOUT_S, DEFAULT_MAX_ABANDONED
-from kvtier.core.errors import MissingFieldError, NotAnObjectError, did_you_mean
+from kvtier.core.errors import (
+    InvalidFieldError,
+    MissingFieldError,
+    NotAnObjectError,
+    did_you_mean,
+)
 from kvtier.core.extra_config import parse_extra_config
 
-__all__ = ["OPTIONS_AT", "SECTION", "EngineSection", "find_section"]
+__all__ = ["OPTIONS_AT", "SECTION", "EngineSection", "backend_of_tiers", "find_section"]
 
 #: The key of kvtier's own section in an engine's extra config.
 SECTION = "kvtier"
@@ -86,6 +91,31 @@ class EngineSection(BaseModel):
         if not value.strip():
             raise ValueError("must be a non-empty backend name (`kvtier backends` lists them)")
         return value.strip()
+
+
+def backend_of_tiers(data: Any) -> Any:
+    """A section's raw fields with ``backend`` set from ``tiers`` (a ``before`` validator's
+    body, for the engines whose section takes a chain of tiers).
+
+    With ``tiers``, each tier names its backend and options, so ``backend`` reads as the
+    first tier's and may not be given too (nor ``extra_config``); without, the fields pass
+    as they are. A first tier without a backend name is left for ``tiers[0].backend``'s
+    own error.
+    """
+    if not isinstance(data, Mapping) or not data.get("tiers"):
+        return data
+    both = sorted({"backend", "extra_config"} & set(data))
+    if both:
+        raise InvalidFieldError(
+            both[0],
+            "give either `backend` (with its `extra_config`) or `tiers`, not both: "
+            "with `tiers`, each tier names its backend and options",
+            value=data[both[0]],
+        )
+    tiers = data["tiers"]
+    first = tiers[0] if isinstance(tiers, (list, tuple)) else None
+    name = first.get("backend") if isinstance(first, Mapping) else getattr(first, "backend", None)
+    return {**data, "backend": name if isinstance(name, str) and name.strip() else "-"}
 
 
 def find_section(

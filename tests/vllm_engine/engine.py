@@ -10,7 +10,10 @@ and, for kvtier, the scheduler's and the worker's cumulative counters. With
 ``"log_stats": true`` vLLM logs its stats after each phase (kvtier's counters among them,
 as "KV Transfer metrics: ...", on stdout, where vLLM's logger writes). With
 ``"lora": {"max_rank": R}`` the engine serves LoRA adapters, and a phase's
-``"lora": {"name", "id", "path"}`` runs its prompts under that adapter.
+``"lora": {"name", "id", "path"}`` runs its prompts under that adapter. With
+``"multimodal": true`` the engine loads the model's tokenizer and processor (a model of
+``tiny_mm_model.py``), and a prompt may be ``{"text": T, "image": SEED}``: text with that
+seeded image; each output then also carries its prompt's token ids.
 
 vLLM's prefix cache is on (its default) unless the job says ``"prefix_caching": false``;
 a phase with ``"reset_prefix_cache": true`` first empties it (once kvtier's stores are done
@@ -20,6 +23,17 @@ With ``"hooks": {...}`` the connector is ``tests/vllm_engine/hooks.py``'s, and a
 ``max_num_batched_tokens``, ``max_num_seqs``, ``num_gpu_blocks`` (a small KV space) and
 ``tp`` (tensor parallelism). Each output also carries its time to first token and
 preemptions where vLLM's stats give them.
+
+With ``"kv_events": true`` vLLM publishes its KV cache events (``kv_events_config``, ZMQ
+on an ``ipc://`` endpoint); a SUB socket in this process receives them, decoded with
+msgspec as any subscriber would, and each phase lists the events received during it
+(``"kv_events"``: type, medium, block hashes as hex, parent, token ids, group). A phase's
+``"warmup"`` prompt runs first (one token, output dropped), so the engine steps once and
+the scheduler learns what the workers did since the last phase; ``"reset_connector":
+true`` resets vLLM's prefix cache and the connector (``reset_prefix_cache(
+reset_connector=True)``) first. With ``log_stats`` the result's ``"prometheus"`` holds
+the samples of vLLM's Prometheus registry named ``vllm:kvtier_*`` and
+``vllm:prompt_tokens_cached_by_source`` (by ``source``) after the last phase.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, unless the
 job says ``"spawn": true``), so the connectors can be read after each phase. A start-up
@@ -31,6 +45,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
+import threading
 import time
 from typing import Any
 
@@ -110,8 +126,9 @@ def _engine_core() -> Any:
         return None
 
 
-def _reset_prefix_cache(timeout: float = 120.0) -> None:
-    """Empty vLLM's prefix cache once no request holds blocks (kvtier's stores done).
+def _reset_prefix_cache(timeout: float = 120.0, connector: bool = False) -> None:
+    """Empty vLLM's prefix cache once no request holds blocks (kvtier's stores done), and
+    reset the connector too with ``connector``.
 
     In-process, the engine core only steps while requests are unfinished, so it is stepped
     here until the finished requests whose blocks wait for their stores are freed.
@@ -121,11 +138,89 @@ def _reset_prefix_cache(timeout: float = 120.0) -> None:
     while True:
         if core is not None and core.scheduler.has_requests():
             core.step()
-        elif _LLM.reset_prefix_cache():
+        elif _LLM.reset_prefix_cache(reset_connector=connector):
             return
         if time.monotonic() > deadline:
             raise RuntimeError("vLLM's prefix cache could not be reset: blocks still held")
         time.sleep(0.01)
+
+
+class _KVEvents:
+    """A ZMQ SUB socket on vLLM's KV event publisher, decoding every batch it receives."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        self.endpoint = f"ipc://{tempfile.mkdtemp(prefix='kvev')}/events"
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(self.endpoint)
+        self._events: list[dict[str, Any]] = []
+        self._received = time.monotonic()
+        self._lock = threading.Lock()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while not self._stop:
+            if not self._socket.poll(100, zmq.POLLIN):
+                continue
+            _topic, _seq, payload = self._socket.recv_multipart()
+            batch = decoder.decode(payload)
+            with self._lock:
+                self._events.extend(_event_row(event) for event in batch.events)
+                self._received = time.monotonic()
+
+    def take(self, quiet: float = 0.5, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """The events received so far, once none arrived for ``quiet`` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if time.monotonic() - self._received >= quiet:
+                    break
+            time.sleep(0.05)
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+
+def _hex(value: Any) -> Any:
+    return value.hex() if isinstance(value, bytes) else value
+
+
+def _event_row(event: Any) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "type": type(event).__name__,
+        "medium": getattr(event, "medium", None),
+        "block_hashes": [_hex(h) for h in getattr(event, "block_hashes", [])],
+        "group_idx": getattr(event, "group_idx", None),
+    }
+    if row["type"] == "BlockStored":
+        row["parent"] = _hex(event.parent_block_hash)
+        row["token_ids"] = list(event.token_ids)
+        row["block_size"] = event.block_size
+    return row
+
+
+def _prometheus() -> dict[str, float]:
+    """vLLM's Prometheus samples of kvtier's series and of cached tokens by source."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name.startswith("vllm:kvtier_") and sample.name.endswith("_total"):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+            elif sample.name == "vllm:prompt_tokens_cached_by_source_total":
+                name = f"{sample.name}{{source={sample.labels['source']}}}"
+                out[name] = out.get(name, 0.0) + sample.value
+    return out
 
 
 def _set_hooks(hooks: dict[str, Any]) -> None:
@@ -153,17 +248,34 @@ def _lora_request(phase: dict[str, Any]) -> Any:
     return LoRARequest(adapter["name"], adapter["id"], adapter["path"])
 
 
+def _prompt(prompt: Any) -> Any:
+    """A phase's prompt: token ids, or ``{"text", "image"}`` (text with a seeded image)."""
+    from vllm.inputs import TokensPrompt
+
+    if isinstance(prompt, dict):
+        from tiny_mm_model import image
+
+        return {"prompt": prompt["text"], "multi_modal_data": {"image": image(prompt["image"])}}
+    return TokensPrompt(prompt_token_ids=prompt)
+
+
 def run(job: dict[str, Any]) -> dict[str, Any]:
     """Start the engine, run the phases, return the result (see the module docstring)."""
     global _LLM
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     started = time.perf_counter()
     kwargs: dict[str, Any] = {}
     transfer = _connector_config(job)
     if transfer is not None:
         kwargs["kv_transfer_config"] = transfer
+    events = _KVEvents() if job.get("kv_events") else None
+    if events is not None:
+        kwargs["kv_events_config"] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": events.endpoint,
+        }
     for key, arg in (
         ("max_num_batched_tokens", "max_num_batched_tokens"),
         ("max_num_seqs", "max_num_seqs"),
@@ -172,10 +284,14 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     ):
         if key in job:
             kwargs[arg] = job[key]
+    if job.get("multimodal"):
+        kwargs["limit_mm_per_prompt"] = {"image": 1}
+        if "mm_processor_cache_gb" in job:
+            kwargs["mm_processor_cache_gb"] = job["mm_processor_cache_gb"]
     try:
         _LLM = LLM(
             model=job["model"],
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=not job.get("multimodal"),
             dtype="bfloat16",
             enforce_eager=True,
             block_size=job.get("block_size", 32),
@@ -204,8 +320,11 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     for phase in job["phases"]:
         if phase.get("hooks"):
             _set_hooks(phase["hooks"])
-        if phase.get("reset_prefix_cache"):
-            _reset_prefix_cache()
+        if phase.get("reset_prefix_cache") or phase.get("reset_connector"):
+            _reset_prefix_cache(connector=bool(phase.get("reset_connector")))
+        if phase.get("warmup"):
+            warm = SamplingParams(temperature=0, max_tokens=1, detokenize=False)
+            _LLM.generate([_prompt(phase["warmup"])], warm, use_tqdm=False)
         scheduler, worker = _connectors()
         entry: dict[str, Any] = {"name": phase.get("name", "")}
         if "flip" in phase:
@@ -222,7 +341,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         for batch in (
             ([p] for p in phase["prompts"]) if phase.get("one_by_one") else [phase["prompts"]]
         ):
-            prompts = [TokensPrompt(prompt_token_ids=p) for p in batch]
+            prompts = [_prompt(p) for p in batch]
             outputs += _LLM.generate(
                 prompts, params, use_tqdm=False, lora_request=_lora_request(phase)
             )
@@ -232,6 +351,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         _flush(worker)
         entry["tokens"] = [list(out.outputs[0].token_ids) for out in outputs]
         entry["cached"] = [int(out.num_cached_tokens or 0) for out in outputs]
+        if job.get("multimodal"):
+            entry["prompt_tokens"] = [list(out.prompt_token_ids or []) for out in outputs]
         entry["ttft"] = [getattr(out.metrics, "first_token_latency", None) for out in outputs]
         entry["preemptions"] = [getattr(out.metrics, "num_preemptions", 0) for out in outputs]
         if job.get("log_stats"):
@@ -243,7 +364,11 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             entry["scheduler"] = scheduler.kvtier_stats()
         if worker is not None and hasattr(worker, "kvtier_stats"):
             entry["worker"] = worker.kvtier_stats()
+        if events is not None:
+            entry["kv_events"] = events.take()
         result["phases"].append(entry)
+    if job.get("log_stats"):
+        result["prometheus"] = _prometheus()
     _, worker = _connectors()
     if worker is not None and hasattr(worker, "shutdown"):
         worker.shutdown()

@@ -2,9 +2,9 @@
 
 vLLM builds one connector in its scheduler (``KVConnectorRole.SCHEDULER``) and one in each
 worker (``KVConnectorRole.WORKER``). Both resolve the ``kvtier`` section through kvtier's
-one construction path (:func:`.plan.resolve_plan`, then
-:func:`~kvtier.core.capabilities.open_page_store`), so every configuration mistake stops
-the engine at start-up with kvtier's error. This module is the glue to vLLM's classes;
+one construction path (:func:`.plan.resolve_plan`, then the storage chain's
+:func:`~kvtier.cache.chain.open_store`: one page store per tier), so every configuration
+mistake stops the engine at start-up with kvtier's error. This module is the glue to vLLM's classes;
 the scheduler's logic lives in :mod:`.scheduler`, the worker's in :mod:`.worker`.
 
 Scheduler: :meth:`get_num_new_matched_tokens` counts the stored pages beyond vLLM's own
@@ -15,6 +15,13 @@ scheduler thread) and, on vLLM's CPU engine, has them loaded asynchronously;
 :meth:`update_connector_output` learns what the workers stored and failed to load;
 :meth:`request_finished` (:meth:`request_finished_all_groups` under vLLM's hybrid
 allocator, ``SupportsHMA``) keeps a request's blocks until its pages are stored.
+
+The tiers the router can see: the workers report their storage chains' events (stored,
+promoted, evicted, removed, per tier); :meth:`take_events` hands them to vLLM's KV event
+publisher as ``BlockStored`` / ``BlockRemoved`` under vLLM's own block hashes, with
+``medium`` naming kvtier's tier; :meth:`get_external_cache_hit_sources` says which tier a
+hit is read from; :meth:`build_prom_metrics` registers kvtier's counters with vLLM's
+Prometheus metrics; :meth:`reset_cache` starts a new key epoch.
 
 Worker: the strategy follows vLLM's device, and :meth:`register_kv_caches` checks that
 the KV tensors vLLM hands over fit it: vLLM's CPU blocks in host memory become kvtier
@@ -32,14 +39,19 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.core.capabilities import ResolvedPlan, open_page_store
+from kvtier.cache.chain import open_store
+from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.errors import KvtierError
+from kvtier.core.metrics import COUNTERS
 from kvtier.integrations.vllm.device_worker import DeviceWorkerSide
+from kvtier.integrations.vllm.events import BlockInfo, Describer
 from kvtier.integrations.vllm.messages import Report, StepWork
 from kvtier.integrations.vllm.plan import KVGroup, kv_groups, plan_strategy, resolve_plan
 from kvtier.integrations.vllm.scheduler import NoPages, SchedulerSide
@@ -56,7 +68,10 @@ try:
         KVConnectorWorkerMetadata,
         SupportsHMA,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
 except ImportError as exc:  # pragma: no cover - exercised only without vLLM
     raise ImportError(
         "kvtier.integrations.vllm.KvtierConnector needs vLLM's KV-connector API "
@@ -66,10 +81,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without vLLM
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -77,6 +95,7 @@ __all__ = [
     "KvtierConnector",
     "KvtierConnectorMetadata",
     "KvtierConnectorStats",
+    "KvtierPromMetrics",
     "KvtierWorkerMetadata",
 ]
 
@@ -122,6 +141,126 @@ class KvtierConnectorStats(KVConnectorStats):  # type: ignore[misc]
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+#: The prefix of kvtier's series in vLLM's Prometheus metrics (``vllm:kvtier_load_hit_pages``).
+PROM_PREFIX = "vllm:"
+_PROM_NAME = re.compile(r"kvtier_[a-z0-9_]+")
+
+
+def _prom_documented() -> dict[str, str]:
+    """Every counter kvtier hands vLLM (``kvtier_<name>``, the page store's as
+    ``kvtier_store_<name>``), with its meaning from kvtier's one registry."""
+    out: dict[str, str] = {}
+    for counted_by, prefix in (
+        ("vllm_scheduler", "kvtier_"),
+        ("vllm_worker", "kvtier_"),
+        ("page_store", "kvtier_store_"),
+    ):
+        for spec in COUNTERS[counted_by]:
+            for name in spec.names():
+                out[prefix + name] = f"kvtier: {spec.meaning}"
+    return out
+
+
+class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """kvtier's counters as vLLM Prometheus counters, one series per counter and engine.
+
+    vLLM hands :meth:`observe` what :meth:`KvtierConnector.get_kv_connector_stats`
+    reported (summed over the workers and the scheduler): the counters' growth since the
+    last report, so each adds to a counter ``vllm:kvtier_<name>`` (exposed with the
+    ``_total`` suffix) labelled as vLLM labels its own (model name, engine). The counters
+    kvtier registers are created at start-up; one it reports that is not registered
+    there (the accelerator path's ``kvtier_cache_*``) is created on first sight.
+    """
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters: dict[str, Any] = {}
+        for name, documentation in _prom_documented().items():
+            self._counter(name, documentation)
+
+    def _counter(self, name: str, documentation: str) -> Any:
+        """The counter of ``name`` (None for a name whose series another one already has:
+        Prometheus strips a ``_total`` suffix, so ``x`` and ``x_total`` are one series)."""
+        if name in self.counters:
+            return self.counters[name]
+        try:
+            counter = self._counter_cls(
+                name=PROM_PREFIX + name,
+                documentation=documentation,
+                labelnames=self._labelnames,
+            )
+        except ValueError as exc:  # a duplicated series: counted once, under the first
+            log.warning("kvtier: %s is not exposed to Prometheus: %s", name, exc)
+            counter = None
+        self.counters[name] = counter
+        return counter
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues.get(engine_idx)
+        if labels is None:
+            return
+        for name, value in (transfer_stats_data or {}).items():
+            if (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or value <= 0
+                or not _PROM_NAME.fullmatch(name)
+            ):
+                continue  # a counter never decreases; a name vLLM cannot carry is left out
+            counter = self._counter(name, f"kvtier: {name.removeprefix('kvtier_')}")
+            if counter is not None:
+                counter.labels(*labels).inc(value)
+
+
+def _describer(page_size: int, hash_block_size: int) -> Describer:
+    """What vLLM's own ``BlockStored`` says of a request's blocks (its block hashes at
+    ``page_size`` tokens a block, as vLLM publishes them; parent, tokens, LoRA and extra
+    keys), for kvtier's KV events of the same blocks."""
+    from vllm.v1.core.kv_cache_utils import (
+        generate_block_hash_extra_keys,
+        maybe_convert_block_hash,
+        resolve_block_hashes,
+        to_event_extra_keys,
+    )
+
+    def describe(request: Any, lo: int, hi: int) -> Sequence[BlockInfo]:
+        hashes = resolve_block_hashes(request.block_hashes, hash_block_size, page_size)
+        lora = getattr(request, "lora_request", None)
+        lora_id = lora.adapter_id if lora is not None else None
+        lora_name = lora.name if lora is not None else None
+        tokens = request.all_token_ids
+        out: list[BlockInfo] = []
+        for i in range(lo, min(hi, len(hashes))):
+            start, end = i * page_size, (i + 1) * page_size
+            extra, _ = generate_block_hash_extra_keys(request, start, end, 0)
+            untagged = to_event_extra_keys([extra]) if extra else None
+            out.append(
+                BlockInfo(
+                    maybe_convert_block_hash(hashes[i]),
+                    maybe_convert_block_hash(hashes[i - 1]) if i > 0 else None,
+                    tuple(tokens[start:end]),
+                    lora_id,
+                    lora_name,
+                    untagged[0] if untagged else None,
+                )
+            )
+        return out
+
+    return describe
+
+
+def _kv_events_on(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV cache events (``--kv-events-config``)."""
+    config = getattr(vllm_config, "kv_events_config", None)
+    return bool(getattr(config, "enable_kv_cache_events", False))
 
 
 def _tp_rank(role: KVConnectorRole) -> int:
@@ -189,11 +328,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self.worker: WorkerSide | DeviceWorkerSide | None = None
             groups = len(self.groups)
             if role is KVConnectorRole.SCHEDULER:
-                store = open_page_store(
+                # every tier's exists (a chain of one for one backend); the scheduler
+                # never reads or writes a page
+                store = open_store(
                     self.plan,
                     NoPages(self.plan.layout),
                     **self.settings.page_store_options(),
                 )
+                self._events_on = _kv_events_on(vllm_config)
                 self.scheduler = SchedulerSide(
                     self.plan,
                     self.settings,
@@ -201,6 +343,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                     loads=bool(transfer.is_kv_consumer),
                     saves=bool(transfer.is_kv_producer),
                     groups=self.groups,
+                    describe=self._describe if self._events_on else None,
                 )
             elif plan_strategy(self.plan) == "device":
                 self.worker = DeviceWorkerSide(self.plan, self.settings, groups=groups)
@@ -211,6 +354,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             raise
         self._reported: dict[str, Any] = {}
         self._idle_step = False
+        #: vLLM's ``hash_block_size`` (the scheduler's block pool says it; default the page)
+        self._hash_block_size = int(self.plan.geometry.page_size)
+        self._describer: Describer | None = None
         log.info(
             "kvtier: vLLM %s connector on backend %r, %s, namespace %s, verify %s",
             "scheduler" if self.scheduler is not None else "worker",
@@ -229,6 +375,21 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return self.worker
 
     # --- scheduler side ---------------------------------------------------------------
+
+    def _describe(self, request: Any, lo: int, hi: int) -> Sequence[BlockInfo]:
+        """vLLM's description of a request's blocks ``lo``..``hi`` (for KV events)."""
+        if self._describer is None:
+            self._describer = _describer(int(self.plan.geometry.page_size), self._hash_block_size)
+        return self._describer(request, lo, hi)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        """Learn the block size vLLM hashes requests' blocks at (its router knows blocks by
+        those hashes; kvtier's KV events name its pages by them)."""
+        super().bind_gpu_block_pool(gpu_block_pool)
+        size = getattr(gpu_block_pool, "hash_block_size", None)
+        if isinstance(size, int) and size > 0:
+            self._hash_block_size = size
+            self._describer = None
 
     def on_new_request(self, request: Request) -> None:
         """Remember the request: its token ids key its pages until it finishes."""
@@ -296,6 +457,43 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     ) -> tuple[bool, dict[str, Any] | None]:
         """:meth:`request_finished` under vLLM's hybrid allocator (every group's blocks)."""
         return self._side().finished(request.request_id), None
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """The request's kvtier hit by the tier a load reads it from: ``disk`` (file,
+        uring, segment), ``host`` (the memory backend), ``external_unspecified`` (a store
+        other hosts share, or a page of a chain no event has placed yet)."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        if num_external_tokens <= 0:
+            return {}
+        sources = self._side().hit_sources(request.request_id, num_external_tokens)
+        return {CacheHitSource(name): tokens for name, tokens in sources.items()}
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The tiers' page events since the last call, as vLLM's ``BlockStored`` /
+        ``BlockRemoved`` (``medium`` ``KVTIER:<index>:<backend>``); vLLM's scheduler
+        publishes them with its own. None unless vLLM publishes KV events."""
+        if self.scheduler is None:
+            return ()
+        rows = self.scheduler.take_events()
+        if not rows:
+            return ()
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+        classes = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved}
+        return [classes[kind](**fields) for kind, fields in rows]
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's connector reset (``reset_prefix_cache(reset_connector=True)``, as after a
+        weight update): a new key epoch, so nothing stored before is served again; nothing
+        is deleted (see :meth:`SchedulerSide.reset`). None on a worker."""
+        if self.scheduler is None:
+            return None
+        done = self.scheduler.reset()
+        log.info("kvtier: connector cache reset: a new key epoch; stored pages are kept")
+        return done
 
     # --- worker side ------------------------------------------------------------------
 
@@ -383,8 +581,15 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return worker.pop_load_errors()
         return worker.take_load_errors()
 
+    def get_kv_connector_kv_cache_events(self) -> None:
+        """None: a worker's tier events reach the scheduler in its worker metadata
+        (:meth:`build_connector_worker_meta`), where vLLM's block hashes are known, and
+        vLLM publishes them from :meth:`take_events`."""
+        return None
+
     def build_connector_worker_meta(self) -> KvtierWorkerMetadata | None:
-        """What this rank stored and failed to load since the last step."""
+        """What this rank stored and failed to load since the last step, and its storage
+        chain's events."""
         report = self._worker().take_report()
         return KvtierWorkerMetadata(report) if report else None
 
@@ -411,6 +616,17 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         }
         self._reported = now
         return KvtierConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvtierPromMetrics:
+        """kvtier's counters as vLLM Prometheus counters (``vllm:kvtier_<name>_total``)."""
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def build_kv_connector_stats(

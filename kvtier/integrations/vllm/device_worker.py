@@ -100,7 +100,10 @@ class _Save:
         return self.sent() and all(handle.finished.is_set() for handle in self.handles)
 
     def ok(self) -> bool:
-        return not self.failed and all(h.pages_failed == 0 for h in self.handles)
+        """Every page reached the host pool and every storage write it owed stored it."""
+        return not self.failed and all(
+            h.pages_failed == 0 and h.pages_unwritten == 0 for h in self.handles
+        )
 
 
 class DeviceWorkerSide(RankWorker):
@@ -157,6 +160,7 @@ class DeviceWorkerSide(RankWorker):
         cache = TieredCache.open(self.plan, pool, options=options)  # the connector's plan
         self.pool, self.cache = pool, cache
         self.layers = {name: i for i, (name, _) in enumerate(layers)}
+        self.watch(cache.page_store.events)
 
     def _require(self) -> TieredCache:
         if self.cache is None:
@@ -328,6 +332,9 @@ class DeviceWorkerSide(RankWorker):
                     del self._in_flight[req_id]
         for record in tainted:  # written from blocks vLLM may have reused meanwhile
             try:
+                # a backup that ran after the preemption put its pages in the host pool
+                # after they were dropped there: out again, and out of storage
+                self._require().discard(record.names)
                 self._page_store().delete(record.names)
             except KvtierError as exc:
                 log.warning("kvtier: deleting %d tainted pages raised %s", len(record.names), exc)
@@ -338,7 +345,8 @@ class DeviceWorkerSide(RankWorker):
     def preempted(self, req_ids: Iterable[str]) -> None:
         """Wait for the device -> host copies of preempted requests before vLLM reuses
         their blocks, at most ``preempt_wait_s``; a copy still running past it is tainted:
-        its pages are deleted from storage once written and never reported stored."""
+        its pages leave the host pool at once (:meth:`TieredCache.discard`), are deleted
+        from storage once written, and are never reported stored."""
         if self.cache is None:
             return
         gone = set(req_ids)
@@ -356,6 +364,10 @@ class DeviceWorkerSide(RankWorker):
                     if not record.tainted:
                         record.tainted = True
                         self.counters.add("save_tainted_pages", len(record.names))
+                        # the copy may read blocks vLLM reuses now: out of the host pool at
+                        # once (no later load serves it, it is never written from there);
+                        # once the backup finished, out of both again (_poll)
+                        self.cache.discard(record.names)
         if late:
             self.counters.add("preempt_wait_timeouts")
             log.warning(
@@ -417,6 +429,7 @@ class DeviceWorkerSide(RankWorker):
             if item.handle is not None:
                 item.handle.release()
         self._loads = []
+        self.stop_watching()
         cache, self.cache = self.cache, None
         if cache is not None:
             cache.close()

@@ -6,22 +6,26 @@ engine and are shared between engines, so it keys them with the same inputs, and
 what identifies the model's weights, never by token ids alone: a page computed under one
 adapter, image or weight set is never a hit for another.
 
-- :func:`model_identity`: the model's name, revision, a digest of its config, dtype and
-  quantization, and (for a local model directory) of its weight files; once per engine.
+- :func:`model_identity`: the model's name, a digest of its config, dtype and
+  quantization, and what identifies its weights: the files of a local model directory,
+  or the commit its hub revision resolved to; once per engine. A model with neither is
+  refused at start-up.
+- :func:`check_engine_inputs`: refuses at start-up an engine whose multimodal items vLLM
+  names by request instead of by content (both of its caches off).
 - :class:`AdapterIdentities`: a LoRA adapter's name and a digest of its files' contents
   (not vLLM's integer id, which another deployment may give another adapter).
 - :func:`page_extras`: per page, the multimodal items whose placeholders it holds (their
   content hash and position) and a digest of its prompt embeddings.
 
-An input that cannot be keyed raises :class:`~kvtier.core.errors.UnkeyableInputError`;
-the scheduler then keeps that request away from kvtier (no load, no store). Nothing here
-imports vLLM: requests are read through their attributes.
+A request input that cannot be keyed raises
+:class:`~kvtier.core.errors.UnkeyableInputError`, naming the input, why and what would
+work; the scheduler then keeps that request away from kvtier (no load, no store). Nothing
+here imports vLLM: requests and configs are read through their attributes.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import stat
 import threading
@@ -31,12 +35,10 @@ from typing import Any
 
 import torch
 
-from kvtier.core.errors import UnkeyableInputError
+from kvtier.core.errors import UnkeyableInputError, UnsupportedCombinationError
 from kvtier.integrations.identity import canonical, digest, weights_digest
 
-__all__ = ["AdapterIdentities", "model_identity", "page_extras"]
-
-log = logging.getLogger("kvtier.vllm")
+__all__ = ["AdapterIdentities", "check_engine_inputs", "model_identity", "page_extras"]
 
 #: Keys of a Hugging Face config that say where it was read, not what the model is.
 _CONFIG_NOISE = ("_name_or_path", "_commit_hash", "transformers_version")
@@ -53,13 +55,33 @@ def _config_fields(hf_config: Any) -> Any:
     return {k: v for k, v in data.items() if k not in _CONFIG_NOISE}
 
 
+def _revision(model_config: Any) -> str | None:
+    """The commit the model's hub revision resolved to, else the revision as given.
+
+    vLLM resolves a hub model's revision once at start-up (``--revision`` or, without it,
+    the default branch) to huggingface_hub's ``ResolvedRevision``: a ``str`` whose value is
+    the name asked for (``"main"``) and whose ``resolved`` is the commit the weights are
+    loaded from. A branch name says nothing about the weights; the commit does.
+    """
+    revision = getattr(model_config, "revision", None)
+    if revision is None:
+        return None
+    resolved = getattr(revision, "resolved", None)
+    return str(resolved) if resolved else str(revision)
+
+
 def model_identity(model_config: Any, declared: str | None = None) -> str:
     """The model's part of the key namespace: ``NAME#DIGEST``.
 
     The digest covers the config (architecture, sizes, RoPE scaling, overrides), dtype
     and quantization, and, unless the operator ``declared`` the model's identity
-    (``kvtier.model``), its revision and weight files. A declared name is trusted to
+    (``kvtier.model``), what identifies its weights: the weight files of a local model
+    directory, and the commit of a hub model's revision. A declared name is trusted to
     change whenever the weights do; it lets engines whose model paths differ share pages.
+
+    Raises :class:`UnsupportedCombinationError` (at start-up) for a model that is neither
+    a local directory nor pinned to a revision: weights pushed under its name later would
+    hit the pages of the old ones.
     """
     name = declared or str(getattr(model_config, "model", ""))
     parts: dict[str, Any] = {
@@ -68,19 +90,58 @@ def model_identity(model_config: Any, declared: str | None = None) -> str:
         "quantization": getattr(model_config, "quantization", None),
     }
     if declared is None:
-        revision = getattr(model_config, "revision", None)
+        revision = _revision(model_config)
         weights = weights_digest(name) if name else None
         parts["revision"] = revision
         parts["weights"] = weights
         if weights is None and revision is None:
-            log.warning(
-                "kvtier: model %r is keyed by its name and config only (no local weight "
-                "files, no revision): weights that change under this name would hit old "
-                "pages; pin --revision or set kvtier.model to a name that changes with "
-                "the weights",
-                name,
+            raise UnsupportedCombinationError(
+                f"kvtier cannot key the pages of model {name!r}: it is not a local model "
+                "directory (whose weight files kvtier would digest) and vLLM resolved no "
+                "revision for it (no commit from the Hub or its local cache), so weights "
+                "published under this name later would be served the old weights' pages",
+                value=name,
+                supported=[
+                    "--revision COMMIT (a commit hash; vLLM resolves a branch or tag to "
+                    "its commit when the Hub or the local hub cache answers)",
+                    "a local model directory as --model",
+                    '"kvtier": {"model": "NAME"}, a name that changes whenever the '
+                    "weights do (llama-3-8b@COMMIT)",
+                ],
             )
     return f"{name}#{digest(parts)}"
+
+
+def check_engine_inputs(vllm_config: Any) -> None:
+    """Refuse an engine whose request inputs could not be keyed by their content.
+
+    vLLM names each multimodal item by a hash of its content, unless both its prefix
+    cache and its multimodal processor cache are off: then it skips the hashing and
+    names items by request (``renderer0-mm-7-image-0``, a counter that starts again in
+    every engine), so two images in two engines would share pages. Raises
+    :class:`UnsupportedCombinationError` for a multimodal model served that way.
+    """
+    model_config = getattr(vllm_config, "model_config", None)
+    multimodal = getattr(model_config, "multimodal_config", None)
+    if multimodal is None:
+        return
+    processor_cache = getattr(multimodal, "mm_processor_cache_gb", None)
+    prefix_caching = getattr(
+        getattr(vllm_config, "cache_config", None), "enable_prefix_caching", None
+    )
+    if processor_cache == 0 and prefix_caching is False:
+        raise UnsupportedCombinationError(
+            "kvtier cannot key the multimodal inputs of this engine: with vLLM's prefix "
+            "cache off and mm_processor_cache_gb 0, vLLM does not hash an image's (or "
+            "audio's, or video's) content and names it by request instead, and kvtier "
+            "keys the pages holding it by that name, so another image in another engine "
+            "would get this one's pages",
+            value={"enable_prefix_caching": prefix_caching, "mm_processor_cache_gb": 0},
+            supported=[
+                "vLLM's prefix cache on (its default; drop --no-enable-prefix-caching)",
+                "--mm-processor-cache-gb above 0 (vLLM's default is 4)",
+            ],
+        )
 
 
 def _adapter_files(root: Path) -> list[Path]:
@@ -110,8 +171,9 @@ class AdapterIdentities:
         root = Path(path)
         if not path or not root.exists():
             raise UnkeyableInputError(
-                f"LoRA adapter {name!r} has no local files at {path!r}; kvtier keys an "
-                "adapter by its files' contents: give vLLM a local adapter path",
+                f"LoRA adapter {name!r} has no local files at {path!r}, and kvtier keys "
+                "an adapter's pages by its files' contents (another adapter may reuse its "
+                "name and id): give vLLM the adapter as a local directory (lora_path)",
                 value=path,
             )
         try:
@@ -124,8 +186,9 @@ class AdapterIdentities:
             digest = self._hash(root, files)
         except OSError as exc:
             raise UnkeyableInputError(
-                f"LoRA adapter {name!r} at {path!r} cannot be read to key its pages: "
-                f"{exc}; make its files readable by the engine",
+                f"LoRA adapter {name!r} at {path!r} cannot be read ({exc}), and kvtier "
+                "keys an adapter's pages by its files' contents: make every file under "
+                "lora_path readable by the engine's scheduler process",
                 value=path,
             ) from exc
         with self._lock:
@@ -161,9 +224,13 @@ def _mm_items(request: Any, start: int, end: int) -> list[list[Any]]:
             continue
         identifier = getattr(feature, "identifier", None)
         if not identifier:
+            modality = getattr(feature, "modality", None) or "multimodal"
             raise UnkeyableInputError(
-                f"a {getattr(feature, 'modality', 'multimodal')} input of request "
-                f"{request.request_id!r} has no content hash to key its pages",
+                f"the {modality} input at tokens {offset}..{offset + length - 1} of request "
+                f"{request.request_id!r} has no content hash (its MultiModalFeatureSpec "
+                "identifier is empty), and kvtier keys the pages holding it by that hash: "
+                f"pass multi_modal_uuids naming each {modality} item's content, or use a "
+                "multimodal processor that returns a hash per item (vLLM's own do)",
                 value=request.request_id,
             )
         items.append(["mm", str(identifier), offset - start, length])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["PageOp", "Report", "StepWork"]
+__all__ = ["PageOp", "RankEvent", "Report", "StepWork"]
 
 
 @dataclass
@@ -39,28 +39,48 @@ class StepWork:
     preempted: list[str] = field(default_factory=list)
 
 
+#: One page event of a rank's storage chain: (rank, the tier holds the page now, tier
+#: index, base key). "Holds" is a store or a promotion into the tier, else an eviction
+#: or a removal from it.
+RankEvent = tuple[int, bool, int, str]
+
+
 @dataclass
 class Report:
     """What workers stored and failed to load since their last report.
 
     ``stored`` and ``failed`` map a base key to the number of ranks reporting it (a page
     is stored once every rank stored its share); ``failed_from`` maps a request to the
-    index of its first page that failed to load.
+    index of its first page that failed to load. ``events`` are the ranks' storage-chain
+    events in the order each rank saw them (stores, promotions, evictions and removals,
+    per tier), from which the scheduler learns what the tiers hold and forget;
+    ``promoting`` the base keys whose promotion into a faster tier a rank's load queued
+    (a lookup of them answers "ask again" until they are there).
     """
 
     stored: dict[str, int] = field(default_factory=dict)
     failed: dict[str, int] = field(default_factory=dict)
     failed_from: dict[str, int] = field(default_factory=dict)
+    events: list[RankEvent] = field(default_factory=list)
+    promoting: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.stored or self.failed)
+        return bool(self.stored or self.failed or self.events or self.promoting)
 
     def merged(self, other: Report) -> Report:
-        """The sum of two ranks' reports."""
-        merged = Report(dict(self.stored), dict(self.failed), dict(self.failed_from))
+        """The sum of two ranks' reports (events: each rank's, in its order)."""
+        merged = Report(
+            dict(self.stored),
+            dict(self.failed),
+            dict(self.failed_from),
+            list(self.events),
+            list(self.promoting),
+        )
         for source, target in ((other.stored, merged.stored), (other.failed, merged.failed)):
             for key, count in source.items():
                 target[key] = target.get(key, 0) + count
         for req_id, first in other.failed_from.items():
             merged.failed_from[req_id] = min(first, merged.failed_from.get(req_id, first))
+        merged.events.extend(other.events)
+        merged.promoting.extend(other.promoting)
         return merged

@@ -9,8 +9,10 @@ from vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -18,11 +20,12 @@ from kvtier.core.capabilities import ResolvedPlan, resolve
 from kvtier.core.config import load_engine_config
 from kvtier.core.errors import KvtierError, UnsupportedCombinationError
 from kvtier.core.geometry import AttentionKind, dtype_name
+from kvtier.core.keys import Namespace, layout_namespace
 from kvtier.core.layout import Layout
 from kvtier.integrations.vllm.blocks import SUPPORTED
-from kvtier.integrations.vllm.inputs import model_identity
+from kvtier.integrations.vllm.inputs import check_engine_inputs, model_identity
 from kvtier.integrations.vllm.paged import Strategy
-from kvtier.integrations.vllm.settings import LABEL, OPTIONS_AT, VLLMSection
+from kvtier.integrations.vllm.settings import LABEL, OPTIONS_AT, VLLMSection, tenant_of
 from kvtier.plugins.registry import Registry
 
 __all__ = [
@@ -36,6 +39,8 @@ __all__ = [
     "geometry_fields",
     "kv_groups",
     "plan_strategy",
+    "reader_plan",
+    "request_namespace",
     "resolve_plan",
 ]
 
@@ -214,6 +219,7 @@ def check_engine(vllm_config: Any) -> None:
             stages,
             ["--pipeline-parallel-size 1 (tensor parallelism is fine)"],
         )
+    check_engine_inputs(vllm_config)  # inputs vLLM names by request, not by content
 
 
 def engine_strategy(vllm_config: Any) -> Strategy:
@@ -249,6 +255,62 @@ def _device_fields(settings: VLLMSection) -> dict[str, Any]:
     return fields
 
 
+def request_namespace(
+    plan: ResolvedPlan,
+    tenant: str | None,
+    cache_salt: str | None = None,
+    adapter: str | None = None,
+    group_tag: str | None = None,
+) -> Namespace:
+    """The key namespace of a request's pages: the plan's model, plus the request's LoRA
+    adapter identity and (under vLLM's hybrid allocator) the KV cache group's tag; the
+    section's ``tenant`` plus the request's ``cache_salt``. The plan's own namespace where
+    none of these adds anything."""
+    if cache_salt is None and adapter is None and group_tag is None:
+        return plan.namespace
+    model = plan.config.model
+    if adapter is not None:
+        model = f"{model}|lora={adapter}"
+    if group_tag is not None:
+        model = f"{model}|{group_tag}"
+    return layout_namespace(
+        model, plan.layout, plan.geometry.fingerprint, tenant_of(tenant, cache_salt)
+    )
+
+
+def _tenant_namespaces(
+    plan: ResolvedPlan, settings: VLLMSection, groups: Sequence[KVGroup]
+) -> dict[str, tuple[str, int | None]]:
+    """Namespace id -> (tenant, quota) of the pages each configured tenant's quota covers:
+    those of requests whose ``cache_salt`` is the tenant's name, and, for the section's
+    own ``tenant``, those of requests without a salt; in every KV cache group. A LoRA
+    adapter's pages are in namespaces of their own, which no quota covers."""
+    tags: list[str | None] = [group.tag() for group in groups] if len(groups) > 1 else [None]
+    out: dict[str, tuple[str, int | None]] = {}
+    for name, limits in settings.tenants.items():
+        quota = int(limits.quota_bytes) if limits.quota_bytes is not None else None
+        salts: list[str | None] = [name]
+        if name == settings.tenant:
+            salts.append(None)
+        for salt in salts:
+            for tag in tags:
+                space = request_namespace(plan, settings.tenant, salt, None, tag)
+                out[space.id] = (name, quota)
+    return out
+
+
+def reader_plan(plan: ResolvedPlan) -> ResolvedPlan:
+    """``plan`` for a rank that reads shared pages but writes none (an MLA rank other than
+    0): its chain promotes nothing, since the writer, reading the same pages, promotes them
+    once."""
+    tiers = plan.storage_tiers()
+    if len(tiers) < 2:
+        return plan
+    return dataclasses.replace(
+        plan, tiers=tuple(dataclasses.replace(tier, promote=False) for tier in tiers)
+    )
+
+
 def resolve_plan(
     vllm_config: Any,
     kv_cache_config: Any,
@@ -257,7 +319,8 @@ def resolve_plan(
     *,
     tp_rank: int,
 ) -> ResolvedPlan:
-    """The plan of one vLLM rank: its KV geometry and the ``kvtier`` section, resolved."""
+    """The plan of one vLLM rank: its KV geometry and the ``kvtier`` section (its chain of
+    tiers, their policies and the tenants' quotas included), resolved."""
     check_engine(vllm_config)
     strategy = engine_strategy(vllm_config)
     extra: dict[str, Any] = {}
@@ -270,10 +333,15 @@ def resolve_plan(
             ", ".join(f"kvtier.{name}" for name in unused),
         )
     tag = DEVICE_TAG if strategy == "device" else BLOCK_TAG
+    storage: dict[str, Any] = (
+        {"tiers": [tier.model_dump() for tier in settings.tiers]}
+        if settings.tiers
+        else {"backend": settings.backend, "extra_config": settings.extra_config}
+    )
     config = load_engine_config(
         {
-            "backend": settings.backend,
-            "extra_config": settings.extra_config,
+            **storage,
+            "tenants": {name: t.model_dump() for name, t in settings.tenants.items()},
             "layout": LAYOUT.value,
             "model": f"{model_identity(vllm_config.model_config, settings.model)}|{tag}",
             "tenant": settings.tenant,
@@ -285,4 +353,14 @@ def resolve_plan(
         },
         source=LABEL,
     )
-    return resolve(config, registry.backends, registry.io_backends, options_at=OPTIONS_AT)
+    plan = resolve(
+        config,
+        registry.backends,
+        registry.io_backends,
+        options_at=OPTIONS_AT,
+        policies=registry.policies,
+    )
+    if settings.tenants:
+        groups = kv_groups(kv_cache_config)
+        plan = dataclasses.replace(plan, tenants=_tenant_namespaces(plan, settings, groups))
+    return plan

@@ -3,11 +3,12 @@
 The CPU strategy (:mod:`.worker`, pages in place in vLLM's blocks) and the accelerator
 strategy (:mod:`.device_worker`, a TieredCache over vLLM's device tensors) differ in how
 pages move, not in what they tell vLLM and the scheduler: this rank's storage keys, the
-blocks whose page was missing or invalid (vLLM recomputes them) and the report of stored
-and failed pages. That bookkeeping lives here once. A page is deleted from storage only
-where it is proven bad (its envelope failed verification), never for a miss, a timeout
-or an error: on a shared store a delete removes it for every engine. Nothing here
-imports vLLM.
+blocks whose page was missing or invalid (vLLM recomputes them), the report of stored
+and failed pages, and the events of its storage chain (what each tier stored, promoted,
+evicted or removed), which the scheduler learns from. That bookkeeping lives here once.
+A page is deleted from storage only where it is proven bad (its envelope failed
+verification), never for a miss, a timeout or an error: on a shared store a delete
+removes it for every engine. Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
+from kvtier.cache.events import EventStream
 from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.envelope import Rejection
 from kvtier.core.errors import StorageError
 from kvtier.core.storage import Counters
+from kvtier.integrations.kv_events import TierEventFeed
 from kvtier.integrations.vllm.messages import PageOp, Report
 from kvtier.integrations.vllm.settings import DOCS, VLLMSection
 
@@ -70,10 +73,40 @@ class RankWorker(ABC):
         self._saving: set[str] = set()
         self._finishing: set[str] = set()
         self._report = Report()
+        self._feed: TierEventFeed | None = None
+
+    def watch(self, events: EventStream) -> None:
+        """Report the events of this rank's storage chain (``events``) from now on, as
+        base keys; at most ``events_buffer`` wait between two reports."""
+        suffix = self.suffix
+
+        def base_key(name: str) -> str | None:
+            if not suffix:
+                return name
+            return name[: -len(suffix)] if name.endswith(suffix) else None
+
+        self._feed = TierEventFeed(
+            events,
+            base_key,
+            capacity=self.settings.events_buffer,
+            counters=self.counters,
+            dropped_counter="tier_events_dropped",
+        )
+
+    def stop_watching(self) -> None:
+        """Stop receiving the chain's events (idempotent)."""
+        feed, self._feed = self._feed, None
+        if feed is not None:
+            feed.close()
 
     def names(self, keys: Iterable[str]) -> list[str]:
         """This rank's storage keys for base keys."""
         return [key + self.suffix for key in keys]
+
+    def _base_keys(self, names: Iterable[str]) -> list[str]:
+        """The base keys of this rank's storage keys."""
+        cut = len(self.suffix)
+        return [name[:-cut] if cut else name for name in names]
 
     @abstractmethod
     def _page_store(self) -> Deleter:
@@ -130,7 +163,11 @@ class RankWorker(ABC):
         return errors
 
     def take_report(self) -> Report:
-        """What this rank stored and failed to load since the last call."""
+        """What this rank stored and failed to load since the last call, and its storage
+        chain's events since then (in the order the chain emitted them)."""
         with self._lock:
             report, self._report = self._report, Report()
+        if self._feed is not None:
+            rank = int(self.plan.context.tp_rank)
+            report.events = [(rank, held, tier, key) for held, tier, key in self._feed.take()]
         return report

@@ -14,6 +14,12 @@ step), and a lookup unanswered after ``lookup_timeout_s`` is a miss. On vLLM's C
 the loads are asynchronous: vLLM holds the request in ``WAITING_FOR_REMOTE_KVS`` until the
 workers report the load ended, so a load never stalls a model step.
 
+The workers' reports also carry their storage chains' events (:mod:`.events`): a page
+the scheduler remembered stored is forgotten once no tier holds it (an eviction), so it is
+never promised from memory; the same events become vLLM's KV events (``take_events``),
+and say which tier a hit is read from (``get_external_cache_hit_sources``). A reset
+(vLLM's ``reset_cache``) starts a new key epoch: nothing stored before it is served again.
+
 It reads a request through the attributes vLLM's ``Request`` has (``request_id``,
 ``all_token_ids``, ``num_computed_tokens``, ``cache_salt``, and what else changes its KV:
 ``lora_request``, ``mm_features``, ``prompt_embeds``, see :mod:`.inputs`) and imports
@@ -24,6 +30,7 @@ cannot be keyed is kept away from kvtier: no hit, no store.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -37,14 +44,22 @@ from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.errors import KvtierError, StorageError, UnkeyableInputError
 from kvtier.core.extents import Extent
 from kvtier.core.geometry import AttentionKind
-from kvtier.core.keys import PageKeyer, layout_namespace, rank_suffix
+from kvtier.core.keys import PageKeyer, rank_suffix
 from kvtier.core.layout import Layout
 from kvtier.core.metrics import zeroed
 from kvtier.core.storage import Counters
+from kvtier.integrations.vllm.events import (
+    UNSPECIFIED,
+    Describer,
+    KVEventLog,
+    TierLedger,
+    hit_source,
+    tier_medium,
+)
 from kvtier.integrations.vllm.inputs import AdapterIdentities, page_extras
 from kvtier.integrations.vllm.messages import PageOp, Report, StepWork
-from kvtier.integrations.vllm.plan import KVGroup, plan_strategy
-from kvtier.integrations.vllm.settings import VLLMSection, tenant_of
+from kvtier.integrations.vllm.plan import KVGroup, plan_strategy, request_namespace
+from kvtier.integrations.vllm.settings import VLLMSection
 
 __all__ = [
     "NULL_BLOCK",
@@ -67,6 +82,9 @@ FIRST_CHUNK = 8
 LOOKUP_THREADS = 2
 #: The fewest failed pages the scheduler distrusts at once (``known_keys`` if larger).
 MIN_BAD = 4096
+#: What the first page of a request keyed after a reset folds into its key (with the
+#: epoch's random token), so every page of a new epoch has a key no earlier page has.
+EPOCH_TAG = b"kvtier-vllm-epoch:"
 
 
 class NoPages:
@@ -159,19 +177,8 @@ class TenantKeyers:
         keyer = self._keyers.get((cache_salt, adapter, group))
         if keyer is None:
             plan = self._plan
-            namespace = plan.namespace
-            if cache_salt is not None or adapter is not None or self._tags:
-                model = plan.config.model
-                if adapter is not None:
-                    model = f"{model}|lora={adapter}"
-                if self._tags:
-                    model = f"{model}|{self._tags[group]}"
-                namespace = layout_namespace(
-                    model,
-                    plan.layout,
-                    plan.geometry.fingerprint,
-                    tenant_of(self._tenant, cache_salt),
-                )
+            tag = self._tags[group] if self._tags else None
+            namespace = request_namespace(plan, self._tenant, cache_salt, adapter, tag)
             keyer = self._keyers[(cache_salt, adapter, group)] = PageKeyer(
                 namespace, plan.geometry.page_size, plan.geometry.attention
             )
@@ -227,6 +234,7 @@ class SchedulerSide:
         saves: bool = True,
         groups: Sequence[KVGroup] | None = None,
         async_loads: bool | None = None,
+        describe: Describer | None = None,
     ) -> None:
         self.plan = plan
         self.store = store
@@ -274,6 +282,31 @@ class SchedulerSide:
         self._step_keys: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        tiers = plan.storage_tiers()
+        #: What the tiers hold, from the workers' events (bounded like ``known_keys``).
+        self._ledger = TierLedger(len(tiers), self._ranks, bound)
+        self._sources_of_tiers = [hit_source(tier) for tier in tiers]
+        #: Tokens of each request's planned load, by the tier it is read from.
+        self._sources: dict[str, dict[str, int]] = {}
+        #: vLLM's KV events, when vLLM publishes them (``describe`` reads vLLM's blocks).
+        self._describe = describe
+        self.events: KVEventLog | None = None
+        if describe is not None:
+            self.events = KVEventLog(
+                [tier_medium(tier) for tier in tiers],
+                self._page_size,
+                capacity=max(1, settings.events_buffer),
+                hashes=bound,
+                counters=self.counters,
+            )
+        #: The key epoch (a reset starts a new one; None before the first reset).
+        self._epoch: bytes | None = None
+        #: Requests admitted before the last reset: they store nothing and hit nothing.
+        self._stale: set[str] = set()
+        #: Pages a worker's load is promoting into a faster tier -> until when a lookup
+        #: of them waits ("ask again") for the promotion to land.
+        self._promoting: dict[str, float] = {}
+        self._promotion_waits: set[str] = set()
 
     # --- keys and hits ------------------------------------------------------------------
 
@@ -293,6 +326,11 @@ class SchedulerSide:
             ps = self._page_size
             tokens = list(request.all_token_ids[have * ps : pages * ps])
             extras = page_extras(request, have, pages, ps)
+            if self._epoch is not None and have == 0:
+                # after a reset: the first page's key, and through the chain every other,
+                # is the new epoch's (what else changes a page's KV: the weights, say)
+                extras = list(extras) if extras is not None else [None] * (pages - have)
+                extras[0] = EPOCH_TAG + self._epoch + (extras[0] or b"")
             for keyer, keys in zip(self._keyers(request), chains, strict=True):
                 keys.extend(keyer.keys(tokens, parent=keys[-1] if keys else None, extras=extras))
         return chains
@@ -326,6 +364,44 @@ class SchedulerSide:
                     exc,
                 )
             return None
+
+    def _remember(self, key: str) -> None:
+        """A page every rank stored: a hit from memory until a tier is seen losing it."""
+        if self._limit:
+            self._known[key] = None
+            self._known.move_to_end(key)
+            while len(self._known) > self._limit:
+                self._known.popitem(last=False)
+
+    def _describe_pages(
+        self, request: RequestLike, chains: Iterable[tuple[int, list[str]]], lo: int, hi: int
+    ) -> None:
+        """Tell the KV event log what vLLM's blocks ``lo``..``hi`` of ``request`` are (the
+        pages of each (group, keys) in ``chains``)."""
+        if self.events is None or self._describe is None or hi <= lo:
+            return
+        infos = self._describe(request, lo, hi)
+        for group, chain in chains:
+            for i, info in enumerate(infos[: max(0, min(hi, len(chain)) - lo)]):
+                self.events.describe(chain[lo + i], group, info)
+
+    def _sources_of(self, keys: list[list[str]], start: int, end: int) -> dict[str, int]:
+        """Tokens of pages ``start``..``end`` by the tier a load reads them from (vLLM's
+        ``CacheHitSource`` values): the tier that holds the page whole (of several groups',
+        the slowest), or ``external_unspecified`` where no event said which."""
+        sources: dict[str, int] = {}
+        single = len(self._sources_of_tiers) == 1
+        for page in range(start, end):
+            if single:
+                source = self._sources_of_tiers[0]
+            else:
+                tiers = [self._ledger.tier_of(chain[page]) for chain in keys]
+                known = [tier for tier in tiers if tier is not None]
+                source = (
+                    self._sources_of_tiers[max(known)] if len(known) == len(tiers) else UNSPECIFIED
+                )
+            sources[source] = sources.get(source, 0) + self._page_size
+        return sources
 
     def _trusted(self, keys: list[list[str]], page: int) -> bool:
         return all(chain[page] in self._known for chain in keys)
@@ -380,11 +456,13 @@ class SchedulerSide:
         return self._lookup(request, num_computed_tokens, self._wait_s)
 
     def matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> int:
-        """:meth:`lookup`, waiting for the answer (at most ``lookup_timeout_s``)."""
+        """:meth:`lookup`, waiting for the answer (at most ``lookup_timeout_s``, or until a
+        promotion of the request's pages landed)."""
         while True:
             answer = self._lookup(request, num_computed_tokens, self._timeout_s)
             if answer is not None:
                 return answer
+            time.sleep(0.001)  # a promotion in flight: its bound ends the wait
 
     def _lookup(self, request: RequestLike, num_computed_tokens: int, wait: float) -> int | None:
         req_id = request.request_id
@@ -392,7 +470,7 @@ class SchedulerSide:
         ps = self._page_size
         start = num_computed_tokens // ps
         usable = (len(request.all_token_ids) - 1) // ps
-        if not self._loads_on or usable <= start:
+        if not self._loads_on or usable <= start or req_id in self._stale:
             return self._answer(req_id, start, 0, counted=False)
         keys = self._keyed(request, usable)
         if keys is None:
@@ -407,7 +485,7 @@ class SchedulerSide:
                 known += 1
             limit = next((i for i in range(known, usable) if self._distrusted(keys, i)), usable)
             if known >= limit:
-                return self._answer(req_id, start, known - start)
+                return self._settled(req_id, keys, start, known)
             now = time.monotonic()
             future = self._submit(self._probe_names(keys, known, limit), now + self._timeout_s)
             pending = self._lookups[req_id] = _Lookup(
@@ -431,7 +509,26 @@ class SchedulerSide:
         end = pending.known + found
         # a worker may have reported a page bad while the lookup ran
         end = next((i for i in range(start, end) if self._distrusted(keys, i)), end)
-        return self._answer(req_id, start, max(0, end - start))
+        return self._settled(req_id, keys, start, max(start, end))
+
+    def _settled(self, req_id: str, keys: list[list[str]], start: int, end: int) -> int | None:
+        """The answer for pages ``start``..``end`` found stored, or None ("ask again") while
+        a worker's load promotes one of them into a faster tier (at most until the
+        promotion's bound): the load then reads it from there."""
+        if self._promoting:
+            now = time.monotonic()
+            busy = any(
+                self._promoting.get(chain[i], 0.0) > now
+                for i in range(start, end)
+                for chain in keys
+            )
+            if busy:
+                if req_id not in self._promotion_waits:
+                    self._promotion_waits.add(req_id)
+                    self.counters.add("lookup_promoting")
+                return None
+        self._promotion_waits.discard(req_id)
+        return self._answer(req_id, start, end - start)
 
     def _answer(self, req_id: str, start: int, hits: int, *, counted: bool = True) -> int:
         self._matched[req_id] = (start, hits)
@@ -465,6 +562,8 @@ class SchedulerSide:
                 )
                 planned += hi - lo
         self.counters.add("load_pages_planned", planned)
+        self._sources[req_id] = self._sources_of(keys, start, start + pages)
+        self._describe_pages(request, enumerate(keys), start, start + pages)
         if self.async_loads:
             self._loading.add(req_id)
             self.counters.add("load_requests_planned")
@@ -511,7 +610,7 @@ class SchedulerSide:
 
     def _plan_save(self, work: StepWork, req_id: str, computed: int) -> None:
         request = self._requests.get(req_id)
-        if request is None or not self._saves_on:
+        if request is None or not self._saves_on or req_id in self._stale:
             return
         tables = self._tables.get(req_id) or [[] for _ in self.groups]
         rows = min(len(table) for table in tables)
@@ -535,6 +634,8 @@ class SchedulerSide:
                 if chain[i] not in self._known and chain[i] not in planning
             ]
             planning.update(chain[i] for i in todo)
+            if todo:
+                self._describe_pages(request, [(group, chain)], todo[0], todo[-1] + 1)
             for lo, hi in _runs(todo, table):
                 work.saves.append(
                     PageOp(
@@ -552,18 +653,17 @@ class SchedulerSide:
             self.counters.add("save_pages_planned", planned)
 
     def learn(self, report: Report) -> None:
-        """The workers' report: pages stored by every rank, pages that failed to load."""
+        """The workers' report: pages stored by every rank, pages that failed to load, and
+        their storage chains' events (what each tier now holds, or no longer)."""
+        ledger = self._ledger
         for key, count in report.stored.items():
             total = self._confirming.pop(key, 0) + count
             if total < self._ranks:
                 self._confirming.put(key, total)
                 continue
             self._bad.pop(key)
-            if self._limit:
-                self._known[key] = None
-                self._known.move_to_end(key)
-        while len(self._known) > self._limit:
-            self._known.popitem(last=False)
+            if ledger.held(key) is not False:  # not evicted since (its events came first)
+                self._remember(key)
         for key in report.failed:
             self._known.pop(key, None)
             self._confirming.pop(key)
@@ -571,6 +671,70 @@ class SchedulerSide:
         for req_id, first in report.failed_from.items():
             if req_id in self._done:
                 self._done[req_id] = min(self._done[req_id], first)
+        if report.promoting:
+            now = time.monotonic()
+            if len(self._promoting) > self._ledger.limit:
+                self._promoting = {k: t for k, t in self._promoting.items() if t > now}
+            until = now + self._timeout_s
+            for key in report.promoting:
+                self._promoting[key] = until
+        for rank, held, tier, key in report.events:
+            if held:  # a promotion landed (or the page was stored again): no more waiting
+                self._promoting.pop(key, None)
+            change = ledger.apply(rank, held, tier, key)
+            if change is None:
+                continue
+            if self.events is not None:
+                self.events.changed(key, tier, change)
+            if change:  # stored or promoted whole: a verified copy, trusted again
+                self._bad.pop(key)
+                self._remember(key)
+            elif key in self._known and not ledger.held(key):
+                # no tier holds it any more: never promised from memory again
+                del self._known[key]
+                self.counters.add("known_forgotten")
+
+    def take_events(self) -> list[tuple[str, dict[str, Any]]]:
+        """vLLM's KV events of the tiers since the last call (see :class:`KVEventLog`);
+        none unless vLLM publishes KV events."""
+        return self.events.take() if self.events is not None else []
+
+    def hit_sources(self, req_id: str, tokens: int) -> dict[str, int]:
+        """The ``tokens`` of ``req_id``'s planned load by the tier they are read from
+        (vLLM's ``CacheHitSource`` values); what the plan does not cover is unspecified."""
+        sources = {k: v for k, v in self._sources.get(req_id, {}).items() if v}
+        covered = sum(sources.values())
+        if covered != tokens:
+            if covered > tokens:
+                return {UNSPECIFIED: tokens} if tokens else {}
+            sources[UNSPECIFIED] = sources.get(UNSPECIFIED, 0) + tokens - covered
+        return sources
+
+    def reset(self) -> bool:
+        """vLLM's ``reset_cache``: start a new key epoch, and forget what was learnt.
+
+        Every request keyed from now on has keys no page stored before has (its first
+        page's key folds in a fresh random token, and every later key chains on it), so
+        nothing stored before the reset is served again, whatever a weight update did to
+        the KV; nothing is deleted (on a shared store other engines still serve those
+        pages rightly, and this engine's age out). Requests admitted before the reset load
+        what was planned for them but store nothing more and hit nothing on a later
+        lookup. vLLM is told the tiers no longer hold the pages it knew (``BlockRemoved``).
+        """
+        self._epoch = os.urandom(16)
+        self._stale.update(self._requests)
+        self._lookups.clear()
+        if self.events is not None:
+            for key, tier in list(self._ledger.whole()):
+                self.events.changed(key, tier, False)
+            self.events.forget()
+        self._ledger.clear()
+        self._promoting.clear()
+        self._known.clear()
+        self._confirming.items.clear()
+        self._bad.items.clear()
+        self.counters.add("resets")
+        return True
 
     def loads_ended(self, req_ids: Iterable[str]) -> None:
         """The workers report these requests' loads ended (vLLM's ``finished_recving``)."""
@@ -590,9 +754,12 @@ class SchedulerSide:
             self._tables,
             self._done,
             self._lookups,
+            self._sources,
         ):
             table.pop(req_id, None)
         self._unkeyed.discard(req_id)
+        self._stale.discard(req_id)
+        self._promotion_waits.discard(req_id)
         delay = req_id in self._has_saves and req_id not in self._loading
         self._has_saves.discard(req_id)
         self._loading.discard(req_id)

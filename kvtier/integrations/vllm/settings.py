@@ -11,11 +11,18 @@ import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvtier.core.errors import MissingFieldError
+from kvtier.core.tiers import TenantConfig, TierConfig
 from kvtier.core.validation import validate_model
-from kvtier.integrations.section import OPTIONS_AT, SECTION, EngineSection, find_section
+from kvtier.integrations.section import (
+    OPTIONS_AT,
+    SECTION,
+    EngineSection,
+    backend_of_tiers,
+    find_section,
+)
 
 __all__ = ["DOCS", "LABEL", "OPTIONS_AT", "SECTION", "VLLMSection", "read_section", "tenant_of"]
 
@@ -106,6 +113,32 @@ class VLLMSection(EngineSection):
         "of their step, since vLLM frees such blocks while the request runs; beyond it a "
         "save is dropped.",
     )
+    tiers: tuple[TierConfig, ...] = Field(
+        (),
+        description="A chain of storage tiers, fastest first (docs/tiers.md), instead of "
+        "`backend` and `extra_config` (`backend` then reads as the first tier's); each "
+        "worker stores into the first, cascades down and promotes hits up.",
+    )
+    tenants: dict[str, TenantConfig] = Field(
+        default_factory=dict,
+        description="Per-tenant `quota_bytes` in each tier. A request's tenant is its "
+        "`cache_salt` where that names one of these, else `tenant` for a request without a "
+        "salt (docs/vllm.md, tiers and tenants).",
+    )
+    events_buffer: int = Field(
+        65536,
+        strict=True,
+        ge=0,
+        description="Storage-tier events (stored, promoted, evicted, removed) a worker keeps "
+        "for the scheduler between two steps, which vLLM's KV events and the scheduler's "
+        "memory of stored pages are made from; beyond it the oldest are dropped (counted as "
+        "tier_events_dropped); 0: none.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _backend_of_tiers(cls, data: Any) -> Any:
+        return backend_of_tiers(data)
 
 
 def read_section(extra: Mapping[str, Any] | None, backends: Mapping[str, Any]) -> VLLMSection:
@@ -120,11 +153,12 @@ def read_section(extra: Mapping[str, Any] | None, backends: Mapping[str, Any]) -
         example='{"backend": "file", "extra_config": {"root": "/mnt/kv"}}',
         docs=DOCS,
     )
-    if "backend" not in section:
+    if "backend" not in section and not section.get("tiers"):
         names = ", ".join(repr(name) for name in sorted(backends))
         raise MissingFieldError(
             f"{SECTION}.backend",
-            hint=f"; name the kvtier storage backend, one of {names} (see {DOCS})",
+            hint=f"; name the kvtier storage backend, one of {names}, or give `tiers` "
+            f"instead (see {DOCS})",
         )
     return validate_model(VLLMSection, section, where=SECTION, label=LABEL)
 

@@ -1,7 +1,8 @@
 """The worker side of kvtier's vLLM connector on vLLM's CPU engine: pages in vLLM's blocks.
 
-:class:`WorkerSide` opens the plan's page store over vLLM's KV tensors (:mod:`.blocks`)
-and keeps every backend call off the model's path:
+:class:`WorkerSide` opens the plan's storage chain (one page store per tier, a chain of
+one for one backend) over vLLM's KV tensors (:mod:`.blocks`), reports the chain's events
+to the scheduler, and keeps every backend call off the model's path:
 
 - **loads** are asynchronous: a step's loads are one batched ``get`` on a reader thread,
   straight into the blocks vLLM allocated for them, while vLLM holds the requests in
@@ -24,6 +25,7 @@ It imports nothing from vLLM.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -34,19 +36,21 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from kvtier.cache.chain import StorageChain, open_store
 from kvtier.cache.metrics import identity_of, store_collector
 from kvtier.core.bounded import Outcome
-from kvtier.core.capabilities import ResolvedPlan, open_page_store
+from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.errors import KvtierError
 from kvtier.core.geometry import AttentionKind
 from kvtier.core.metrics import zeroed
-from kvtier.core.pagestore import PageStore
+from kvtier.core.pagestore import BatchResult, PageStore
 from kvtier.integrations.vllm.blocks import VLLMBlocks, layer_positions, order_layers
 from kvtier.integrations.vllm.messages import PageOp
+from kvtier.integrations.vllm.plan import reader_plan
 from kvtier.integrations.vllm.rank import RankWorker, no_pages_yet, proves_bad
 from kvtier.integrations.vllm.settings import VLLMSection
 
@@ -98,7 +102,8 @@ class WorkerSide(RankWorker):
 
     def __init__(self, plan: ResolvedPlan, settings: VLLMSection, *, groups: int = 1) -> None:
         super().__init__(plan, settings, groups=groups)
-        self.store: PageStore | None = None
+        #: The plan's storage chain over vLLM's blocks (a chain of one for one backend).
+        self.store: StorageChain | None = None
         self.pages: VLLMBlocks | None = None
         #: MLA pages are the same on every rank: rank 0 writes them, every rank reads them.
         self.writes_pages = (
@@ -140,19 +145,50 @@ class WorkerSide(RankWorker):
         pages.extents(0)  # the memory matches the geometry: checked now, not later
         self.pages = pages
         self._free_staging = list(range(pages.num_blocks, pages.num_pages))
-        self.store = open_page_store(self.plan, pages, **self.settings.page_store_options())
+        # an MLA rank that writes nothing promotes nothing either: the writer, which reads
+        # the same shared pages, promotes them once
+        plan = self.plan if self.writes_pages else reader_plan(self.plan)
+        self.store = open_store(plan, pages, **self.settings.page_store_options())
+        self.watch(self.store.events)
         self._writer = threading.Thread(
             target=self._write_loop, name="kvtier-vllm-save", daemon=True
         )
         self._writer.start()
 
-    def _require_store(self) -> PageStore:
+    def _require_store(self) -> StorageChain:
         if self.store is None:
             raise no_pages_yet()
         return self.store
 
-    def _page_store(self) -> PageStore:
+    def _page_store(self) -> StorageChain:
         return self._require_store()
+
+    def _store_get(
+        self,
+        names: list[str],
+        pages: list[int],
+        on_late: Any,
+        verdicts: dict[int, str],
+    ) -> BatchResult:
+        """One bounded, verified ``get`` of ``names`` into ``pages``; ``verdicts`` receives
+        the verdict of each page read that failed verification.
+
+        The chain's ``get`` reads each page from the first tier holding a valid copy. Where
+        it gives no per-page verdict (``StorageChain.get`` without ``verdicts``), a chain of
+        one tier is read through that tier's page store, which gives them (the chain adds
+        nothing to a single tier's read but its timing counters); across several tiers no
+        verdict is known, so nothing is deleted there.
+        """
+        store = self._require_store()
+        if _takes_verdicts(store):
+            return store.get(names, pages, on_late=on_late, verdicts=verdicts)  # type: ignore[call-arg]
+        if len(store.tiers) == 1:
+            return store.tiers[0].store.get(names, pages, on_late=on_late, verdicts=verdicts)
+        return store.get(names, pages, on_late=on_late)
+
+    def _store_put(self, names: list[str], pages: list[int], on_late: Any) -> BatchResult:
+        """One bounded ``put`` into the chain's first tier (it cascades down on its own)."""
+        return self._require_store().put(names, pages, on_late=on_late)
 
     # --- loads --------------------------------------------------------------------------
 
@@ -189,11 +225,11 @@ class WorkerSide(RankWorker):
         unique = list(first)
         reasons: dict[int, str] = {}
         try:
-            found = store.get(
+            found = self._store_get(
                 unique,
                 [blocks[first[name]] for name in unique],
-                on_late=lambda _results: batch.released.set(),
-                verdicts=reasons,
+                lambda _results: batch.released.set(),
+                reasons,
             )
         except KvtierError as exc:  # bad keys or pages; backend errors are False
             log.warning("kvtier: a load raised %s; its %d pages recompute", exc, len(unique))
@@ -201,6 +237,12 @@ class WorkerSide(RankWorker):
         batch.ended = time.monotonic()
         if found is not None and found.outcome is Outcome.TIMED_OUT:
             batch.late = True  # the backend may still write into the blocks
+        if found is not None and len(store.tiers) > 1:
+            # pages a lower tier served, being promoted: a lookup of them waits for that
+            promoting = [n for n, busy in zip(unique, store.pending(unique), strict=True) if busy]
+            if promoting:
+                with self._lock:
+                    self._report.promoting.extend(self._base_keys(promoting))
         ok = dict(zip(unique, found or [False] * len(unique), strict=True))
         copies = [(first[n], i) for i, n in enumerate(names) if first[n] != i and ok[n]]
         if copies and pages is not None:
@@ -423,11 +465,10 @@ class WorkerSide(RankWorker):
 
     def _put(self, names: list[str], pages: list[int], batch: list[_Save]) -> Any:
         """One bounded ``put`` of ``batch``'s pages; None if it raised (bad keys or pages)."""
-        store = self.store
         try:
-            if store is None:
+            if self.store is None:
                 raise KvtierError("the page store is closed", value=None)
-            return store.put(names, pages, on_late=partial(self._late, batch))
+            return self._store_put(names, pages, partial(self._late, batch))
         except KvtierError as exc:  # backend errors are False, not raised
             log.warning("kvtier: a store raised %s; its %d pages are not kept", exc, len(names))
             return None
@@ -471,8 +512,9 @@ class WorkerSide(RankWorker):
                 log.warning("kvtier: deleting %d tainted pages raised %s", len(stored), exc)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued store has run (a timed-out one counts as run); False if
-        ``timeout`` (default: twice the call bound, plus slack) passed first."""
+        """Wait until every queued store has run (a timed-out one counts as run), and the
+        chain's cascades and promotions queued by then; False if ``timeout`` (default:
+        twice the call bound, plus slack) passed first."""
         bound = self._wait_s if timeout is None else timeout
         deadline = None if bound is None else time.monotonic() + bound
         with self._cv:
@@ -481,7 +523,11 @@ class WorkerSide(RankWorker):
                 if left is not None and left <= 0:
                     return False
                 self._cv.wait(left)
-        return True
+        store = self.store
+        if store is None:
+            return True
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return store.flush(left)
 
     def preempted(self, req_ids: Iterable[str]) -> None:
         """Before vLLM reuses preempted requests' blocks: drop their queued stores, wait
@@ -554,8 +600,8 @@ class WorkerSide(RankWorker):
         return stats
 
     def prometheus_collector(self) -> Any:
-        """A prometheus_client collector of this rank's page store (docs/operating.md)."""
-        return store_collector(self._require_store(), identity_of(self.plan))
+        """A prometheus_client collector of this rank's storage chain (docs/operating.md)."""
+        return store_collector(cast(PageStore, self._require_store()), identity_of(self.plan))
 
     def close(self) -> None:
         """Finish queued loads and stores (each bounded), then close the backend. Idempotent."""
@@ -566,6 +612,12 @@ class WorkerSide(RankWorker):
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.join(self._wait_s)
+        self.stop_watching()
         store, self.store = self.store, None
         if store is not None:
             store.close()
+
+
+def _takes_verdicts(store: StorageChain) -> bool:
+    """Whether the chain's ``get`` gives per-page verdicts (``verdicts=``)."""
+    return "verdicts" in inspect.signature(type(store).get).parameters
