@@ -286,9 +286,7 @@ def test_sglang_write_policy_with_the_chains_write(
 ) -> None:
     """What SGLang backs up enters the first tier at once; it reaches the second tier at
     once under ``write: through``, and under ``write: back`` only when the first tier
-    evicts it (here it holds 4 pages): no page is lost either way. (Under ``back`` the
-    lower tier does not promote: a promotion into a full tier above a write-back tier
-    evicts there without writing back, see docs/sglang.md.)"""
+    evicts it (here it holds 4 pages): no page is lost either way."""
     pool = MHAHostPool(pages=64)
     capacity = _page_capacity(pool, 4)
     tiers = [

@@ -610,3 +610,54 @@ def test_prometheus_has_every_tier_and_tenant_series(tmp_path: Path) -> None:
         ("1:file", "team-a"): quota,
     }
     assert values["kvtier_tenant_quota_evictions_total"] == {("team-a",): 8}
+
+
+def _flip(root: Path, key: str) -> None:
+    """Flip one payload bit of ``key``'s page file under ``root``."""
+    victim = next(p for p in root.rglob("*.kv") if key in p.name)
+    raw = bytearray(victim.read_bytes())
+    raw[-9] ^= 0x40
+    victim.write_bytes(bytes(raw))
+
+
+def test_verdicts_name_only_pages_no_tier_could_serve(tmp_path: Path) -> None:
+    """``StorageChain.get(verdicts=)``: a page bad in one tier and good in the next is
+    served with no verdict; one bad where no other tier holds it is proven bad; one bad
+    where another tier could not answer (its call failed) is not, so an engine deleting
+    proven-bad pages never removes a copy that may still be good."""
+    hanging = HangingBackend()
+    registry = shared_backend(hanging)
+    fast = tmp_path / "fast"
+    cache = _open(
+        [_file(fast), _file(tmp_path / "slow"), {"backend": "shared"}],
+        registry,
+        options={"backend_call_timeout_s": 0.3},
+    )
+    try:
+        keys = put_pages(cache, range(16))
+        assert cache.flush(JOIN) and cache.page_store.flush(JOIN)
+        chain = cache.page_store
+        for key in keys[:3]:
+            _flip(fast, key)
+        # page 0: bad in fast, good in slow; page 1: bad in fast, gone from slow and shared
+        chain.tiers[1].store.delete([keys[1]])
+        chain.tiers[2].store.delete([keys[1]])
+        pages = cache.host_pool.allocate(3)
+        try:
+            verdicts: dict[int, str] = {}
+            assert list(chain.get(keys[:3], pages, verdicts=verdicts)) == [True, False, True]
+            assert verdicts == {1: "corrupt_checksum"}
+            # page 2: bad in fast; gone from slow; the shared tier's call fails (hangs)
+            assert cache.page_store.flush(JOIN)
+            _flip(fast, keys[2])  # its promotion wrote page 2 back into fast: bad again
+            chain.tiers[1].store.delete([keys[2]])
+            hanging.hang.add("get")
+            verdicts = {}
+            assert list(chain.get([keys[2]], pages[:1], verdicts=verdicts)) == [False]
+            assert verdicts == {}  # the shared tier never answered: nothing is proven
+        finally:
+            hanging.release.set()
+            cache.host_pool.free(pages)
+    finally:
+        hanging.release.set()
+        cache.close()

@@ -331,25 +331,36 @@ class StorageChain:
         pages: Sequence[int],
         *,
         on_late: Callable[[Any], None] | None = None,
+        verdicts: dict[int, str] | None = None,
     ) -> BatchResult:
-        """Fill pages from the first tier holding a valid copy; promote lower-tier hits."""
+        """Fill pages from the first tier holding a valid copy; promote lower-tier hits.
+
+        ``verdicts``, when given, receives the verdict of each page proven bad in the
+        whole chain (as :meth:`PageStore.get` gives it): one that failed verification in a
+        tier, was served by none, and that every tier asked answered for (a miss or
+        another rejection). A page a tier could not answer for (its call failed) gets no
+        entry: a good copy may still be there, so nothing is known against it.
+        """
         keys, pages = list(keys), list(pages)
         if len(self.tiers) == 1:
             first = self.tiers[0]
             started = time.perf_counter()
-            result = first.store.get(keys, pages, on_late=on_late)
+            result = first.store.get(keys, pages, on_late=on_late, verdicts=verdicts)
             first.counters.add("get_seconds", time.perf_counter() - started)
             first.counters.add("get_calls")
             return result
         results = [False] * len(keys)
         source: dict[int, int] = {}
+        rejected: dict[int, str] = {}
+        unanswered: set[int] = set()
         todo = list(range(len(keys)))
         for tier in self.tiers:
             if not todo:
                 break
             started = time.perf_counter()
+            found: dict[int, str] = {}
             answer = tier.store.get(
-                [keys[i] for i in todo], [pages[i] for i in todo], on_late=on_late
+                [keys[i] for i in todo], [pages[i] for i in todo], on_late=on_late, verdicts=found
             )
             tier.counters.add("get_seconds", time.perf_counter() - started)
             tier.counters.add("get_calls")
@@ -359,15 +370,22 @@ class StorageChain:
                 return BatchResult(results, Outcome.TIMED_OUT)
             if answer.outcome is not Outcome.OK:
                 tier.counters.add("failures")
+                unanswered.update(todo)
                 continue
             rest = []
-            for i, ok in zip(todo, answer, strict=True):
+            for at, (i, ok) in enumerate(zip(todo, answer, strict=True)):
                 if ok:
                     results[i] = True
                     source[i] = tier.index
                 else:
+                    if at in found:
+                        rejected[i] = found[at]
                     rest.append(i)
             todo = rest
+        if verdicts is not None:
+            for i, reason in rejected.items():
+                if not results[i] and i not in unanswered:
+                    verdicts[i] = reason
         self._promote(keys, pages, source)
         self._record_hits(keys, pages, source)
         return BatchResult(results)

@@ -25,7 +25,6 @@ It imports nothing from vLLM.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
@@ -171,20 +170,9 @@ class WorkerSide(RankWorker):
         verdicts: dict[int, str],
     ) -> BatchResult:
         """One bounded, verified ``get`` of ``names`` into ``pages``; ``verdicts`` receives
-        the verdict of each page read that failed verification.
-
-        The chain's ``get`` reads each page from the first tier holding a valid copy. Where
-        it gives no per-page verdict (``StorageChain.get`` without ``verdicts``), a chain of
-        one tier is read through that tier's page store, which gives them (the chain adds
-        nothing to a single tier's read but its timing counters); across several tiers no
-        verdict is known, so nothing is deleted there.
-        """
-        store = self._require_store()
-        if _takes_verdicts(store):
-            return store.get(names, pages, on_late=on_late, verdicts=verdicts)  # type: ignore[call-arg]
-        if len(store.tiers) == 1:
-            return store.tiers[0].store.get(names, pages, on_late=on_late, verdicts=verdicts)
-        return store.get(names, pages, on_late=on_late)
+        the verdict of each page proven bad in every tier that holds it (the chain reads
+        each page from the first tier with a valid copy, see ``StorageChain.get``)."""
+        return self._require_store().get(names, pages, on_late=on_late, verdicts=verdicts)
 
     def _store_put(self, names: list[str], pages: list[int], on_late: Any) -> BatchResult:
         """One bounded ``put`` into the chain's first tier (it cascades down on its own)."""
@@ -616,8 +604,3 @@ class WorkerSide(RankWorker):
         store, self.store = self.store, None
         if store is not None:
             store.close()
-
-
-def _takes_verdicts(store: StorageChain) -> bool:
-    """Whether the chain's ``get`` gives per-page verdicts (``verdicts=``)."""
-    return "verdicts" in inspect.signature(type(store).get).parameters
