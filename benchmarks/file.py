@@ -1,26 +1,36 @@
-"""File backend vs what users compare it with: raw pwritev / preadv, 1 and N threads.
+"""File backend vs raw one-file-per-page I/O (1 and N threads) and the packed-file floor.
 
-    python benchmarks/file.py [--quick] [--reps R] [--dir PATH] [--sizes 8MiB,128KiB,16KiB]
+    python benchmarks/file.py [--quick] [--reps R] [--dir PATH] [--sizes 16KiB,2MiB]
 
-For 8 MiB, 128 KiB and 16 KiB pages (see ``_common.SIZES_FULL``; ``--quick`` uses fewer
-pages), through ``PageStore`` with full verification over a ``FileBackend`` with 4 I/O
-threads, batch by batch, interleaved in one run with the raw baselines (one JSON line
-each on stdout, a table on stderr; ``spread`` is the lowest and highest per-round ratio):
+For 16 KiB, 128 KiB, 2 MiB and 8 MiB pages (``_common.SIZES_FULL``; ``--quick`` uses
+fewer pages and 3 rounds), through ``PageStore`` with full verification over a
+``FileBackend`` with 4 I/O threads, batch by batch, interleaved in one run (the order
+rotates and alternates direction batch by batch) with three raw sides moving the same
+bytes between the same host-pool pages (``_common.page_path_suite``):
 
-- ``put ... new``: new pages (temp file, atomic rename) vs raw ``open(O_EXCL) + pwritev``
-  into new files in one thread (target 0.9) and on 4 threads (target 1.0);
-- ``get ... warm``: page cache warm, vs raw ``open + preadv`` in one thread (target 0.9)
-  and on 4 threads (target 1.0); ``... full vs header verify``: the same gets with
-  header-only verification (target 0.9: the payload checksum costs at most 10 %);
-- ``put ... overwrite``: replacing existing pages (still atomic) vs raw in-place
-  ``pwritev`` over the same file (target 0.8);
-- ``get ... cold``: every file written back and dropped from the page cache
-  (``posix_fadvise(DONTNEED)``) just before its batch is read, vs raw cold reads in one
-  thread (informational) and on 4 threads (target 1.0);
+- ``one file per page, 1 thread``: ``open + pwritev / preadv + close`` per page;
+- ``one file per page, 4 threads``: the same calls spread over 4 threads (LMCache's
+  local-disk pool; the backend's I/O threads);
+- ``packed file, one call per batch``: ``pwritev`` / ``preadv`` of a batch's pages back
+  to back in one pre-allocated file: the physical floor of packed pages.
+
+Cases (one JSON line per case and side on stdout, DESIGN.md's form, with ``spread``: the
+lowest and highest per-round ratio; a table on stderr):
+
+- ``put ... new``: new pages (temp file, atomic rename; the store and the raw files
+  emptied before each round, untimed; the floor writes into its pre-allocated file);
+- ``get ... warm``: page cache warm; ``... full vs header verify``: the same gets with
+  header-only verification (the payload checksum's cost);
+- ``get ... cold``: every file written back, then dropped from the page cache
+  (``posix_fadvise(DONTNEED)``) just before each side reads each batch;
+- ``put ... overwrite``: replacing existing pages (still atomic) vs raw writes in place;
 - ``exists 10000 keys``: the in-memory index vs one ``os.stat`` per key, ns per key.
 
-The 1-thread lines carry ``overhead_us_per_page``: kvtier's time per page beyond the raw
-system calls. Memory is allocated and touched once and reused by every round.
+Targets (goals, not gates; ``_common.target``): pages up to 128 KiB at least 1.0x both
+one-file-per-page sides on every case and 0.8x the floor; larger pages 0.9x one raw
+thread on puts and warm gets, 0.8x on overwrites, 1.0x raw on 4 threads; 8 MiB 0.9x the
+floor. The 1-thread lines carry ``overhead_us_per_page``: kvtier's time per page beyond
+the raw system calls. Memory is allocated and touched once and reused by every round.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import SIZES_FULL, SIZES_QUICK, page_path_suite
+from _common import page_path_suite, pick_sizes
 
 from kvtier.backends.file import FileConfig
 from kvtier.backends.file.backend import FileBackend
@@ -52,7 +62,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer pages, 3 rounds")
     parser.add_argument("--reps", type=int, default=None, help="timed rounds (default 5)")
     parser.add_argument("--dir", default=None, help="directory for the files (default: tmp)")
-    parser.add_argument("--sizes", default=None, help="page sizes, e.g. 128KiB,16KiB")
+    parser.add_argument("--sizes", default=None, help="page sizes, e.g. 16KiB,2MiB")
     parser.add_argument(
         "--threads", type=int, default=None, help="io_threads (default: the backend's)"
     )
@@ -63,10 +73,7 @@ def main() -> int:
     threads = args.threads or FileConfig().io_threads
     compiled_io = not args.python_loop
     reps = args.reps or (3 if args.quick else 5)
-    sizes = SIZES_QUICK if args.quick else SIZES_FULL
-    if args.sizes:
-        wanted = set(args.sizes.split(","))
-        sizes = tuple(s for s in sizes if s.label in wanted)
+    sizes = pick_sizes(args.quick, args.sizes)
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-file-", dir=args.dir))
     try:
 

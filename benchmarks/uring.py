@@ -1,18 +1,22 @@
-"""io_uring backend vs raw pwritev / preadv (1 and N threads) and vs the file backend.
+"""io_uring backend vs raw one-file-per-page I/O (1 and N threads), the packed-file floor
+and the file backend.
 
 Usage: ``python benchmarks/uring.py [--quick] [--root DIR] [--no-suite] [--no-sweep]``.
-One JSON object per line on stdout, a table on stderr. Two parts, both in one run:
+One JSON object per line on stdout (DESIGN.md's form, with ``spread``: the lowest and
+highest per-round ratio), a table on stderr. Two parts, both in one run:
 
-The page-path suite (``_common.page_path_suite``, the same cases as ``file.py``): 8 MiB,
-128 KiB and 16 KiB pages through ``PageStore`` with full verification over a
-``UringBackend`` at its default queue depth (32), against a raw loop in one thread and
-the same raw calls on 4 threads (LMCache's local-disk pool; the file backend's default
-I/O threads): new puts (targets 0.9 and 1.0), warm gets (0.9, 1.0; full vs header-only
-verification 0.9), overwrites vs raw in-place ``pwritev`` (0.8), cold gets (1.2 vs one
-raw thread, 1.0 vs four).
+The page-path suite (``_common.page_path_suite``, the same cases as ``file.py`` and
+``segments.py``): 16 KiB, 128 KiB, 2 MiB and 8 MiB pages through ``PageStore`` with full
+verification over a ``UringBackend`` at its default queue depth (32), against raw one
+file per page in one thread, the same raw calls on 4 threads (LMCache's local-disk pool;
+the file backend's default I/O threads) and ``pwritev`` / ``preadv`` of the same bytes
+into one pre-allocated file, one call per batch (the packed floor): new puts, warm gets
+(and full vs header-only verification), cold gets (page cache dropped) and overwrites
+(raw and floor in place). Targets as in ``_common.target``, and 1.2x one raw thread on
+cold gets (the ring keeps several reads in flight).
 
 Then the queue-depth sweep: for each page size (256 x 8 MiB, 4096 x 128 KiB; --quick uses
-fewer pages) and each queue depth (1, 8, 32) it times:
+fewer pages) and each queue depth (1, 8, 32; --quick 1 and 32) it times:
 
 - ``get ... cold``: the page cache of every page file is dropped before each repetition
   (``posix_fadvise(DONTNEED)`` per file, so other processes' caches are left alone);
@@ -25,7 +29,8 @@ The uring backend runs at queue depth q, the file backend with q I/O threads (it
 keeping q requests in flight), the raw loop one request at a time in this thread. All
 three move the same bytes between the same aligned host buffers and files, interleaved
 in each repetition (in an order rotated from one repetition to the next) after a warm-up
-round (an eighth of the pages), and the median of the repetitions is reported.
+round (an eighth of the pages); the median of the repetitions is reported, with the
+spread of the per-repetition ratios.
 """
 
 from __future__ import annotations
@@ -33,11 +38,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import json
 import mmap
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -45,7 +48,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from _common import SIZES_FULL, SIZES_QUICK, page_path_suite
+from _common import GB, emit, page_path_suite, pick_sizes
 
 from kvtier.backends.file import FileConfig
 from kvtier.backends.file.backend import FileBackend
@@ -130,27 +133,6 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def emit(case: str, ours: float, baseline: float, name: str, target: float | None) -> None:
-    ratio = ours / baseline if baseline else 0.0
-    line = {
-        "bench": "uring",
-        "case": case,
-        "ours": round(ours, 3),
-        "baseline": round(baseline, 3),
-        "baseline_name": name,
-        "unit": "GB/s",
-        "ratio": round(ratio, 3),
-        "target": target,
-    }
-    print(json.dumps(line), flush=True)
-    mark = "" if target is None else ("  ok" if ratio >= target else "  BELOW TARGET")
-    print(
-        f"{case:<44} {ours:8.2f} vs {baseline:8.2f} GB/s ({name}) x{ratio:.2f}{mark}",
-        file=sys.stderr,
-        flush=True,
-    )
-
-
 @contextlib.contextmanager
 def backends(root: Path, depth: int, direct: bool) -> Iterator[tuple[UringBackend, FileBackend]]:
     uring = UringBackend(
@@ -172,8 +154,8 @@ def measure(
     count: int,
     reps: int,
     after: Callable[[], Any] | None = None,
-) -> dict[str, float]:
-    """Median seconds per implementation; ``run[name](n)`` moves the first n pages.
+) -> dict[str, list[float]]:
+    """Seconds per repetition per implementation; ``run[name](n)`` moves the first n pages.
 
     One warm-up round moves an eighth of the pages; then ``reps`` rounds move all of them,
     the implementations interleaved within each round, and the order rotated from round
@@ -192,7 +174,7 @@ def measure(
                 after()
             if rep:
                 times[name].append(elapsed)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def bench_size(
@@ -214,7 +196,6 @@ def bench_size(
     raw_dir = root / "raw"
     raw_dir.mkdir(exist_ok=True, mode=0o700)
     raw_paths = [raw_dir / f"{label}-{i}" for i in range(count)]
-    gb = nbytes / 1e9
     small = payload <= 256 * KiB
     # Write the data set once for each reader, synced so it can be dropped from the cache.
     with backends(root, 32, False) as (uring, _file):
@@ -237,12 +218,12 @@ def bench_size(
                         drop_cache(raw_paths if name == "raw" else paths)
 
                 seconds = measure(run, cold, count, reps)
-            rates = {name: gb / s for name, s in seconds.items()}
+            rates = {name: [nbytes / s / GB for s in t] for name, t in seconds.items()}
             case = f"get {count}x{label} {mode} qd{depth}"
             target = 1.2 if small and depth >= 8 else 0.9
             threads = f"file backend ({min(depth, 64)} threads)"
-            emit(case, rates["uring"], rates["file"], threads, target)
-            emit(case, rates["uring"], rates["raw"], "os.preadv loop", None)
+            emit("uring", case, rates["uring"], rates["file"], threads, target)
+            emit("uring", case, rates["uring"], rates["raw"], "os.preadv loop", None)
     for mode in modes if "put" in ops else []:
         direct = mode == "o_direct"
         for depth in depths:
@@ -269,11 +250,11 @@ def bench_size(
                 # its own run and find the freed page cache warm, while the other finds
                 # written-back pages: on this VM that alone moved 8 MiB puts 0.2x-5x.
                 seconds = measure(run, fresh, count, reps, after=os.sync)
-            rates = {name: gb / s for name, s in seconds.items()}
+            rates = {name: [nbytes / s / GB for s in t] for name, t in seconds.items()}
             case = f"put {count}x{label} {'buffered' if mode == 'cold' else mode} qd{depth}"
             threads = f"file backend ({min(depth, 64)} threads)"
-            emit(case, rates["uring"], rates["file"], threads, 0.9)
-            emit(case, rates["uring"], rates["raw"], "os.pwritev loop", None)
+            emit("uring", case, rates["uring"], rates["file"], threads, 0.9)
+            emit("uring", case, rates["uring"], rates["raw"], "os.pwritev loop", None)
     shutil.rmtree(raw_dir)
 
 
@@ -286,11 +267,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="directory on the disk to measure (default: a temp dir)",
     )
-    parser.add_argument("--depths", default="1,8,32", help="queue depths, comma-separated")
+    parser.add_argument(
+        "--depths", default=None, help="queue depths, comma-separated (default 1,8,32; quick 1,32)"
+    )
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
     parser.add_argument("--ops", default="get,put", help="operations: get, put or both")
     parser.add_argument(
-        "--sizes", default="8MiB,128KiB,16KiB", help="page sizes (the sweep has no 16KiB)"
+        "--sizes",
+        default="16KiB,128KiB,2MiB,8MiB",
+        help="page sizes (the queue-depth sweep runs 128KiB and 8MiB only)",
     )
     parser.add_argument("--modes", default=None, help="cold (buffered), o_direct or both")
     parser.add_argument(
@@ -303,12 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(f"io_uring unavailable: {reason}", file=sys.stderr)
         return 2
-    depths = [int(d) for d in args.depths.split(",")]
+    depths = [int(d) for d in (args.depths or ("1,32" if args.quick else "1,8,32")).split(",")]
     parent = args.root or Path(tempfile.gettempdir())
     root = Path(tempfile.mkdtemp(prefix="kvtier-uring-bench-", dir=parent))
     os.chmod(root, 0o700)
     if args.quick:
-        sizes = [("8MiB", 24, 8 * MiB, 24), ("128KiB", 768, 128 * KiB, 768)]
+        sizes = [("8MiB", 16, 8 * MiB, 16), ("128KiB", 512, 128 * KiB, 512)]
         reps = args.reps or 2
         modes = ["cold"]
     else:
@@ -335,8 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if not args.no_suite:
-            suite_sizes = SIZES_QUICK if args.quick else SIZES_FULL
-            suite_sizes = tuple(s for s in suite_sizes if s.label in wanted)
+            suite_sizes = pick_sizes(args.quick, ",".join(sorted(wanted)))
 
             def make(store_root: Path) -> UringBackend:
                 return UringBackend(UringConfig(root=store_root, min_free_bytes=0))

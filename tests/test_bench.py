@@ -1,5 +1,6 @@
-"""``kvtier bench``: the single workload (the README's main job, on the file backend by
-default), the multiturn workload, and the simulated KV the latter verifies pages with."""
+"""``kvtier bench``: the single workload (the README's main job: the file backend with the
+segment store beside it by default), the multiturn workload, and the simulated KV the
+latter verifies pages with."""
 
 from __future__ import annotations
 
@@ -254,13 +255,13 @@ def test_bench_progress_off_a_terminal_is_plain_lines_at_a_modest_rate() -> None
 
 def test_bench_single_shows_progress_on_a_pipe_unless_asked_not_to() -> None:
     pipe = io.StringIO()
-    single.run_bench(bench_args("--no-raw"), progress_stream=pipe)
+    single.run_bench(bench_args("--backend", "file", "--no-raw"), progress_stream=pipe)
     lines = pipe.getvalue().splitlines()
     assert lines[0] == "kvtier bench: started, 24 page transfers to go"
     assert lines[-1].startswith("kvtier bench: finished, 24/24 page transfers in ")
     for quiet in (["--no-progress"], ["--json"]):  # --json keeps stderr quiet, as before
         pipe = io.StringIO()
-        single.run_bench(bench_args("--no-raw", *quiet), progress_stream=pipe)
+        single.run_bench(bench_args("--backend", "file", "--no-raw", *quiet), progress_stream=pipe)
         assert pipe.getvalue() == ""
 
 
@@ -273,3 +274,100 @@ def test_kvtier_bench_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["ok"] and out["backend"] == "file" and out["pages"] == 3
     assert main(["bench", "--backend", "fiel"]) == 2
     assert "did you mean 'file'" in capsys.readouterr().err
+
+
+# --- the main job: the file backend with the segment store beside it -----------------
+
+
+def test_the_main_job_runs_file_and_segment_side_by_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pipe = io.StringIO()
+    result = single.run_bench(
+        bench_args("--batch", "3", "--workdir", str(tmp_path)), progress_stream=pipe
+    )
+    out = result.to_dict()
+    # the first backend's object is what a one-backend run prints, the other beside it
+    assert out["backend"] == "file" and out["ok"] is True and out["failures"] == []
+    (segment,) = out["beside"]
+    assert segment["backend"] == "segment" and segment["ok"] is True
+    for run in (out, segment):
+        assert set(run["ratio"]) == set(run["ratio_threads"]) == {"put", "get"}
+        assert run["ratio"]["put"] > 0 and run["ratio_threads"]["get"] > 0
+        assert run["target"] == {"put": 0.9, "get": 0.9}  # both store local files
+        assert run["store_stats"]["hits"] == 12 and run["store_stats"]["invalid"] == 0
+        assert "beside" not in run or run is out
+    assert segment["backend_stats"]["write_calls"] == 4  # one record per batch put
+    assert "write_calls" not in out["backend_stats"]  # the file backend's own counters
+    report = result.report()
+    assert "kvtier bench: file backend" in report and "kvtier bench: segment backend" in report
+    assert report.count("verified: all 6 pages bit-exact") == 2
+    summary = report[report.index("side by side: file and segment") :].splitlines()
+    assert summary[1].split()[:3] == ["backend", "put", "GB/s"]
+    for name, run in (("file", out), ("segment", segment)):
+        (row,) = [line for line in summary if line.split()[:1] == [name]]
+        assert f"{run['ratio']['put']:.2f}x, {run['ratio']['get']:.2f}x" in row
+    lines = pipe.getvalue().splitlines()  # one progress line for both runs
+    assert lines[0] == "kvtier bench: started, 48 page transfers to go"
+    assert lines[-1].startswith("kvtier bench: finished, 48/48 page transfers in ")
+    assert list(tmp_path.iterdir()) == []  # both temporary roots and the raw files gone
+    # the command: the same object on stdout, readable by the scripts that read one
+    assert bench.run(bench_args("--json", "--no-progress", "--no-raw")) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["backend"] == "file" and printed["beside"][0]["backend"] == "segment"
+    assert "ratio" not in printed and printed["ok"] is True
+
+
+def test_backends_listed_run_in_order_and_one_alone_has_nothing_beside() -> None:
+    result = single.run_bench(bench_args("--backend", "segment,memory", "--no-raw"))
+    assert [result.name, *(b.name for b in result.beside)] == ["segment", "memory"]
+    alone = single.run_bench(bench_args("--backend", "memory", "--no-raw")).to_dict()
+    assert "beside" not in alone and alone["backend"] == "memory"
+
+
+def test_ok_covers_every_backend_and_the_summary_flags_the_one_that_failed() -> None:
+    good = single.run_bench(bench_args("--backend", "memory"))
+    # room for no page: every put fails
+    failed = single.run_bench(
+        bench_args("--backend", "memory", "--extra-config", '{"capacity_bytes": 1024}')
+    )
+    assert good.ok and not failed.ok
+    good.beside = [failed]
+    out = good.to_dict()
+    assert out["ok"] is False and out["failures"] == [] and out["beside"][0]["ok"] is False
+    assert out["beside"][0]["ratio"]["put"] is None
+    report = good.report()
+    assert "kvtier bench: FAILED: " in report  # the failed run's table says so first
+    summary = report[report.index("side by side: ") :].splitlines()
+    assert [line.endswith("FAILED") for line in summary[2:4]] == [False, True]
+    assert "n/a, n/a" in summary[3]
+
+
+def test_a_chain_of_tiers_from_config_is_benchmarked_through_the_chain(tmp_path: Path) -> None:
+    # the eviction policy is looked up in the registry's policies (a plan resolved
+    # without them refuses every policy name)
+    chain = {
+        "tiers": [
+            {"backend": "memory", "extra_config": {"capacity_bytes": "1MiB"}},
+            {"backend": "segment", "eviction": "lru"},
+        ]
+    }
+    args = bench_args("--config", json.dumps(chain), "--workdir", str(tmp_path), "--batch", "3")
+    result = single.run_bench(args)
+    out = result.to_dict()
+    assert out["ok"] is True and out["tiers"] == ["memory", "segment"]
+    assert out["backend"] == "memory" and out["target"] == {"put": None, "get": None}
+    assert out["store_stats"]["hits"] == 12  # every get answered by the first tier
+    # write-through: every round's pages cascaded into the segment tier, one record a batch
+    assert out["backend_stats"]["tier1.puts"] == 12
+    assert out["backend_stats"]["tier1.write_calls"] == 4
+    assert result.report().startswith("kvtier bench: chain memory -> segment, io ")
+    assert list(tmp_path.iterdir()) == []  # the segment tier's temporary root is gone
+
+
+def test_multiturn_takes_a_chain_from_config_too() -> None:
+    chain = {"tiers": [{"backend": "memory"}, {"backend": "segment"}]}
+    args = parse([*SMALL[2:], "--workload", "multiturn", "--config", json.dumps(chain)])
+    args.no_progress = True
+    result = bench_multiturn.run_multiturn(args, registry=cache_registry())
+    assert result.ok and result.to_dict()["plan"]["backend"] == "memory"

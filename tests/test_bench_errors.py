@@ -150,6 +150,27 @@ def test_workdir_that_cannot_hold_the_files(
         (["--batch", "3"], "--batch: 3 pages per call is more than a round has (--pages 2)"),
         (["--seed", str(2**70)], "--seed: must be an integer from 0 to 2**62 - 1"),
         (["--seed", "-1"], "--seed: must be an integer from 0 to 2**62 - 1, got -1"),
+        # several backends (the default is file,segment) and --config
+        (["--extra-config", '{"root": "/tmp/kv"}'], "'root' would be shared by 2 backends"),
+        (["--extra-config", '{"fsync": "page"}'], "--extra-config[segment].fsync: Input"),
+        (["--backend", "file,,segment"], "--backend: 'file,,segment' has an empty name"),
+        (["--backend", "segment,file,segment"], "--backend: 'segment' is listed twice"),
+        (["--backend", "file,segmnet"], "unknown backend 'segmnet' (did you mean 'segment'?)"),
+        (["--config", '{"layout": "page_first"}'], "--config.layout: is set with --layout"),
+        (["--config", '{"tenats": {}}'], "unknown key 'tenats' in --config (did you mean"),
+        (["--config", "[1]"], "--config"),
+        (
+            ["--backend", "file", "--config", '{"tiers": [{"backend": "memory"}]}'],
+            "--backend: give either --backend / --extra-config or 'tiers' in --config",
+        ),
+        (
+            ["--config", '{"tiers": [{"backend": "memory"}, {"backend": "file", "wirte": "b"}]}'],
+            "unknown key 'wirte' in tiers[1] (did you mean 'write'?)",
+        ),
+        (
+            ["--config", '{"tiers": [{"backend": "segment", "eviction": "lur"}]}'],
+            "unknown eviction policy 'lur' (did you mean 'lru'?)",
+        ),
     ],
 )
 def test_bad_single_options(
@@ -186,6 +207,7 @@ def test_bad_multiturn_options(
         ([*SINGLE, "--write-policy", "write_back"], "add --workload multiturn, or drop"),
         ([*MULTI, "--pages", "8"], "--pages: is an option of the single workload, but this run"),
         ([*MULTI, "--no-raw"], "--no-raw: is an option of the single workload"),
+        ([*MULTI, "--backend", "file,segment"], "the multiturn workload runs one backend"),
     ],
 )
 def test_an_option_of_the_other_workload_is_not_silently_ignored(

@@ -27,7 +27,7 @@ def _row(report: str, label: str) -> str:
 
 
 def test_columns_say_what_one_call_moves() -> None:
-    result = single.run_bench(bench_args("--batch", "2"))
+    result = single.run_bench(bench_args("--backend", "file", "--batch", "2"))
     report = result.report()
     assert "one call moves" in _row(report, "path")
     assert _row(report, "device -> host (backup)").endswith("6 pages (a whole round)")
@@ -44,7 +44,9 @@ def test_columns_say_what_one_call_moves() -> None:
 @pytest.mark.parametrize("verify", ["full", "header"])
 def test_a_local_disk_backend_prints_its_targets(verify: str) -> None:
     # the checksum is computed as the bytes land, so full verification has the same target
-    result = single.run_bench(bench_args("--verify", verify, "--raw-threads", "3"))
+    result = single.run_bench(
+        bench_args("--backend", "file", "--verify", verify, "--raw-threads", "3")
+    )
     out = result.to_dict()
     report = result.report()
     assert out["target"] == {"put": 0.9, "get": 0.9}

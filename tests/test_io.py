@@ -616,3 +616,149 @@ def test_factories_take_validated_config() -> None:
 def test_docs_carry_the_generated_capability_table() -> None:
     doc = Path(__file__).resolve().parents[1] / "docs" / "data-plane.md"
     assert capability_table(SPECS) in doc.read_text(encoding="utf-8")
+
+
+# --- runs of consecutive pages: one strided copy (kernel) or one gather (direct) --------
+
+
+class InterleavedDevicePool:
+    """K and V of a slot side by side in one ``[layers, slots, kv, heads, dim]`` tensor:
+    every buffer strided, the layers still views of one storage (they stack)."""
+
+    def __init__(self, geometry: KVGeometry, num_slots: int, gen: torch.Generator) -> None:
+        self.geometry, self.num_slots, self.device = geometry, num_slots, torch.device("cpu")
+        g = geometry
+        shape = (g.num_layers, num_slots, g.kv_count, g.num_kv_heads, g.head_dim * g.itemsize)
+        self.memory = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+        self.kv = [self.memory[:, :, kv].view(g.dtype) for kv in range(g.kv_count)]
+
+    def k_buffer(self, layer: int) -> torch.Tensor:
+        return self.kv[0][layer]
+
+    def v_buffer(self, layer: int) -> torch.Tensor:
+        return self.kv[1][layer]
+
+    def latent_buffer(self, layer: int) -> torch.Tensor:
+        return self.kv[0][layer]
+
+
+def _pool(kind: str, g: KVGeometry, gen: torch.Generator) -> Any:
+    if kind == "stacked":
+        return TorchDevicePool(g, NUM_SLOTS).fill_random_(gen)
+    if kind == "interleaved":
+        return InterleavedDevicePool(g, NUM_SLOTS, gen)
+    return ListDevicePool(g, NUM_SLOTS, gen)  # one tensor per layer: nothing to stack
+
+
+#: (host pages, device slots) in runs: a whole aligned run, a run starting mid-page (the
+#: kernel's slots need not be page-aligned), two runs with a gap between them.
+RUNS = {
+    "aligned": ([1, 2, 3], list(range(8, 20))),
+    "mid-page": ([2, 3], list(range(5, 13))),
+    "two-runs": ([0, 1, 4, 5], [*range(3, 11), *range(24, 32)]),
+}
+
+
+@pytest.mark.parametrize("runs", list(RUNS))
+@pytest.mark.parametrize("pool", ["stacked", "interleaved", "per-layer"])
+@pytest.mark.parametrize(
+    ("layout", "attention"),
+    [(lay, att) for att in AttentionKind for lay in layouts_for(att)],
+    ids=lambda v: v.value,
+)
+def test_kernel_runs_of_consecutive_slots_round_trip_bit_exactly(
+    layout: Layout, attention: AttentionKind, pool: str, runs: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the path kvtier bench and most engine loads take: consecutive host pages whose
+    # slots are one ascending range move as one strided copy per kv (and layer view)
+    from kvtier.core import io as io_module
+
+    starts: list[int | None] = []
+    real = io_module._slot_range
+    monkeypatch.setattr(
+        io_module, "_slot_range", lambda rows: starts.append(real(rows)) or real(rows)
+    )
+    g = make_geometry(attention, "bfloat16")
+    io = build(KERNEL_SPEC, g, layout)
+    gen = torch.Generator().manual_seed(5)
+    pages, slot_list = RUNS[runs]
+    slots = torch.tensor(slot_list)
+    other = torch.tensor([s + 1 if runs == "aligned" else s + 4 for s in slot_list])  # elsewhere
+    source, target = _pool(pool, g, gen), _pool(pool, g, gen)
+    before = [
+        raw(t).clone()
+        for t in (
+            layer_buffers(target, lay)[kv]
+            for lay in range(g.num_layers)
+            for kv in range(g.kv_count)
+        )
+    ]
+    host = HostPool(g, layout, num_pages=NUM_PAGES)
+    zero_host(host)
+    io.backup(source, host, slots, pages)
+    for kv in range(g.kv_count):  # the host holds the slots' bytes, in the layout's order
+        assert torch.equal(host_tokens(host, kv, pages), device_tokens(source, kv, slots))
+    io.load(host, target, pages, other)
+    for kv in range(g.kv_count):
+        assert torch.equal(device_tokens(target, kv, other), device_tokens(source, kv, slots))
+    untouched = torch.tensor([s for s in range(NUM_SLOTS) if s not in set(other.tolist())])
+    for i, (lay, kv) in enumerate(
+        (lay, kv) for lay in range(g.num_layers) for kv in range(g.kv_count)
+    ):
+        now = raw(layer_buffers(target, lay)[kv])
+        assert torch.equal(now[untouched], before[i][untouched])  # nothing else written
+    # per layer, in reverse, into a fresh host pool: the same bytes
+    host2 = HostPool(g, layout, num_pages=NUM_PAGES)
+    for layer in reversed(range(g.num_layers)):
+        io.backup(source, host2, slots, pages, layer=layer)
+    for page in pages:
+        for e1, e2 in zip(host.extents(page), host2.extents(page), strict=True):
+            assert bytes(e1.view) == bytes(e2.view)
+    assert starts and all(start is not None for start in starts)  # every run was a range
+
+
+@pytest.mark.parametrize("device_pages", [[7, 2, 5, 0], [3, 4, 9, 8]], ids=["shuffled", "two-runs"])
+@pytest.mark.parametrize(
+    ("layout", "attention"),
+    [(lay, att) for att in AttentionKind for lay in layouts_for(att)],
+    ids=lambda v: v.value,
+)
+def test_direct_gathers_scattered_device_pages_bit_exactly(
+    layout: Layout,
+    attention: AttentionKind,
+    device_pages: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # consecutive host pages from device pages in block-table order: on a CPU pool one
+    # gather / index_copy_ per kv (but for page_head, whose rows are one head's dim values)
+    g = make_geometry(attention, "float16")
+    ps = g.page_size
+    io = build(DIRECT_SPEC, g, layout)
+    gen = torch.Generator().manual_seed(9)
+    source = TorchDevicePool(g, NUM_SLOTS).fill_random_(gen)
+    target = TorchDevicePool(g, NUM_SLOTS)
+    host = HostPool(g, layout, num_pages=NUM_PAGES)
+    pages = [1, 2, 3, 4]
+    slots = (torch.tensor(device_pages)[:, None] * ps + torch.arange(ps)).reshape(-1)
+    scatters: list[int] = []
+    real = torch.Tensor.index_copy_
+    monkeypatch.setattr(
+        torch.Tensor, "index_copy_", lambda self, *a: scatters.append(1) or real(self, *a)
+    )
+    for layer in (None, 1):
+        scatters.clear()
+        zero_host(host)
+        for t in target.kv_tensors:
+            raw(t).zero_()
+        io.backup(source, host, slots, pages, layer=layer)
+        io.load(host, target, pages, slots, layer=layer)
+        layers = list(range(g.num_layers)) if layer is None else [layer]
+        for kv in range(g.kv_count):
+            want = device_tokens(source, kv, slots)[:, :, layers]
+            assert torch.equal(host_tokens(host, kv, pages)[:, :, layers], want)
+            assert torch.equal(device_tokens(target, kv, slots)[:, :, layers], want)
+            rest = [s for s in range(NUM_SLOTS) if s not in set(slots.tolist())]
+            assert not raw(target.kv_tensors[kv])[:, rest].any()
+        # one op where the host keeps each slot's heads x dim row whole, as the device
+        # does; page_head's rows are one head's dim values: a copy per page
+        assert bool(scatters) is (layout is not Layout.PAGE_HEAD)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import subprocess
 import sys
@@ -27,12 +28,14 @@ from kvtier.testing import (
     FaultyBackend,
     InjectedFault,
     IntegrityTests,
+    KillMidWriteTests,
     KitEnv,
     PersistenceTests,
     RoundTripTests,
     SharedProcessesTests,
     faults,
 )
+from kvtier.testing.kit.harness import load_kit_registry
 
 
 def env_for(
@@ -251,3 +254,128 @@ def test_faulty_errors_and_delays(monkeypatch: pytest.MonkeyPatch) -> None:
     slow.put(["a"], [page(1)])
     slow.get(["a"], [page(0)])
     assert slept == [0.25, 0.25]
+
+
+# --- kill mid-write -------------------------------------------------------------------
+
+#: A plugin module (written out for the child process to import by name): a backend that
+#: overwrites each page's file in place, region by region, so a writer killed between two
+#: regions leaves a page whose header looks whole over a mix of old and new bytes.
+IN_PLACE_PLUGIN = """
+import os
+import time
+
+from pydantic import BaseModel, ConfigDict
+
+from kvtier import hookimpl
+from kvtier.core.specs import ALL_ATTENTION, ALL_LAYOUTS, ALL_OPERATIONS, BackendSpec, Feature
+from kvtier.core.storage import StorageBackend
+
+
+class InPlaceConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    root: str
+
+
+class InPlaceBackend(StorageBackend):
+    def __init__(self, config, context=None):
+        self.root = config.root
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+
+    def _path(self, key):
+        return os.path.join(self.root, key)
+
+    def exists(self, keys):
+        return [os.path.exists(self._path(k)) for k in keys]
+
+    def get(self, keys, pages):
+        out = []
+        for key, page in zip(keys, pages):
+            try:
+                fd = os.open(self._path(key), os.O_RDONLY)
+            except FileNotFoundError:
+                out.append(False)
+                continue
+            try:
+                want = sum(e.length for e in page)
+                out.append(os.preadv(fd, [e.view for e in page], 0) == want)
+            finally:
+                os.close(fd)
+        return out
+
+    def put(self, keys, pages):
+        for key, page in zip(keys, pages):
+            fd = os.open(self._path(key), os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                offset = 0
+                for extent in page:  # in place, one region at a time: not atomic
+                    os.pwrite(fd, extent.view, offset)
+                    offset += extent.length
+                    time.sleep(0.002)
+            finally:
+                os.close(fd)
+        return [True] * len(keys)
+
+    def delete(self, keys):
+        done = []
+        for key in keys:
+            try:
+                os.unlink(self._path(key))
+                done.append(True)
+            except FileNotFoundError:
+                done.append(False)
+        return done
+
+    def clear(self):
+        for name in os.listdir(self.root):
+            os.unlink(os.path.join(self.root, name))
+
+
+@hookimpl
+def kvtier_register_backends(register):
+    register(
+        BackendSpec(
+            name="in_place",
+            factory=InPlaceBackend,
+            config_model=InPlaceConfig,
+            layouts=ALL_LAYOUTS,
+            attention=ALL_ATTENTION,
+            operations=ALL_OPERATIONS,
+            features=frozenset({Feature.PERSISTENT, Feature.SHARED_PROCESSES}),
+        )
+    )
+"""
+
+
+def test_kit_fails_a_backend_a_killed_writer_leaves_torn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, closing: list[KitEnv]
+) -> None:
+    # the child process imports the plugin by name, as it imports a real one
+    (tmp_path / "kit_in_place_plugin.py").write_text(IN_PLACE_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path))
+    plugin = importlib.import_module("kit_in_place_plugin")
+    registry = load_kit_registry([("in-place", plugin)])
+    store = tmp_path / "store"
+    env = KitEnv(
+        registry.backend("in_place"),
+        {"root": str(store)},
+        [("in-place", plugin)],
+        tmp_path,
+        registry.io_backends,
+    )
+    closing.append(env)
+    with pytest.raises(AssertionError, match="torn pages after a writer was killed mid-put"):
+        KillMidWriteTests().test_kit_writer_killed_mid_put_leaves_whole_pages_or_misses(env)
+
+
+def test_kit_kill_mid_write_needs_both_features(tmp_path: Path, closing: list[KitEnv]) -> None:
+    for features, missing in (
+        (frozenset(), "persistent"),
+        (frozenset({Feature.PERSISTENT}), "shared_processes"),
+    ):
+        env = env_for(tmp_path, MemoryBackend, features)
+        closing.append(env)
+        with pytest.raises(pytest.skip.Exception, match=missing):
+            KillMidWriteTests().test_kit_writer_killed_mid_put_leaves_whole_pages_or_misses(env)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from sglang_host_pool import (
 from sglang_host_pool import mha_host_pool as MHAHostPool
 from sglang_host_pool import mla_host_pool as MLAHostPool
 
+from kvtier.backends.segment import SegmentConfig
 from kvtier.core.errors import (
     BackendUnavailableError,
     ExtraConfigSyntaxError,
@@ -55,7 +57,10 @@ hs = sglang_or_skip()
 
 from kvtier.integrations.sglang import KvtierHiCacheStorage  # noqa: E402
 
-BACKENDS = ["memory", "file", "uring"]
+#: The built-in backends SGLang's real controller drives here (Mooncake: test_sglang_zero_copy).
+BACKENDS = ["memory", "file", "uring", "segment"]
+#: The ones that keep pages on a root other instances and processes share.
+SHARED_ROOT = ("file", "uring", "segment")
 
 
 def _uring_or_skip() -> None:
@@ -67,7 +72,7 @@ def _uring_or_skip() -> None:
 def extra_config(backend: str, root: Path | None, **section: Any) -> dict[str, Any]:
     """SGLang's extra-config dict for kvtier, as its controller hands it to the loader."""
     options: dict[str, Any] = {}
-    if backend in ("file", "uring"):
+    if backend in SHARED_ROOT:
         assert root is not None
         options["root"] = str(root)
     kvtier = {"backend": backend, "extra_config": options, **section}
@@ -127,9 +132,44 @@ def _hashes(count: int, page_size: int, salt: int = 0) -> Chain:
     return page_hashes(list(range(salt, salt + count * page_size)), page_size)
 
 
+@dataclass(frozen=True)
+class SegmentPage:
+    """Where one page lies in a segment file: its stored bytes (envelope slot, payload)."""
+
+    path: Path
+    offset: int
+    length: int
+
+
+def _segment_pages(root: Path) -> list[SegmentPage]:
+    """Every live page of the segment files under ``root``, from their record headers."""
+    from kvtier.backends.segment import format as fmt
+
+    pages = []
+    for path in sorted(root.rglob("*.seg")):
+        data = path.read_bytes()
+        found = fmt.parse_segment_header(data[: fmt.SEGMENT_HEADER_BYTES])
+        assert found is not None, path
+        offset = fmt.SEGMENT_HEADER_BYTES
+        while offset < len(data):
+            record, _ = fmt.parse_record(data[offset:], offset, found[0])
+            if record is None:
+                break
+            at = offset + record.header_bytes
+            for entry in record.entries:
+                if entry.live:
+                    pages.append(SegmentPage(path, at, entry.length))
+                at += entry.length
+            offset = record.end
+    return pages
+
+
 def _stored_pages(storage: KvtierHiCacheStorage) -> Callable[[], list[Any]]:
-    """Where the backend keeps its page objects (files, or the memory backend's buffers)."""
+    """Where the backend keeps its page objects (files, pages in segment files, or the
+    memory backend's buffers)."""
     backend = storage._require().store.backend
+    if isinstance(getattr(backend, "config", None), SegmentConfig):
+        return lambda: _segment_pages(Path(backend.config.root))
     if hasattr(backend, "store"):
         return lambda: sorted(Path(backend.store).rglob("*.kv"))
     return lambda: list(backend._pages.values())
@@ -280,7 +320,19 @@ def test_corrupt_page_reads_as_a_miss(backend: str, damage: str, attach: Any) ->
     assert storage.batch_set_v1(hashes[1:2], indices[ps : 2 * ps]) == [True]
     (victim,) = _stored_pages(storage)()
     assert storage.batch_set_v1(hashes[::2], torch.cat([indices[:ps], indices[2 * ps :]]))
-    if isinstance(victim, Path):
+    if isinstance(victim, SegmentPage):
+        # a segment file cannot be cut short without cutting every page after this one,
+        # so "truncate" loses the page's last bytes as a torn append leaves them: zeros
+        with open(victim.path, "r+b") as f:
+            if damage == "flip":
+                f.seek(victim.offset + victim.length // 2)
+                byte = f.read(1)[0]
+                f.seek(victim.offset + victim.length // 2)
+                f.write(bytes([byte ^ 0x40]))
+            else:
+                f.seek(victim.offset + victim.length - 100)
+                f.write(bytes(100))
+    elif isinstance(victim, Path):
         raw = bytearray(victim.read_bytes())
         raw = raw[: len(raw) - 100] if damage == "truncate" else raw
         if damage == "flip":
@@ -464,7 +516,7 @@ def test_what_reaches_the_storage_of_a_request(
         assert info.extra_info is None and info.prefix_keys is None
 
 
-@pytest.mark.parametrize("backend", ["file", "uring"])
+@pytest.mark.parametrize("backend", SHARED_ROOT)
 def test_kvtier_tenants_never_share_a_page(backend: str, attach: Any, tmp_path: Path) -> None:
     """``kvtier.tenant`` keys every page of a server: two servers on one store with the same
     SGLang hashes (same tokens, no salt) each read only their own bytes."""
@@ -697,7 +749,7 @@ def _heads_of(pool: Any, page_start: int, first: int, count: int) -> torch.Tenso
     return page.contiguous().view(torch.uint8).flatten().clone()
 
 
-@pytest.mark.parametrize("backend", ["file", "uring"])
+@pytest.mark.parametrize("backend", SHARED_ROOT)
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["v1", "generic"])
 def test_heterogeneous_tp_instances_share_pages(
     backend: str, zero_copy: bool, attach: Any, tmp_path: Path

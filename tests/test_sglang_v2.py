@@ -36,6 +36,7 @@ from sglang_host_pool import mamba_host_pool as MambaHostPool
 from sglang_host_pool import mha_host_pool as MHAHostPool
 from sglang_host_pool import mla_host_pool as MLAHostPool
 
+from kvtier.backends.segment import SegmentConfig
 from kvtier.core.errors import StorageError, UnsupportedCombinationError
 from kvtier.testing import require
 from kvtier.testing.mooncake import MooncakeMaster, mooncake_unavailable_reason, use_client_env
@@ -55,7 +56,7 @@ def _uring_or_skip() -> None:
     require("uring", URING_SPEC.unavailable_reason())
 
 
-@pytest.fixture(params=["memory", "file", "uring"])
+@pytest.fixture(params=["memory", "file", "uring", "segment"])
 def backend(request: pytest.FixtureRequest) -> str:
     if request.param == "uring":
         _uring_or_skip()
@@ -89,7 +90,7 @@ class Hybrid:
         **config: Any,
     ) -> None:
         if options is None:
-            options = {"root": str(root)} if backend in ("file", "uring") else {}
+            options = {"root": str(root)} if backend in ("file", "uring", "segment") else {}
         extra = {
             "backend_name": "kvtier",
             "module_path": MODULE_PATH,
@@ -179,11 +180,35 @@ def _file_of(h: Hybrid, pool: str, key: str) -> Any:
         else h.storage._pool(pool).keys([key])[0]
     )
     backend = store.backend
+    if isinstance(getattr(backend, "config", None), SegmentConfig):
+        return _segment_page(Path(backend.config.root), name)
     if hasattr(backend, "store"):
         from kvtier.backends.filestore.paths import page_path
 
         return page_path(Path(backend.store), name)
     return backend._pages, name
+
+
+def _segment_page(root: Path, key: str) -> tuple[Path, int, int]:
+    """(segment file, offset, length) of ``key``'s live page, from the record headers."""
+    from kvtier.backends.segment import format as fmt
+
+    for path in sorted(root.rglob("*.seg")):
+        data = path.read_bytes()
+        found = fmt.parse_segment_header(data[: fmt.SEGMENT_HEADER_BYTES])
+        assert found is not None, path
+        offset = fmt.SEGMENT_HEADER_BYTES
+        while offset < len(data):
+            record, _ = fmt.parse_record(data[offset:], offset, found[0])
+            if record is None:
+                break
+            at = offset + record.header_bytes
+            for entry in record.entries:
+                if entry.live and entry.key == key:
+                    return path, at, entry.length
+                at += entry.length
+            offset = record.end
+    raise AssertionError(f"no live page of {key} under {root}")
 
 
 def _flip(h: Hybrid, pool: str, key: str) -> None:
@@ -192,12 +217,19 @@ def _flip(h: Hybrid, pool: str, key: str) -> None:
         raw = bytearray(where.read_bytes())
         raw[len(raw) - 7] ^= 0x10
         where.write_bytes(bytes(raw))
+    elif isinstance(where[0], Path):  # a page inside a segment file
+        path, offset, length = where
+        with open(path, "r+b") as f:
+            f.seek(offset + length - 7)
+            byte = f.read(1)[0]
+            f.seek(offset + length - 7)
+            f.write(bytes([byte ^ 0x10]))
     else:
         pages, name = where
         pages[name][len(pages[name]) - 7] ^= 0x10
 
 
-@pytest.fixture(params=["memory", "file", "uring", "mooncake"])
+@pytest.fixture(params=["memory", "file", "uring", "segment", "mooncake"])
 def any_backend(request: pytest.FixtureRequest) -> dict[str, Any]:
     """A backend name and its options (Mooncake: the master on loopback)."""
     if request.param == "uring":

@@ -40,7 +40,7 @@ from kvtier.testing.mooncake import MooncakeMaster, mooncake_unavailable_reason,
 
 sglang_or_skip()
 
-ALL_BACKENDS = ["memory", "file", "uring", "mooncake"]
+ALL_BACKENDS = ["memory", "file", "uring", "segment", "mooncake"]
 
 
 def _require(name: str) -> None:
@@ -65,7 +65,7 @@ def mooncake_master() -> Iterator[MooncakeMaster]:
 
 
 def _options(name: str, request: pytest.FixtureRequest, root: Path) -> dict[str, Any]:
-    if name in ("file", "uring"):
+    if name in ("file", "uring", "segment"):
         return {"root": str(root)}
     if name == "mooncake":
         master = request.getfixturevalue("mooncake_master")

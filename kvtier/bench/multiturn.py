@@ -34,7 +34,15 @@ from kvtier.bench.checks import (
     make_workdir,
     resolve_device,
 )
-from kvtier.bench.options import GB, check_workload_options, engine_config, temporary_root
+from kvtier.bench.options import (
+    GB,
+    backend_names,
+    chain_options,
+    check_workload_options,
+    engine_config,
+    temporary_root,
+    temporary_tier_roots,
+)
 from kvtier.bench.progress import Progress
 from kvtier.cache import TieredCache
 from kvtier.core.capabilities import resolve
@@ -242,8 +250,20 @@ def run_multiturn(
     extra = parse_extra_config(args.extra_config, source="--extra-config")
     workdir = make_workdir(args.workdir, "kvtier-multiturn-")
     try:
-        extra = temporary_root(registry, args.backend, extra, workdir)
-        config = engine_config(args, extra, model="kvtier-bench-multiturn", host_pages=host_pages)
+        chain = chain_options(args)
+        names = backend_names(args, "multiturn", chain)
+        if names:
+            extra = temporary_root(registry, names[0], extra, workdir)
+        else:
+            chain, _ = temporary_tier_roots(registry, chain, workdir)
+        config = engine_config(
+            args,
+            extra,
+            backend=names[0] if names else None,
+            chain=chain,
+            model="kvtier-bench-multiturn",
+            host_pages=host_pages,
+        )
         geometry = config.geometry()
         resolved = resolve(
             config, registry.backends, registry.io_backends, policies=registry.policies

@@ -11,26 +11,56 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtier.core.config import EngineConfig, load_engine_config
-from kvtier.core.errors import InvalidFieldError
+from kvtier.core.config import DEFAULT_BACKEND, EngineConfig, load_engine_config
+from kvtier.core.errors import InvalidFieldError, UnknownKeyError
+from kvtier.core.extra_config import parse_extra_config
 from kvtier.core.geometry import AttentionKind
 
 if TYPE_CHECKING:
     from kvtier.plugins.registry import Registry
 
 __all__ = [
+    "CONFIG_FIELDS",
+    "DEFAULT_BACKENDS",
     "GB",
     "GEOMETRY_DEFAULTS",
     "WORKLOAD_OPTIONS",
     "add_common_arguments",
+    "backend_names",
+    "chain_options",
     "check_workload_options",
     "engine_config",
     "remember_defaults",
     "temporary_root",
+    "temporary_tier_roots",
 ]
 
 #: Bytes in a GB as reported (decimal, like disk vendors and `dd`).
 GB = 1e9
+#: The backends each workload runs when --backend is not given: the single workload (the
+#: README's main job) runs the file backend and the segment store beside it.
+DEFAULT_BACKENDS: dict[str, tuple[str, ...]] = {
+    "single": ("file", "segment"),
+    "multiturn": (DEFAULT_BACKEND,),
+}
+#: The engine-config fields ``--config`` takes (every other one has a flag).
+CONFIG_FIELDS = ("tiers", "tenants")
+#: The flag that sets each engine-config field, to say so when --config names one.
+_FLAG_OF = {
+    "backend": "--backend",
+    "extra_config": "--extra-config",
+    "io_backend": "--io-backend",
+    "layout": "--layout",
+    "attention": "--attention",
+    "dtype": "--dtype",
+    "page_size": "--page-size",
+    "verify": "--verify",
+    "num_layers": "--num-layers",
+    "num_kv_heads": "--num-kv-heads",
+    "head_dim": "--head-dim",
+    "kv_lora_rank": "--kv-lora-rank",
+    "qk_rope_head_dim": "--qk-rope-head-dim",
+}
 #: The bench's default geometry per attention kind: an 8B-class model, 8 MiB pages.
 GEOMETRY_DEFAULTS: dict[AttentionKind, dict[str, int]] = {
     AttentionKind.MHA: {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128},
@@ -42,15 +72,30 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """The storage, transfer-plan, geometry and run options of every workload."""
     store = parser.add_argument_group("storage")
     store.add_argument(
-        "--backend", default="file", help="storage backend (see `kvtier backends`); default file"
+        "--backend",
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="storage backend(s) (see `kvtier backends`); several, comma-separated, run one "
+        "after the other on the same pages and are reported side by side (single workload). "
+        "Default: file,segment for the single workload (the file backend with the segment "
+        "store beside it), file for multiturn",
     )
     store.add_argument(
         "--extra-config",
         default=None,
         metavar="JSON|@FILE",
-        help="the backend's options as a JSON object or @file.json/@file.toml; for backends "
-        "with a 'root' option (file, uring) it defaults to a temporary directory removed "
-        "afterwards",
+        help="the backend's options as a JSON object or @file.json/@file.toml (with several "
+        "backends, each gets them and checks them); for backends with a 'root' option (file, "
+        "uring, segment) it defaults to a temporary directory removed afterwards",
+    )
+    store.add_argument(
+        "--config",
+        default=None,
+        metavar="JSON|@FILE",
+        help="engine-config fields the flags do not cover, as a JSON object or "
+        "@file.json/@file.toml: 'tiers' (a chain of storage tiers, fastest first, instead "
+        "of --backend/--extra-config; a tier with a 'root' option and none given gets a "
+        "temporary one) and 'tenants' (per-tenant quotas); see docs/tiers.md",
     )
     store.add_argument(
         "--verify",
@@ -160,14 +205,95 @@ def check_workload_options(args: argparse.Namespace, workload: str) -> None:
                 )
 
 
+def chain_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``tiers`` / ``tenants`` that ``--config`` gives (empty without it), checked.
+
+    Only :data:`CONFIG_FIELDS` are taken; a field a flag sets is refused naming the flag,
+    and ``tiers`` beside an explicit ``--backend`` or ``--extra-config`` is refused (each
+    tier names its own backend and options). The values themselves are validated with the
+    rest of the engine config, by :func:`engine_config`.
+    """
+    text = getattr(args, "config", None)
+    if text is None:
+        return {}
+    data = parse_extra_config(text, source="--config")
+    for name in data:
+        if name in CONFIG_FIELDS:
+            continue
+        flag = _FLAG_OF.get(name)
+        if flag is None:
+            raise UnknownKeyError(name, where="--config", allowed=CONFIG_FIELDS)
+        raise InvalidFieldError(
+            f"--config.{name}",
+            f"is set with {flag}, not in --config; --config takes {', '.join(CONFIG_FIELDS)}",
+            value=data[name],
+        )
+    if "tiers" in data:
+        for flag, dest in (("--backend", "backend"), ("--extra-config", "extra_config")):
+            if getattr(args, dest, None) is not None:
+                raise InvalidFieldError(
+                    flag,
+                    "give either --backend / --extra-config or 'tiers' in --config, not both: "
+                    f"each tier names its backend and options; drop {flag}",
+                    value=getattr(args, dest),
+                )
+    return data
+
+
+def backend_names(args: argparse.Namespace, workload: str, chain: dict[str, Any]) -> list[str]:
+    """The backends ``--backend`` names for ``workload`` (its default when not given).
+
+    A chain from ``--config`` is one run of its own: no names. Several names are for the
+    single workload; a repeated or empty name is refused.
+    """
+    if chain.get("tiers"):
+        return []
+    if args.backend is None:
+        return list(DEFAULT_BACKENDS[workload])
+    names = [name.strip() for name in str(args.backend).split(",")]
+    if not all(names):
+        raise InvalidFieldError(
+            "--backend",
+            f"{args.backend!r} has an empty name; give NAME or NAME,NAME,... "
+            "(`kvtier backends` lists them)",
+            value=args.backend,
+        )
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise InvalidFieldError(
+            "--backend",
+            f"{repeated[0]!r} is listed twice; name each backend once",
+            value=args.backend,
+        )
+    if len(names) > 1 and workload != "single":
+        raise InvalidFieldError(
+            "--backend",
+            f"the {workload} workload runs one backend, got {len(names)} ({args.backend}); "
+            "name one, or compare backends with the single workload",
+            value=args.backend,
+        )
+    return names
+
+
 def engine_config(
-    args: argparse.Namespace, extra: dict[str, Any], *, model: str, host_pages: int
+    args: argparse.Namespace,
+    extra: dict[str, Any],
+    *,
+    model: str,
+    host_pages: int,
+    backend: str | None = None,
+    chain: dict[str, Any] | None = None,
 ) -> EngineConfig:
-    """The engine config the options describe; a flag of the other attention kind is refused."""
+    """The engine config the options describe; a flag of the other attention kind is refused.
+
+    ``backend`` (with ``extra`` as its options) is the one storage backend, or ``chain``
+    (from :func:`chain_options`, tiers given temporary roots by
+    :func:`temporary_tier_roots`) gives the tiers and tenants. Everything goes through
+    :func:`~kvtier.core.config.load_engine_config`, the one validated path.
+    """
     attention = AttentionKind(args.attention)
     defaults = GEOMETRY_DEFAULTS[attention]
     data: dict[str, Any] = {
-        "backend": args.backend,
         "io_backend": args.io_backend,
         "layout": args.layout,
         "attention": attention.value,
@@ -176,8 +302,12 @@ def engine_config(
         "verify": args.verify,
         "model": model,
         "host_pages": host_pages,
-        "extra_config": extra,
     }
+    chain = chain or {}
+    if not chain.get("tiers"):
+        data["backend"] = backend or DEFAULT_BACKEND
+        data["extra_config"] = extra
+    data.update(chain)
     for name, default in defaults.items():
         value = getattr(args, name)
         data[name] = default if value is None else value
@@ -194,11 +324,38 @@ def engine_config(
     return load_engine_config(data)
 
 
-def temporary_root(
-    registry: Registry, backend: str, extra: dict[str, Any], workdir: Path
-) -> dict[str, Any]:
-    """``extra`` with a throw-away ``root`` under ``workdir`` for backends that take one."""
+def _has_root(registry: Registry, backend: str) -> bool:
     spec = registry.backends.get(backend)
-    if spec is not None and "root" in spec.config_model.model_fields and "root" not in extra:
-        return {**extra, "root": str(workdir / "pages")}
+    return spec is not None and "root" in spec.config_model.model_fields
+
+
+def temporary_root(
+    registry: Registry, backend: str, extra: dict[str, Any], workdir: Path, name: str = "pages"
+) -> dict[str, Any]:
+    """``extra`` with a throw-away ``root`` (``workdir/name``) for backends that take one."""
+    if _has_root(registry, backend) and "root" not in extra:
+        return {**extra, "root": str(workdir / name)}
     return extra
+
+
+def temporary_tier_roots(
+    registry: Registry, chain: dict[str, Any], workdir: Path
+) -> tuple[dict[str, Any], int]:
+    """``chain`` with a throw-away root for each tier whose backend takes one and has none;
+    and how many tiers got one. A malformed tier is left as it is, for validation to name."""
+    tiers = chain.get("tiers")
+    if not isinstance(tiers, list):
+        return chain, 0
+    out, made = [], 0
+    for i, tier in enumerate(tiers):
+        if isinstance(tier, dict) and isinstance(tier.get("backend"), str):
+            options = tier.get("extra_config", {})
+            if isinstance(options, str):
+                options = parse_extra_config(options, source=f"tiers[{i}].extra_config")
+            if isinstance(options, dict) and _has_root(registry, tier["backend"]):
+                if "root" not in options:
+                    made += 1
+                    options = {**options, "root": str(workdir / f"tier{i}-{tier['backend']}")}
+                tier = {**tier, "extra_config": options}
+        out.append(tier)
+    return {**chain, "tiers": out}, made

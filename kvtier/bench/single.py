@@ -2,20 +2,25 @@
 
 With no arguments: an 8B-class geometry (32 layers, 8 KV heads, head dim 128, bfloat16,
 64 tokens per page = 8 MiB per page), 64 pages of random KV in a torch device pool (CUDA
-when present, else CPU), the 'file' backend in a fresh temporary directory (removed
-afterwards). Each round backs the pages up device -> host pool (IO backend) -> storage
-(envelope + backend) as new pages, wipes the host and device copies, reads them back
-storage -> host -> device and compares every byte with the original. The same bytes also
-go through raw os.pwritev / os.preadv (one file per page, the raw reads landing in a
-host pool of their own), batch by batch and alternating which side goes first, so the
-report shows kvtier's storage path (envelope checksums included) next to the raw
-vectored path. A warm-up round is not timed.
+when present, else CPU), the 'file' backend and then the 'segment' store beside it, each
+in a fresh temporary directory (removed afterwards), reported side by side
+(``--backend`` names others; ``--config`` a chain of tiers). Each round backs the pages
+up device -> host pool (IO backend) -> storage (envelope + backend) as new pages, wipes
+the host and device copies, reads them back storage -> host -> device and compares every
+byte with the original. The same bytes also go through raw os.pwritev / os.preadv (one
+file per page, the raw reads landing in a host pool of their own), batch by batch and
+alternating which side goes first, so the report shows kvtier's storage path (envelope
+checksums included) next to the raw vectored path. A warm-up round is not timed.
 
 Each round stores its pages under keys of its own (the tokens differ per round) after
 emptying the bench's namespace with the backend's ``clear()``. So a put never lands on a
 key that an earlier get read: a backend that protects a page it just served (Mooncake's
 read lease refuses to remove it for a few seconds) or keeps the first write of a key
 cannot fail the put or serve last round's page, and the store holds one round of pages.
+
+Several backends run one after the other, each a complete run with raw sides of its own
+(so each ratio compares sides measured together); every option and every backend's plan
+is checked before the first one starts.
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ import contextlib
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
@@ -43,9 +49,17 @@ from kvtier.bench.checks import (
     resolve_device,
 )
 from kvtier.bench.measure import Timing
-from kvtier.bench.options import check_workload_options, engine_config, temporary_root
+from kvtier.bench.options import (
+    backend_names,
+    chain_options,
+    check_workload_options,
+    engine_config,
+    temporary_root,
+    temporary_tier_roots,
+)
 from kvtier.bench.progress import Progress
 from kvtier.bench.single_report import BenchResult
+from kvtier.cache.chain import StorageChain, open_store
 from kvtier.core.capabilities import (
     ResolvedPlan,
     build_host_pool,
@@ -77,10 +91,13 @@ DEFAULT_RAW_THREADS = 4
 #: The examples ``kvtier bench --help`` ends with.
 EPILOG = """\
 examples:
-  kvtier bench                                   # file backend in a temp dir, 64 x 8 MiB pages
+  kvtier bench                                   # file, then segment: temp dirs, 64 x 8 MiB pages
   kvtier bench --pages 256 --batch 16 --json     # bigger run, batched calls, JSON on stdout
   kvtier bench --backend memory
-  kvtier bench --extra-config '{"root": "/mnt/nvme/kv", "fsync": "batch"}'
+  kvtier bench --backend file,segment,uring --workdir /mnt/nvme   # three, on that disk
+  kvtier bench --backend file --extra-config '{"root": "/mnt/nvme/kv", "fsync": "batch"}'
+  kvtier bench --config @chain.json              # a chain of tiers, e.g. {"tiers": [
+                                                 #   {"backend": "memory"}, {"backend": "segment"}]}
   kvtier bench --attention mla --num-layers 61 --layout page_first
   kvtier bench --layout layer_first --io-backend kernel --device cpu
   kvtier bench --workload multiturn --plot run.png
@@ -93,6 +110,11 @@ bytes in one thread, next to its target (a local-disk backend: 0.90, checksums
 included; memory and network stores: none), and "kvtier / raw, N threads" with the same
 raw calls spread over --raw-threads threads (target 1.00). A path with a failed page
 gets no ratio.
+
+With several backends each gets its own table (and raw sides of its own, measured in
+its run), then one side-by-side summary; --json prints the first backend's object as
+with one, its "beside" list holding the others' objects, and "ok" true only when every
+backend's pages came back bit-exact.
 
 The exit status is 0 when every page came back bit-exact, 1 when a page failed or
 differed, 2 when an option or the configuration was rejected (the reason on stderr,
@@ -133,9 +155,11 @@ def run_bench(
     registry: Registry | None = None,
     progress_stream: IO[str] | None = None,
 ) -> BenchResult:
-    """Check the options, resolve the plan, build everything, run the rounds.
+    """Check the options, resolve every backend's plan, build everything, run the rounds.
 
-    Every mistake in the options raises ConfigError before anything is allocated.
+    Every mistake in the options raises ConfigError before anything is allocated; with
+    several backends, before the first one runs. The first backend's result comes back,
+    the others' in its ``beside``.
     """
     check_workload_options(args, "single")
     if args.batch is None:
@@ -157,23 +181,101 @@ def run_bench(
 
         registry = load_registry()
     extra = parse_extra_config(args.extra_config, source="--extra-config")
+    chain = chain_options(args)
+    names = backend_names(args, "single", chain)
+    if len(names) > 1 and "root" in extra:
+        raise InvalidFieldError(
+            "--extra-config",
+            f"'root' would be shared by {len(names)} backends ({', '.join(names)}); give one "
+            "--backend, or leave 'root' out and use --workdir DIR to put every backend's "
+            "temporary root (and the raw side's files) on that disk",
+            value=extra["root"],
+        )
     workdir = make_workdir(args.workdir, "kvtier-bench-")
     try:
-        given = dict(extra)
-        extra = temporary_root(registry, args.backend, extra, workdir)
-        config = engine_config(args, extra, model="kvtier-bench", host_pages=args.pages)
-        plan = resolve(config, registry.backends, registry.io_backends)
-        check_device_runs(device, plan.io_backend.name, plan.io_backend.devices)
-        _check_fits(args, plan, device, workdir, temp_root="root" in extra and "root" not in given)
-        raw_note = None
-        if "root" in given and not args.no_raw and not _same_disk(workdir, given["root"]):
-            raw_note = (
-                f"the raw side writes to --workdir ({workdir.parent}), the backend to its "
-                f"root ({given['root']}) on another file system: the ratio compares the disks"
-            )
-        return _run_plan(args, plan, device, workdir, progress_stream or sys.stderr, raw_note)
+        runs = (
+            [_prepare_chain(args, registry, chain, device, workdir)]
+            if not names
+            else [
+                _prepare(args, registry, name, extra, chain, device, workdir, many=len(names) > 1)
+                for name in names
+            ]
+        )
+        stream = progress_stream or sys.stderr
+        show = not args.no_progress and not args.json
+        total = len(runs) * (args.rounds + 1) * args.pages * 2
+        bar = Progress(total, stream, show, unit="page transfers")
+        titled = len(runs) > 1
+        try:
+            results = [
+                _run_plan(args, plan, device, workdir, bar, note, titled=titled)
+                for plan, note in runs
+            ]
+        finally:
+            bar.close()
+        first = results[0]
+        first.beside = results[1:]
+        return first
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _prepare(
+    args: argparse.Namespace,
+    registry: Registry,
+    backend: str,
+    extra: dict[str, Any],
+    chain: dict[str, Any],
+    device: torch.device,
+    workdir: Path,
+    *,
+    many: bool,
+) -> tuple[ResolvedPlan, str | None]:
+    """One backend's plan, checked against this machine; and the raw side's note, if any."""
+    given = dict(extra)
+    extra = temporary_root(
+        registry, backend, extra, workdir, f"{backend}-pages" if many else "pages"
+    )
+    config = engine_config(
+        args, extra, backend=backend, chain=chain, model="kvtier-bench", host_pages=args.pages
+    )
+    # with several backends, an option one of them refuses names that one
+    where = {"options_at": f"--extra-config[{backend}]"} if many else {}
+    plan = resolve(
+        config, registry.backends, registry.io_backends, policies=registry.policies, **where
+    )
+    check_device_runs(device, plan.io_backend.name, plan.io_backend.devices)
+    temp_roots = int("root" in extra and "root" not in given)
+    _check_fits(args, plan, device, workdir, temp_roots=temp_roots)
+    return plan, _raw_note(args, workdir, given.get("root"))
+
+
+def _prepare_chain(
+    args: argparse.Namespace,
+    registry: Registry,
+    chain: dict[str, Any],
+    device: torch.device,
+    workdir: Path,
+) -> tuple[ResolvedPlan, str | None]:
+    """The plan of ``--config``'s chain of tiers, checked; and the raw side's note."""
+    chain, temp_roots = temporary_tier_roots(registry, chain, workdir)
+    config = engine_config(args, {}, chain=chain, model="kvtier-bench", host_pages=args.pages)
+    plan = resolve(config, registry.backends, registry.io_backends, policies=registry.policies)
+    check_device_runs(device, plan.io_backend.name, plan.io_backend.devices)
+    _check_fits(args, plan, device, workdir, temp_roots=temp_roots)
+    first = config.tiers[0].extra_config.get("root")  # the first tier takes the puts
+    given = first is not None and not Path(str(first)).is_relative_to(workdir)
+    return plan, _raw_note(args, workdir, first if given else None)
+
+
+def _raw_note(args: argparse.Namespace, workdir: Path, root: object) -> str | None:
+    """Why the ratio compares two disks, when the backend's given root is on another."""
+    if root is None or args.no_raw or _same_disk(workdir, root):
+        return None
+    return (
+        f"the raw side writes to --workdir ({workdir.parent}), the backend to its "
+        f"root ({root}) on another file system: the ratio compares the disks"
+    )
 
 
 def _same_disk(workdir: Path, root: object) -> bool:
@@ -193,7 +295,7 @@ def _check_fits(
     device: torch.device,
     workdir: Path,
     *,
-    temp_root: bool,
+    temp_roots: int,
 ) -> None:
     """Refuse a run whose pools do not fit in memory, or whose files do not fit on disk."""
     g = plan.geometry
@@ -209,12 +311,16 @@ def _check_fits(
         + ", the device pool and the copy it is compared with",
         fix=fix,
     )
-    files = (0 if args.no_raw else 1) + (1 if temp_root else 0)
+    files = (0 if args.no_raw else 1) + temp_roots
     if files:
+        whose = "the backend's pages" if temp_roots < 2 else "each temporary tier's pages"
         check_disk(
             workdir,
             files * args.pages * stored,
-            what="the raw side's files" + (" and the backend's pages" if temp_root else ""),
+            what=" and ".join(
+                (["the raw side's files"] if not args.no_raw else [])
+                + ([whose] if temp_roots else [])
+            ),
             fix=fix + ", or a --workdir with more room",
         )
 
@@ -224,20 +330,27 @@ def _run_plan(
     plan: ResolvedPlan,
     device: torch.device,
     workdir: Path,
-    stream: IO[str],
+    bar: Progress,
     raw_note: str | None,
+    *,
+    titled: bool = False,
 ) -> BenchResult:
     host = build_host_pool(plan)
-    store = open_page_store(plan, host)
+    # A chain of tiers (or tenants' quotas) runs through the chain, as an engine's does;
+    # one backend through its page store, the path the raw side is compared with.
+    chained = bool(plan.config.tiers or plan.config.tenants)
+    store: PageStore | StorageChain = (
+        open_store(plan, host) if chained else open_page_store(plan, host)
+    )
     bench: _Run | None = None
     try:
-        bench = _Run(args, plan, store, device, workdir, stream)
+        bench = _Run(args, plan, store, device, workdir, bar, titled=titled)
         for round_ in range(args.rounds + 1):
             bench.round(round_)
         return bench.result(raw_note)
     finally:
-        if bench is not None and bench.raw_pool is not None:
-            bench.raw_pool.shutdown()
+        if bench is not None:
+            bench.close()
         store.close()
 
 
@@ -248,14 +361,19 @@ class _Run:
         self,
         args: argparse.Namespace,
         plan: ResolvedPlan,
-        store: PageStore,
+        store: PageStore | StorageChain,
         device: torch.device,
         workdir: Path,
-        stream: IO[str],
+        bar: Progress,
+        *,
+        titled: bool = False,
     ) -> None:
         geometry = plan.geometry
         self.plan, self.store, self.workdir = plan, store, workdir
         self.backend = store.backend
+        self.chain = store if isinstance(store, StorageChain) else None
+        #: what the progress line calls this run, when several run
+        self.title = f"{_describe_backend(plan)}, " if titled else ""
         assert isinstance(store.pool, HostPool)
         self.host: HostPool = store.pool
         self.device = str(device)
@@ -284,8 +402,7 @@ class _Run:
             if self.raw_host is not None
             else []
         )
-        raw_dir = workdir / "raw"
-        raw_dir.mkdir(mode=0o700)
+        raw_dir = Path(tempfile.mkdtemp(prefix="raw-", dir=workdir))
         self.raw_paths = [raw_dir / f"{i}.page" for i in range(self.pages)]
         self.raw_threads = args.raw_threads or int(
             getattr(plan.backend_config, "io_threads", DEFAULT_RAW_THREADS)
@@ -311,8 +428,7 @@ class _Run:
         self.batches = [
             (i, min(i + self.batch, self.pages)) for i in range(0, self.pages, self.batch)
         ]
-        show = not args.no_progress and not args.json
-        self.bar = Progress((self.rounds + 1) * self.pages * 2, stream, show, unit="page transfers")
+        self.bar = bar
 
     def _round_keys(self, number: int) -> list[str]:
         """Round ``number``'s keys: tokens of its own, so no key is stored twice in a run."""
@@ -415,9 +531,9 @@ class _Run:
         """Device -> host -> storage, wipe, storage -> host -> device, compare; round 0 is
         the untimed warm-up."""
         self.timed = timed = number > 0
-        label = f"round {number}/{self.rounds}" if timed else "warm-up"
+        label = self.title + (f"round {number}/{self.rounds}" if timed else "warm-up")
         # new pages every round, untimed: last round's are cleared, this round's keys are new
-        self.backend.clear()
+        self._clear()
         self.keys = self._round_keys(number)
         for path in (*self.raw_paths, *self.raw_paths_n):
             with contextlib.suppress(FileNotFoundError):
@@ -457,9 +573,26 @@ class _Run:
                     f"(kv {kv}, first differing page {bad})"
                 )
 
+    def _clear(self) -> None:
+        """Remove the stored pages: the backend's, or every tier's once the cascade is done."""
+        if self.chain is None:
+            self.backend.clear()
+            return
+        self.chain.flush()
+        if not self.chain.clear():
+            self.failures.append("clearing the chain's tiers failed (see the tier counters)")
+
+    def close(self) -> None:
+        """Stop the raw side's threads and remove its files."""
+        if self.raw_pool is not None:
+            self.raw_pool.shutdown()
+        shutil.rmtree(self.raw_paths[0].parent, ignore_errors=True)
+
     def result(self, raw_note: str | None) -> BenchResult:
         """The measurements; the stored pages are removed."""
-        self.bar.close()
+        if self.chain is not None:
+            self.chain.flush()
+        backend_stats = self.backend.stats() if self.chain is None else self.chain.backend_stats()
         result = BenchResult(
             plan=self.plan,
             pages=self.pages,
@@ -478,13 +611,21 @@ class _Run:
             raw_threads=self.raw_threads,
             raw_put_threads=self.raw_put_n_t if self.do_raw else None,
             raw_get_threads=self.raw_get_n_t if self.do_raw else None,
-            backend_stats=self.backend.stats(),
+            backend_stats=backend_stats,
             store_stats=self.store.stats(),
             workdir=str(self.workdir),
             raw_note=raw_note,
+            tiers=[t.backend for t in self.plan.config.tiers],
         )
-        self.backend.clear()
+        self._clear()
         return result
+
+
+def _describe_backend(plan: ResolvedPlan) -> str:
+    """``file``, or ``chain memory -> segment`` for a chain of tiers."""
+    if plan.config.tiers:
+        return "chain " + " -> ".join(t.backend for t in plan.config.tiers)
+    return plan.backend.name
 
 
 def _sync(device: str) -> None:

@@ -8,7 +8,7 @@ and withholds the ratio of the path that failed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.bench.measure import Timing, ratio, ratio_target
@@ -53,11 +53,21 @@ class BenchResult:
     workdir: str
     #: why the ratio compares two different disks, when it does
     raw_note: str | None = None
+    #: the backends of the chain's tiers, fastest first, when ``--config`` gave a chain
+    tiers: list[str] = field(default_factory=list)
+    #: the other backends of the same command, run after this one on the same pages
+    beside: list[BenchResult] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        """Every page of every round came back bit-exact, and nothing failed."""
-        return not self.failures
+        """Every page of every round came back bit-exact, and nothing failed (in this run
+        and in every run ``beside`` it)."""
+        return not self.failures and all(other.ok for other in self.beside)
+
+    @property
+    def name(self) -> str:
+        """The backend, or ``chain memory -> segment`` for a chain of tiers."""
+        return "chain " + " -> ".join(self.tiers) if self.tiers else self.plan.backend.name
 
     def _paths(self) -> dict[str, Timing]:
         paths = {
@@ -78,7 +88,12 @@ class BenchResult:
         return {name: t.failed_pages for name, t in self._paths().items() if t.failed_pages}
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``--json`` object; a ratio is null where a side of it failed."""
+        """The ``--json`` object; a ratio is null where a side of it failed.
+
+        With other backends run beside this one, ``beside`` lists their objects (the same
+        keys) and ``ok`` is true only when every one of them is; ``failures`` and the
+        rest are this backend's own.
+        """
         targets, why = ratio_target(self.plan.backend, self.plan.config.verify)
         out: dict[str, Any] = {
             "bench": "kvtier",
@@ -87,6 +102,7 @@ class BenchResult:
             "failed_pages": self.failed_paths(),
             "failures": self.failures,
             "backend": self.plan.backend.name,
+            **({"tiers": list(self.tiers)} if self.tiers else {}),
             "io_backend": self.plan.io_backend.name,
             "layout": self.plan.layout.value,
             "device": self.device,
@@ -120,15 +136,59 @@ class BenchResult:
             out["target_threads_reason"] = why_n
         out["backend_stats"] = self.backend_stats
         out["store_stats"] = self.store_stats
+        if self.beside:
+            out["beside"] = [other.to_dict() for other in self.beside]
         return out
 
     def report(self) -> str:
-        """The human-readable table (failures first, when there are any)."""
+        """The human-readable table (failures first, when there are any); with backends
+        beside this one, each one's table after it and then a side-by-side summary."""
+        if not self.beside:
+            return self.table()
+        runs = [self, *self.beside]
+        lines = [run.table() for run in runs]
+        lines.append(self._side_by_side(runs))
+        return "\n\n".join(lines)
+
+    def _side_by_side(self, runs: list[BenchResult]) -> str:
+        """One line per backend: put and get GB/s and each ratio to raw, as in its table."""
+        threads = {run.raw_threads for run in runs if run.raw_put_threads is not None}
+        n = f"{threads.pop()} threads" if len(threads) == 1 else "N threads"
+        width = max(len("backend"), *(len(run.name) for run in runs)) + 2
+        head = f"  {'backend':<{width}}{'put GB/s':>9}{'get GB/s':>10}"
+        if any(run.raw_put is not None for run in runs):
+            head += f"   {'kvtier / raw (put, get)':<26}kvtier / raw, {n} (put, get)"
+        lines = [
+            "side by side: "
+            + " and ".join(run.name for run in runs)
+            + ", the same pages, one run after the other",
+            head,
+        ]
+        for run in runs:
+            d = run.to_dict()
+            line = f"  {run.name:<{width}}{d['put']['gbps']:>9.2f}{d['get']['gbps']:>10.2f}"
+            if "ratio" in d:
+                one = ", ".join(_times(d["ratio"][op]) for op in ("put", "get"))
+                many = ", ".join(
+                    _times(d.get("ratio_threads", {}).get(op)) for op in ("put", "get")
+                )
+                line += f"   {one:<26}{many}"
+            lines.append(line + ("  FAILED" if run.failures else ""))
+        if any(run.raw_put is not None for run in runs):
+            lines.append(
+                "  each backend's ratios compare it with raw I/O measured in its own run; "
+                "p50 / p99 are in its table above"
+            )
+        return "\n".join(lines)
+
+    def table(self) -> str:
+        """This backend's table (failures first, when there are any)."""
         d = self.to_dict()
         g = self.plan.geometry
         lines = self._failure_head(d)
+        what = f"{self.name} backend" if not self.tiers else self.name
         lines += [
-            f"kvtier bench: {d['backend']} backend, io {d['io_backend']}, layout {d['layout']}, "
+            f"kvtier bench: {what}, io {d['io_backend']}, layout {d['layout']}, "
             f"device {d['device']}",
             f"  geometry   {g.describe()}",
             f"  workload   {self.pages} pages x {self.page_bytes / 2**20:.2f} MiB per round "
@@ -183,7 +243,7 @@ class BenchResult:
                 f"                 {d['target_threads_reason']}",
             ]
         lines.append("")
-        if self.ok:
+        if not self.failures:
             lines.append(
                 f"  verified: all {self.pages} pages bit-exact after device -> storage -> "
                 f"device, every round"
@@ -194,7 +254,7 @@ class BenchResult:
         return "\n".join(lines)
 
     def _failure_head(self, d: dict[str, Any]) -> list[str]:
-        if self.ok:
+        if not self.failures:
             return []
         failed = ", ".join(f"{name} {n}" for name, n in d["failed_pages"].items())
         timed = f"; failed pages in the timed rounds: {failed}" if failed else ""
@@ -233,3 +293,8 @@ class BenchResult:
         if causes:
             lines.append(f"  counters: {', '.join(causes)}")
         return lines
+
+
+def _times(value: float | None) -> str:
+    """``0.93x``, or ``n/a`` where a failed side gives no ratio."""
+    return "n/a" if value is None else f"{value:.2f}x"

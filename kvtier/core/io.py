@@ -13,7 +13,9 @@ Built-ins (declared in :data:`DIRECT_SPEC` and :data:`KERNEL_SPEC`):
 - ``direct``: page-granular. Each device page (``page_size`` consecutive slots starting at
   a multiple of ``page_size``) is copied with strided ``copy_`` calls, one per run of
   consecutive pages per kv (all layers at once when the device pool's layer buffers are
-  views of one tensor, else one per layer). Token-granular slots are refused.
+  views of one tensor, else one per layer); on a CPU pool, a run of consecutive host
+  pages from scattered device pages is one gather / ``index_copy_`` (but for
+  ``page_head``, see :meth:`DirectIOBackend._moves`). Token-granular slots are refused.
 - ``kernel``: token-granular. Any slots. A run of consecutive host pages whose slots are
   one ascending range moves with one strided ``copy_`` per kv covering all layers (or
   one layer); otherwise a backup gathers each host page with
@@ -524,22 +526,63 @@ class DirectIOBackend(IOBackend):
         plan.device_pages = device_pages
 
     def _copy(self, plan: TransferPlan, to_host: bool) -> None:
+        """One op per kv for each run of pages (see :meth:`_moves`)."""
         ps = self.geometry.page_size
         assert plan.device_pages is not None
-        runs = _runs(plan.pages, plan.device_pages)
+        moves: list[tuple[int, int, int | torch.Tensor]] | None = None
         for layer, device_views in self._device_views(plan):
             axis = self._native_axes(layer).index("token")
             for kv, dev in enumerate(device_views):
                 host_view = self._host_pages(plan.host, kv, layer)
+                if moves is None:
+                    moves = self._moves(plan, layer, same_device=host_view.device == dev.device)
                 usable = (dev.shape[axis] // ps) * ps
                 shape = list(dev.shape)
                 shape[axis : axis + 1] = [usable // ps, ps]
                 dev_pages = dev.narrow(axis, 0, usable).view(shape).movedim(axis, 0)
-                for h0, d0, n in runs:
-                    if to_host:
-                        host_view[h0 : h0 + n].copy_(dev_pages[d0 : d0 + n])
+                for h0, n, where in moves:
+                    host_run = host_view[h0 : h0 + n]
+                    if isinstance(where, int):  # device pages where .. where + n - 1
+                        if to_host:
+                            host_run.copy_(dev_pages[where : where + n])
+                        else:
+                            dev_pages[where : where + n].copy_(host_run)
+                    elif to_host:  # one gather (index_select would copy page by page)
+                        torch.ops.aten.index.Tensor_out(dev_pages, [where], out=host_run)
                     else:
-                        dev_pages[d0 : d0 + n].copy_(host_view[h0 : h0 + n])
+                        dev_pages.index_copy_(0, where, host_run)
+
+    def _moves(
+        self, plan: TransferPlan, layer: int | None, *, same_device: bool
+    ) -> list[tuple[int, int, int | torch.Tensor]]:
+        """(first host page, pages, first device page or the device pages) per op.
+
+        Pages consecutive on both sides are one strided ``copy_``. A run of consecutive
+        host pages whose device pages are not consecutive (an engine's block table) is,
+        on one device (a CPU pool) and where the host page keeps each slot's heads x dim
+        row whole, as the device does (every layout but ``page_head``), one gather /
+        ``index_copy_`` along the page axis rather than a ``copy_`` per page. Each CPU op
+        forks and joins torch's intra-op threads, and on a small VM a join often waited
+        7-15 ms for the other vCPU's thread to wake, whatever the op's size: 16 shuffled
+        8 MiB pages took 230-250 ms copied page by page against 16-34 ms in one op per kv;
+        with one thread the gather costs 1.0-1.4x the copies (``benchmarks/io.py``,
+        ``pages`` slots). ``page_head``'s rows are one head's ``dim`` values, which the
+        index kernels move up to 2x slower than ``copy_`` does, so its copies stay per
+        page; across devices (a CUDA pool) each copy is one DMA, and they stay per run.
+        """
+        assert plan.device_pages is not None
+        whole_rows = self._native_axes(layer)[-2:] == ("head", "dim")
+        if not (same_device and whole_rows):
+            return [(h0, n, d0) for h0, d0, n in _runs(plan.pages, plan.device_pages)]
+        moves: list[tuple[int, int, int | torch.Tensor]] = []
+        for i0, h0, n in _page_runs(plan.pages):
+            run = plan.device_pages[i0 : i0 + n]
+            if all(d == run[0] + k for k, d in enumerate(run)):
+                moves.append((h0, n, run[0]))
+            else:
+                where = torch.tensor(run, dtype=torch.int64, device=plan.slots.device)
+                moves.append((h0, n, where))
+        return moves
 
     def run_backup(self, plan: TransferPlan) -> None:
         self._copy(plan, to_host=True)

@@ -14,9 +14,9 @@ The kit builds the backend the way kvtier does, through the one construction pat
 factory), puts a small host pool and a :class:`PageStore` in front of it and checks:
 round trips, prefix ``exists``, misses, overwrites, delete and clear, concurrent puts,
 corrupt / truncated / foreign pages (through :class:`FaultyBackend`), every declared
-layout and attention kind, and, when the spec declares them, persistence across reopen
-and sharing between processes. A test is skipped only when the backend's
-spec says it lacks what the test needs.
+layout and attention kind, and, when the spec declares them, persistence across reopen,
+sharing between processes, and a writer process killed mid-put tearing no page. A test
+is skipped only when the backend's spec says it lacks what the test needs.
 
 This package is the kit's face; each concern lives in its own module, and a mixin uses
 only the harness:
@@ -28,8 +28,9 @@ only the harness:
   :mod:`~kvtier.testing.kit.delete_clear`: the storage contract call by call;
 - :mod:`~kvtier.testing.kit.concurrency`, :mod:`~kvtier.testing.kit.integrity`,
   :mod:`~kvtier.testing.kit.layouts`: threads, damaged pages, every declared layout;
-- :mod:`~kvtier.testing.kit.persistence`, :mod:`~kvtier.testing.kit.shared_processes`:
-  what a declared feature promises;
+- :mod:`~kvtier.testing.kit.persistence`, :mod:`~kvtier.testing.kit.shared_processes`,
+  :mod:`~kvtier.testing.kit.kill_mid_write`: what a declared feature promises (the last
+  two start child processes through :mod:`~kvtier.testing.kit.children`);
 - :mod:`~kvtier.testing.kit.conformance`: ``ConformanceTests``, all of them;
 - :mod:`~kvtier.testing.kit.policies`: the policies' kit, ``PolicyKit`` and
   ``PolicyConformanceTests`` (eviction and admission policies, driven as a tier does).
@@ -46,6 +47,7 @@ from kvtier.testing.kit.delete_clear import DeleteClearTests
 from kvtier.testing.kit.exists import PrefixExistsTests
 from kvtier.testing.kit.harness import BackendKit, Harness, KitEnv, default_geometry
 from kvtier.testing.kit.integrity import IntegrityTests
+from kvtier.testing.kit.kill_mid_write import KillMidWriteTests
 from kvtier.testing.kit.layouts import LayoutTests
 from kvtier.testing.kit.misses import MissTests
 from kvtier.testing.kit.overwrite import OverwriteTests
@@ -69,6 +71,7 @@ __all__ = [
     "EvictionPolicyTests",
     "Harness",
     "IntegrityTests",
+    "KillMidWriteTests",
     "KitEnv",
     "LayoutTests",
     "MissTests",

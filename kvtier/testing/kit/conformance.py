@@ -6,6 +6,7 @@ from kvtier.testing.kit.concurrency import ConcurrencyTests
 from kvtier.testing.kit.delete_clear import DeleteClearTests
 from kvtier.testing.kit.exists import PrefixExistsTests
 from kvtier.testing.kit.integrity import IntegrityTests
+from kvtier.testing.kit.kill_mid_write import KillMidWriteTests
 from kvtier.testing.kit.layouts import LayoutTests
 from kvtier.testing.kit.misses import MissTests
 from kvtier.testing.kit.overwrite import OverwriteTests
@@ -27,5 +28,6 @@ class ConformanceTests(
     LayoutTests,
     PersistenceTests,
     SharedProcessesTests,
+    KillMidWriteTests,
 ):
     """Every mixin of the kit; what a backend's test class normally inherits."""
