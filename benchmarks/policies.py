@@ -1,7 +1,7 @@
 """Eviction and admission policies replayed on a request trace, beside LRU and the optimum.
 
 Usage: ``python benchmarks/policies.py [--trace FILE] [--capacities 0.02,0.05,0.1,0.2]
-[--policies lru,s3fifo,...] [--quick]``. The default trace is
+[--policies lru,slru,...] [--requests START:END] [--reps N] [--quick]``. The default trace is
 ``../shared/traces/mooncake_fast25_synthetic_trace.jsonl`` relative to the repository (one
 JSON object a line: ``hash_ids``, one id per 512-token block, and ``input_length``).
 
@@ -16,19 +16,27 @@ trace's distinct blocks; every page counts as the same number of bytes. The poli
 the registered built-ins, built through their ``PolicySpec`` exactly as a tier builds
 them; LRU (the ``lru`` policy) and Belady's offline optimum (OPT: evict the block whose
 next use is farthest, computed here on the same sequence) stand beside each as the floor
-and the ceiling.
+and the ceiling. Between them stands ``reuse_oracle_hit_ratio``: LRU that admits only the
+blocks the trace uses again (it knows *whether* a block comes back, not *when*), the
+best an admission filter could ever do in front of LRU.
+
+``--requests START:END`` replays a slice of the trace (Python slice bounds, either may be
+left out), capacities then being fractions of the slice's distinct blocks: the second
+half of a trace alone is a held-out trace for a policy designed on the whole.
 
 ``ns_per_access`` is the policy's own cost: every call a replay makes to the policies is
 recorded, then made again to fresh policies and to idle ones (methods that do nothing),
-in turn, five times each (once with ``--quick``); the fastest CPU time of the first
-less the fastest of the second, over the trace's block accesses. ``loop_ns_per_access``
-is the idle side: the loop and the calls themselves.
+in turn, ``--reps`` times each (5; 1 with ``--quick``; 0 measures no cost and prints
+``null``); the fastest CPU time of the first less the fastest of the second, over the
+trace's block accesses. ``loop_ns_per_access`` is the idle side: the loop and the calls
+themselves.
 
 Output: one JSON object a line per (policy, capacity) on stdout, in the repository's
 benchmark form (``ours`` the policy's hit ratio, ``baseline`` LRU's, ``ratio`` ours /
 LRU, ``target`` 1.5 at capacities up to 5 %) with ``policy``, ``capacity_fraction``,
-``capacity_blocks``, ``hit_ratio``, ``lru_hit_ratio``, ``opt_hit_ratio``, ``opt_ratio``
-and ``ns_per_access`` (its target ``ns_target``); the table on stderr. ``--quick``
+``capacity_blocks``, ``hit_ratio``, ``lru_hit_ratio``, ``opt_hit_ratio``, ``opt_ratio``,
+``reuse_oracle_hit_ratio`` and ``ns_per_access`` (its target ``ns_target``); the table
+on stderr. ``--quick``
 replays the first 1500 requests.
 """
 
@@ -39,6 +47,7 @@ import heapq
 import json
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,15 +92,17 @@ class Trace:
     accesses: int
 
 
-def load_trace(path: Path, limit: int | None = None) -> Trace:
-    """Read a JSON-lines trace; each line's ``hash_ids`` become page keys."""
+def load_trace(path: Path, limit: int | None = None, start: int = 0) -> Trace:
+    """Read a JSON-lines trace; each line's ``hash_ids`` become page keys. Requests
+    ``start`` to ``limit`` (counted from the first, as a slice) only, when given."""
     requests: list[Request] = []
     seen: set[str] = set()
+    skipped = 0
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            if limit is not None and len(requests) >= limit:
+            if limit is not None and skipped + len(requests) >= limit:
                 break
             try:
                 row = json.loads(line)
@@ -100,6 +111,9 @@ def load_trace(path: Path, limit: int | None = None) -> Trace:
             except (ValueError, KeyError, TypeError) as exc:
                 raise SystemExit(f"{path}:{number}: not a trace row ({exc!r})") from exc
             if not ids:
+                continue
+            if skipped < start:
+                skipped += 1
                 continue
             last = max(0, min(BLOCK_TOKENS, length - BLOCK_TOKENS * (len(ids) - 1)))
             tokens = (BLOCK_TOKENS,) * (len(ids) - 1) + (last,)
@@ -291,6 +305,36 @@ def optimum(trace: Trace, capacity_blocks: int) -> float:
     return hit_tokens / trace.tokens
 
 
+def reuse_oracle(trace: Trace, capacity_blocks: int) -> float:
+    """LRU that admits a missing block only when the trace uses it again later (an
+    oracle of *whether*, not *when*); the prefix-hit ratio it reaches."""
+    sequence = [key for request in trace.requests for key in request.keys]
+    again = [False] * len(sequence)
+    seen: set[str] = set()
+    for position in range(len(sequence) - 1, -1, -1):
+        key = sequence[position]
+        again[position] = key in seen
+        seen.add(key)
+    resident: OrderedDict[str, None] = OrderedDict()
+    hit_tokens = 0
+    position = 0
+    for request in trace.requests:
+        keys = request.keys
+        k = 0
+        while k < len(keys) and keys[k] in resident:
+            k += 1
+        hit_tokens += sum(request.tokens[:k])
+        for key in keys:
+            if key in resident:
+                resident.move_to_end(key)
+            elif again[position]:
+                resident[key] = None
+                if len(resident) > capacity_blocks:
+                    resident.popitem(last=False)
+            position += 1
+    return hit_tokens / trace.tokens
+
+
 def build_row(registry: Any, row: str) -> tuple[EvictionPolicy, AdmissionPolicy | None]:
     """The policies of a row ``eviction[+admission]``, built through their specs."""
     eviction_name, _, admission_name = row.partition("+")
@@ -339,11 +383,16 @@ def run(
     for fraction in fractions:
         blocks = max(1, int(fraction * trace.distinct))
         opt = optimum(trace, blocks)
+        oracle = reuse_oracle(trace, blocks)
         lru = replay(trace, blocks, *build_row(registry, "lru")).hit_ratio
         for row in rows:
             calls: list[Call] = []
-            result = replay(trace, blocks, *build_row(registry, row), calls=calls)
-            own_ns, loop_ns = cost_ns(trace, calls, lambda row=row: build_row(registry, row), reps)
+            result = replay(trace, blocks, *build_row(registry, row), calls=calls if reps else None)
+            own_ns: float | None = None
+            loop_ns: float | None = None
+            if reps:
+                make = lambda row=row: build_row(registry, row)  # noqa: E731
+                own_ns, loop_ns = cost_ns(trace, calls, make, reps)
             del calls
             ratio = result.hit_ratio / lru if lru else None
             line = {
@@ -362,21 +411,36 @@ def run(
                 "lru_hit_ratio": round(lru, 4),
                 "opt_hit_ratio": round(opt, 4),
                 "opt_ratio": round(result.hit_ratio / opt, 3) if opt else None,
-                "ns_per_access": round(own_ns),
+                "reuse_oracle_hit_ratio": round(oracle, 4),
+                "ns_per_access": None if own_ns is None else round(own_ns),
                 "ns_target": TARGET_NS,
-                "loop_ns_per_access": round(loop_ns),
+                "loop_ns_per_access": None if loop_ns is None else round(loop_ns),
                 "capacity_overflows": result.overflows,
             }
             print(json.dumps(line), flush=True)
             print(
                 f"{row:<18} {fraction:>8g} {blocks:>6} {result.hit_ratio:>7.4f} {lru:>7.4f} "
                 f"{opt:>7.4f} {line['ratio'] or 0:>5.2f} {line['opt_ratio'] or 0:>5.2f} "
-                f"{own_ns:>6.0f}",
+                f"{'-' if own_ns is None else format(own_ns, '.0f'):>6}",
                 file=sys.stderr,
                 flush=True,
             )
             out.append(line)
     return out
+
+
+def parse_slice(text: str) -> tuple[int, int | None]:
+    """``START:END`` (either may be left out) as request bounds; a clear exit otherwise."""
+    first, colon, last = text.partition(":")
+    try:
+        start = int(first) if first.strip() else 0
+        end = int(last) if last.strip() else None
+    except ValueError:
+        start = -1
+        end = None
+    if not colon or start < 0 or (end is not None and end <= start):
+        raise SystemExit(f"--requests: {text!r} is not START:END with 0 <= START < END")
+    return start, end
 
 
 def main() -> None:
@@ -393,9 +457,23 @@ def main() -> None:
         help="rows, comma-separated: an eviction policy, or eviction+admission",
     )
     parser.add_argument(
+        "--requests",
+        default=":",
+        help="the requests to replay, as a slice START:END (e.g. 1996: for the second half)",
+    )
+    parser.add_argument(
+        "--reps", type=int, default=None, help="cost measurements per row (0: none; default 5)"
+    )
+    parser.add_argument(
         "--quick", action="store_true", help=f"replay the first {QUICK_REQUESTS} requests"
     )
     args = parser.parse_args()
+    start, end = parse_slice(args.requests)
+    if args.quick:
+        end = min(end, start + QUICK_REQUESTS) if end is not None else start + QUICK_REQUESTS
+    reps = args.reps if args.reps is not None else (1 if args.quick else 5)
+    if reps < 0:
+        raise SystemExit("--reps: a count of 0 or more")
     try:
         fractions = [float(part) for part in args.capacities.split(",") if part.strip()]
     except ValueError as exc:
@@ -403,13 +481,13 @@ def main() -> None:
     if not fractions or any(not 0 < f <= 1 for f in fractions):
         raise SystemExit("--capacities: fractions in (0, 1], comma-separated")
     rows = [part.strip() for part in args.policies.split(",") if part.strip()]
-    trace = load_trace(args.trace.resolve(), QUICK_REQUESTS if args.quick else None)
+    trace = load_trace(args.trace.resolve(), end, start)
     print(
         f"policies: {len(trace.requests)} requests, {trace.accesses} block accesses, "
         f"{trace.distinct} distinct blocks, {trace.tokens} tokens",
         file=sys.stderr,
     )
-    run(trace, fractions, rows, reps=1 if args.quick else 5)
+    run(trace, fractions, rows, reps=reps)
 
 
 if __name__ == "__main__":

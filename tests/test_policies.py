@@ -4,6 +4,9 @@ built-in's own behaviour, and the backends' capacity evicting through a given po
 from __future__ import annotations
 
 import ast
+import importlib.util
+import json
+import sys
 import threading
 import types
 import uuid
@@ -152,7 +155,12 @@ class TestPrefixKit(PolicyKit, PolicyConformanceTests):
 
 class TestPrefixThreeLevelsKit(PolicyKit, PolicyConformanceTests):
     policy_name = "prefix"
-    options = {"levels": 3, "orphans_first": False, "ghost_factor": 0}
+    options = {"levels": 3, "orphans_first": False, "ghost_factor": 0, "duel_sample": 1}
+
+
+class TestPrefixFixedShareKit(PolicyKit, PolicyConformanceTests):
+    policy_name = "prefix"
+    options = {"adaptive": False}
 
 
 class TestFrequencyKit(PolicyKit, PolicyConformanceTests):
@@ -378,6 +386,94 @@ def test_prefix_protected_levels_keep_their_share() -> None:
     tier.check()
 
 
+def test_prefix_keeps_a_shared_prefix_through_one_off_chains() -> None:
+    """A page every request starts with (a system prompt) outlives the one-off chains
+    under it, each longer than the tier holds; LRU loses it, so the test can fail."""
+
+    def keeps_the_root(policy: Any) -> bool:
+        tier = Tier(policy, capacity=100)
+        tier.put("system", 10, PageInfo(tokens=16))
+        for r in range(30):
+            tier.hit("system")
+            parent = "system"
+            for p in range(12):
+                key = f"r{r}-p{p}"
+                tier.put(key, 10, PageInfo(parent=parent, tokens=16))
+                parent = key
+            tier.check()
+        return "system" in tier.pages
+
+    assert keeps_the_root(PrefixPolicy())
+    assert keeps_the_root(SLRUPolicy())
+    assert not keeps_the_root(LRUPolicy())
+
+
+def _second_use_soon(adaptive: bool) -> tuple[int, float]:
+    """Every page used twice, the second time 30 pages later, in a tier of 100 pages:
+    LRU keeps each page until its second use; probation (a tenth) does not."""
+    policy = PrefixPolicy(PrefixConfig(adaptive=adaptive))
+    tier = Tier(policy, capacity=1000)
+    hits = 0
+    for i in range(6000):
+        tier.put(f"p{i}", 10)
+        again = f"p{i - 30}"
+        if again in tier.pages:
+            hits += 1
+            tier.hit(again)
+        elif i >= 30:
+            tier.put(again, 10)
+    tier.check()
+    return hits, policy.protected_fraction
+
+
+def test_prefix_duel_with_lru_lowers_protection_where_recency_wins() -> None:
+    fixed_hits, fixed_share = _second_use_soon(adaptive=False)
+    hits, share = _second_use_soon(adaptive=True)
+    assert fixed_share == 0.9 and fixed_hits < 200  # protected holds pages used up
+    assert share < 0.5  # the sampled LRU shadow hit more, so protection went down
+    assert hits > 4000  # and now the second uses hit here too
+
+
+def test_prefix_duel_keeps_protection_where_it_wins() -> None:
+    """30 pages reused every round between one-off pages (3 a round) in a tier of 100:
+    LRU loses the reused pages to the one-offs, probation does not; the share stays."""
+    policy = PrefixPolicy()
+    tier = Tier(policy, capacity=1000)
+    hits = 0
+    for i in range(3000):
+        hot = f"hot{i % 30}"
+        if hot in tier.pages:
+            hits += 1
+            tier.hit(hot)
+        else:
+            tier.put(hot, 10)
+        for j in range(3):
+            tier.put(f"once{i}-{j}", 10)
+    assert policy.protected_fraction == 0.9
+    assert hits >= 2900
+
+
+@pytest.mark.parametrize("name", ["prefix", "slru"])
+def test_the_ghost_is_bounded_and_remembers_the_most_recent(name: str) -> None:
+    """The ghost holds at most 4/3 of ghost_factor x the resident pages (plus 16): its
+    two generations, the older dropped whole; a key evicted a moment ago is remembered,
+    one evicted thousands of evictions ago is not."""
+    policy = load_registry(autoload=False).policy(name).build({"ghost_factor": 2})
+    tier = Tier(policy, capacity=200)  # 20 pages of 10 bytes
+    for i in range(2000):
+        tier.put(f"k{i}", 10)
+        assert policy.remembered() <= 4 / 3 * 2 * len(policy) + 16
+    assert policy.remembered() >= 2 / 3 * 2 * len(policy)  # never less than one generation
+    tier.check()
+    recent = next(f"k{i}" for i in range(1999, 0, -1) if f"k{i}" not in tier.pages)
+    for key in (recent, "k0"):  # remembered, then forgotten: put back, then a scan
+        tier.put(key, 10)
+        for i in range(30):  # more than the tier holds
+            tier.put(f"{key}-scan{i}", 10)
+    assert recent in tier.pages  # it came back protected
+    assert "k0" not in tier.pages  # forgotten: it came back on probation, and left
+
+
 def test_frequency_admits_from_the_min_hits_th_sighting() -> None:
     policy = FrequencyAdmission(FrequencyConfig(min_hits=2))
     policy.record_access("k")
@@ -413,6 +509,54 @@ def test_the_kit_workload_fills_and_checks_a_tier() -> None:
     tier, victims = workload(PrefixPolicy(), seed=9, steps=500)
     assert any(victims) and tier.nbytes <= tier.capacity
     tier.check()
+
+
+def _policy_benchmark() -> types.ModuleType:
+    """``benchmarks/policies.py``, imported as a module (it is a script, not a package)."""
+    name = "kvtier_benchmark_policies"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "policies.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # (its dataclasses look their module up)
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_the_policy_benchmark_replays_a_trace_beside_lru_the_oracle_and_opt(
+    tmp_path: Path,
+) -> None:
+    """A document of 4 blocks asked every third request between one-off chains of 6, in
+    a cache of 7 blocks: LRU loses the document between two asks, an oracle that admits
+    only what comes back (and OPT) keep it, and so does ``prefix`` after its second ask."""
+    trace = tmp_path / "trace.jsonl"
+    rows, fresh = [], 100
+    for r in range(60):
+        if r % 3 == 0:
+            ids = [0, 1, 2, 3]
+        else:
+            ids, fresh = list(range(fresh, fresh + 6)), fresh + 6
+        rows.append({"timestamp": r, "input_length": 512 * len(ids), "hash_ids": ids})
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    bench = _policy_benchmark()
+    out = {
+        line["policy"]: line
+        for line in bench.run(bench.load_trace(trace), [0.03], ["lru", "prefix"], reps=0)
+    }
+    asks_after_the_first = 19 * 4 / (20 * 4 + 40 * 6)
+    lru, prefix = out["lru"], out["prefix"]
+    assert lru["capacity_blocks"] == 7 and lru["hit_ratio"] == 0
+    assert lru["reuse_oracle_hit_ratio"] == pytest.approx(asks_after_the_first, abs=1e-4)
+    assert lru["opt_hit_ratio"] == pytest.approx(asks_after_the_first, abs=1e-4)
+    assert prefix["lru_hit_ratio"] == 0 and prefix["ns_per_access"] is None
+    assert prefix["hit_ratio"] >= asks_after_the_first - 2 * 4 / 320  # all but two asks hit
+    assert prefix["capacity_overflows"] == 0
+    start, end = bench.parse_slice("30:")
+    half = bench.load_trace(trace, end, start)  # the second half alone
+    assert len(half.requests) == 30 and half.distinct == 4 + 20 * 6
+    assert bench.parse_slice("5:10") == (5, 10)
+    with pytest.raises(SystemExit, match="START:END"):
+        bench.parse_slice("10:5")
 
 
 # --- backends' capacity through a given policy ---------------------------------------

@@ -28,8 +28,9 @@ class SLRUConfig(BaseModel):
     ghost_factor: float = Field(
         default=4.0,
         ge=0,
-        description="Evicted keys remembered, as a multiple of the resident page count "
-        "(plus 16); a remembered key that comes back enters the protected segment at once.",
+        description="Evicted keys remembered, about this multiple of the resident page "
+        "count (between 2/3 and 4/3 of it, plus 16: two generations, the older forgotten "
+        "whole); a remembered key that comes back enters the protected segment at once.",
     )
 
 
@@ -78,14 +79,29 @@ class PrefixConfig(BaseModel):
         gt=0,
         lt=1,
         description="Most of the resident bytes the protected levels hold together, split "
-        "evenly between them; an overfull level hands its least recent pages down.",
+        "evenly between them; an overfull level hands its least recent pages down. With "
+        "adaptive, where the share starts, and the most it grows back to.",
+    )
+    adaptive: bool = Field(
+        default=True,
+        description="Let a duel with LRU move the protected share between 0 and "
+        "protected_fraction: a sample of the pages is also kept in an LRU shadow of the "
+        "tier's size, and each time the sample has seen as many hits as the tier holds "
+        "pages (over duel_sample), the share moves a tenth towards whichever hit more.",
+    )
+    duel_sample: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description="One new page in this many is sampled for the duel with LRU (1: every "
+        "page; the shadow then costs a dict entry per page of the tier).",
     )
     ghost_factor: float = Field(
         default=4.0,
         ge=0,
-        description="Evicted keys remembered with their level, as a multiple of the "
-        "resident page count (plus 16); a remembered key that comes back enters one level "
-        "higher.",
+        description="Evicted keys remembered with their level, about this multiple of the "
+        "resident page count (between 2/3 and 4/3 of it, plus 16: two generations, the "
+        "older forgotten whole); a remembered key that comes back enters one level higher.",
     )
     orphans_first: bool = Field(
         default=True,

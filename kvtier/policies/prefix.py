@@ -17,17 +17,35 @@ What a generic cache does not know and this policy uses (from :meth:`describe`):
   lowest level first, oldest first; when victims are chosen, the protected levels share
   ``protected_fraction`` of the resident bytes evenly, an overfull level handing its
   oldest pages down one level. Keys of evicted pages are remembered with their level (a
-  ghost of ``ghost_factor`` x the resident page count): a page evicted too soon comes
-  back one level higher, so a conversation that returns after a long gap is protected
-  at once instead of starting again from probation.
+  ghost of about ``ghost_factor`` x the resident page count, in two generations of dicts,
+  the older forgotten whole when the newer fills, so that remembering costs no trim per
+  key): a page evicted too soon comes back one level higher, so a conversation that
+  returns after a long gap is protected at once instead of starting again from probation.
+- **How much to protect depends on the workload, so it is measured, not assumed.** When
+  pages come back soon after their first use (a conversation whose turns are a few
+  minutes apart, in a tier big enough to hold them that long), plain recency keeps them
+  and a small probation loses them; when most pages are used once and the reused ones
+  come back late, protection wins. With ``adaptive`` (the default) the policy plays a
+  duel with LRU on a sample of its pages (one new page in ``duel_sample``, the choice
+  remembered in the page's node and in the ghost, so a key stays in the sample while
+  either remembers it):
+  the sampled keys also live in an LRU *shadow* holding the tier's bytes over
+  ``duel_sample``, and each use of a sampled page counts a hit here when the page is
+  resident and a hit for LRU when the shadow holds it. Each time the two counts add up
+  to the resident page count over ``duel_sample`` (evidence in proportion to the tier,
+  not to time), the protected share moves a tenth towards whichever hit more, between 0
+  (probation only: recency, still leaf first and orphans first) and
+  ``protected_fraction``. Nothing in it is fitted to a trace: the sample, the shadow and
+  the decision interval are fractions of what the tier holds.
 - **Tenants.** ``choose_victims(tenant=...)`` only ever names that tenant's pages, and
   ``tenant_bytes`` counts each tenant's resident bytes, for per-tenant quotas.
 
 Every call is O(1) but ``choose_victims``, which walks the queues from the oldest page
 past pinned pages and other tenants' pages, and the removal or return of a page with
-resident descendants, which moves them. One lock per call (a description of a page not
-resident yet is stored without it, as :meth:`kvtier.core.policy.PageBook.hold_unlocked`
-explains). The queues are linked
+resident descendants, which moves them (a sampled page's use also costs the shadow one
+``OrderedDict`` step, and an eviction from it). One lock per call (a description of a
+page not resident yet is stored without it, as
+:meth:`kvtier.core.policy.PageBook.hold_unlocked` explains). The queues are linked
 lists of small node lists (``collections.OrderedDict`` can move a key only to an end;
 a child goes just before its parent); a page's node also holds its resident children,
 so that finding a page's parent and its children costs no extra look-up.
@@ -46,8 +64,11 @@ from kvtier.policies.config import PrefixConfig
 __all__ = ["PrefixPolicy"]
 
 #: A queue node: [older node, newer node, key, queue, the level it had (orphans only),
-#: its parent's key, its resident children, its bytes, its tenant].
-_OLDER, _NEWER, _KEY, _QUEUE, _WAS, _PARENT, _CHILDREN, _SIZE, _TENANT = range(9)
+#: its parent's key, its resident children, its bytes, its tenant, 1 when the duel with
+#: LRU samples its page (else 0)].
+_OLDER, _NEWER, _KEY, _QUEUE, _WAS, _PARENT, _CHILDREN, _SIZE, _TENANT, _SAMPLED = range(10)
+#: How far the protected share moves each time the duel with LRU is decided.
+_DUEL_STEP = 0.1
 #: Descriptions of pages not resident yet kept for their insert, the most recent only.
 _PENDING = 4096
 
@@ -82,7 +103,7 @@ def _each(children: Children) -> tuple[str, ...] | set[str]:
 
 
 def _sentinel() -> list[Any]:
-    node: list[Any] = [None, None, None, -1, -1, None, None, 0, None]
+    node: list[Any] = [None, None, None, -1, -1, None, None, 0, None, 0]
     node[_OLDER] = node[_NEWER] = node
     return node
 
@@ -90,17 +111,30 @@ def _sentinel() -> list[Any]:
 class PrefixPolicy(EvictionPolicy):
     """Prefix-chain-aware, reuse-levelled eviction (see the module docstring).
 
-    Memory: per resident page one node of nine slots (its links, level, parent,
-    children, size and tenant); plus one entry per remembered evicted key (at most
-    ``ghost_factor`` x the resident page count, plus 16), one per parent key that is not
-    resident but has resident children, and the descriptions of at most 4096 pages not
-    inserted yet.
+    Memory: per resident page one node of ten slots (its links, level, parent,
+    children, size, tenant and whether the duel samples it); plus one entry per
+    remembered evicted key (at most 4/3 of ``ghost_factor`` x the resident page count,
+    plus 16), one per parent key that is not resident but has resident children, one per
+    sampled key in the LRU shadow (about the resident pages over ``duel_sample``), and the
+    descriptions of at most 4096 pages not inserted yet.
     """
 
     def __init__(self, config: PrefixConfig | None = None) -> None:
         self.config = config or PrefixConfig()
         self._top = self.config.levels
-        self._share = self.config.protected_fraction / self._top
+        #: The protected levels' share now: ``protected_fraction``, or where the duel with
+        #: LRU moved it (between 0 and ``protected_fraction``), split evenly between them.
+        self._fraction = self.config.protected_fraction
+        self._share = self._fraction / self._top
+        #: The duel with LRU: one new page in ``_sample`` (0: no duel) is sampled; the
+        #: sampled pages' keys in LRU order with their bytes (the shadow, holding the
+        #: tier's bytes over ``_sample``); the hits on sampled pages here and there.
+        self._sample = self.config.duel_sample if self.config.adaptive else 0
+        self._new_keys = 0
+        self._shadow: OrderedDict[str, int] = OrderedDict()
+        self._shadow_bytes = 0
+        self._duel_ours = 0
+        self._duel_lru = 0
         self._orphans_first = self.config.orphans_first
         self._ghost_factor = self.config.ghost_factor
         self._lock = threading.Lock()
@@ -119,8 +153,12 @@ class PrefixPolicy(EvictionPolicy):
         self._pending: dict[str, PageInfo] = {}  # described, not resident yet; oldest first
         #: A parent that is not resident -> its resident children (for when it comes).
         self._waiting: dict[str, Children] = {}
-        self._ghost: OrderedDict[str, int] = OrderedDict()  # evicted key -> level, oldest first
-        self._ghost_limit = 16  # recomputed whenever the ghost outgrows it
+        #: Evicted key -> its level << 1 | whether the duel samples it, in two
+        #: generations: keys go into the newer; when it is full it becomes the older and
+        #: the older is dropped whole (no per-key trim).
+        self._ghost: dict[str, int] = {}
+        self._ghost_old: dict[str, int] = {}
+        self._ghost_half = 8  # keys a generation holds; recomputed as each one closes
         self._promoted = False  # a page went up a level since the last _balance
 
     # --- what the tier tells -------------------------------------------------------
@@ -179,7 +217,7 @@ class PrefixPolicy(EvictionPolicy):
                 self._link(node, node[_QUEUE])  # its level's share is a soft cap
                 return
             # resident before its description is taken, for describe() without the lock
-            node = [None, None, key, 0, -1, None, None, nbytes, None]
+            node = [None, None, key, 0, -1, None, None, nbytes, None, 0]
             nodes[key] = node
             info = self._pending.pop(key, None)
             parent = tenant = None
@@ -188,10 +226,23 @@ class PrefixPolicy(EvictionPolicy):
                 if info.parent != key:
                     parent = info.parent
             remembered = self._ghost.pop(key, None)
+            if self._ghost_old:
+                older_level = self._ghost_old.pop(key, None)
+                if remembered is None:
+                    remembered = older_level
             level = 0
-            if remembered is not None:
-                level = min(self._top, remembered + 1)
+            if remembered is not None:  # its level, and whether the duel samples it
+                level = min(self._top, (remembered >> 1) + 1)
                 self._promoted = True
+                if remembered & 1:
+                    node[_SAMPLED] = 1
+                    self._duel(key, nbytes, False)
+            elif self._sample:  # a new page: one in every duel_sample is sampled
+                self._new_keys += 1
+                if self._new_keys >= self._sample:
+                    self._new_keys = 0
+                    node[_SAMPLED] = 1
+                    self._duel(key, nbytes, False)
             waiting = self._waiting.pop(key, None) if self._waiting else None
             node[_QUEUE], node[_PARENT], node[_CHILDREN], node[_TENANT] = (
                 level,
@@ -227,18 +278,38 @@ class PrefixPolicy(EvictionPolicy):
     def record_access(self, key: str) -> None:
         self._acquire()
         try:
-            node = self._nodes.get(key)
+            nodes = self._nodes
+            node = nodes.get(key)
             if node is None:
                 return
-            self._unlink(node)
+            size = node[_SIZE]
+            if node[_SAMPLED]:
+                self._duel(key, size, True)
+            older, newer = node[_OLDER], node[_NEWER]  # unlinked here: the hot path
+            older[_NEWER] = newer
+            newer[_OLDER] = older
             level = node[_QUEUE]
+            queue_bytes = self._queue_bytes
+            queue_bytes[level] -= size
             orphan = level == self._orphans
             if orphan:  # hit after all: its parent lives in another tier
                 level = node[_WAS]
             if level < self._top:
                 level += 1
                 self._promoted = True
-            self._link(node, level)
+            newer = self._heads[level]  # linked here, as in _link
+            parent = node[_PARENT]
+            if parent is not None:
+                found = nodes.get(parent)
+                if found is not None and found[_QUEUE] == level:
+                    newer = found  # just before its parent: the chain leaves leaf first
+            older = newer[_OLDER]
+            older[_NEWER] = node
+            node[_OLDER] = older
+            node[_NEWER] = newer
+            newer[_OLDER] = node
+            node[_QUEUE] = level
+            queue_bytes[level] += size
             if orphan and node[_CHILDREN] is not None:
                 self._adopt(node[_CHILDREN])  # reachable through it, then
         finally:
@@ -275,9 +346,9 @@ class PrefixPolicy(EvictionPolicy):
                 if self._orphans_first:
                     self._orphan(children)
             ghost = self._ghost
-            ghost[key] = level  # the newest: a resident key is never in the ghost
-            if len(ghost) > self._ghost_limit:
-                self._trim_ghost()
+            ghost[key] = level << 1 | node[_SAMPLED]  # never a resident key in the newer one
+            if len(ghost) >= self._ghost_half:
+                self._next_ghost()
         finally:
             self._release()
 
@@ -295,16 +366,25 @@ class PrefixPolicy(EvictionPolicy):
             if self._promoted:
                 self._balance()
             victims: list[str] = []
+            if nbytes <= 0:
+                return victims
             freed = 0
-            plain = tenant is None and pinned is never_pinned
+            if tenant is None and pinned is never_pinned:  # the usual call: oldest first
+                for head in self._order_heads:
+                    node = head[_NEWER]
+                    while node is not head:
+                        victims.append(node[_KEY])
+                        freed += node[_SIZE]
+                        if freed >= nbytes:
+                            return victims
+                        node = node[_NEWER]
+                return victims
             for head in self._order_heads:
                 node = head[_NEWER]
                 while node is not head:
                     if freed >= nbytes:
                         return victims
-                    if plain or (
-                        (tenant is None or node[_TENANT] == tenant) and not pinned(node[_KEY])
-                    ):
+                    if (tenant is None or node[_TENANT] == tenant) and not pinned(node[_KEY]):
                         victims.append(node[_KEY])
                         freed += node[_SIZE]
                     node = node[_NEWER]
@@ -418,15 +498,42 @@ class PrefixPolicy(EvictionPolicy):
                 self._unlink(node)
                 self._link(node, level - 1)
 
-    def _trim_ghost(self) -> None:
-        """Forget the oldest evicted keys beyond ``ghost_factor`` x the resident pages, and
-        an eighth more, so that trimming is not a cost on every removal."""
-        limit = int(self._ghost_factor * len(self._nodes)) + 16
-        self._ghost_limit = limit
-        ghost = self._ghost
-        keep = limit - limit // 8
-        while len(ghost) > keep:
-            ghost.popitem(last=False)
+    def _duel(self, key: str, nbytes: int, hit: bool) -> None:
+        """Play a use of a sampled page (``hit``: resident here) against the LRU shadow,
+        and when the sample has seen as many hits as the tier holds pages, over the
+        sampling rate, move the protected share a step towards whichever hit more."""
+        shadow = self._shadow
+        if hit:
+            self._duel_ours += 1
+        if key in shadow:
+            self._duel_lru += 1
+            shadow.move_to_end(key)
+        else:
+            shadow[key] = nbytes
+            self._shadow_bytes += nbytes
+            room = self._total // self._sample + nbytes  # the tier's bytes, sampled alike
+            while self._shadow_bytes > room:
+                _, size = shadow.popitem(last=False)
+                self._shadow_bytes -= size
+        ours, lru = self._duel_ours, self._duel_lru
+        if (ours + lru) * self._sample < max(64, len(self._nodes)):
+            return
+        self._duel_ours = self._duel_lru = 0
+        if lru > ours:  # recency would have done better: less protection
+            self._fraction = max(0.0, self._fraction - _DUEL_STEP)
+        elif ours > lru:
+            self._fraction = min(self.config.protected_fraction, self._fraction + _DUEL_STEP)
+        self._share = self._fraction / self._top
+        self._promoted = True  # the next choice of victims balances the levels to it
+
+    def _next_ghost(self) -> None:
+        """Close the full generation of the ghost: it becomes the older one, the older
+        one is forgotten whole. Each generation holds 2/3 of ``ghost_factor`` x the
+        resident pages, plus 8, so the ghost remembers between 2/3 and 4/3 of that many
+        of the most recently evicted keys (about as many on average), at no cost per key."""
+        self._ghost_old = self._ghost
+        self._ghost = {}
+        self._ghost_half = int(self._ghost_factor * len(self._nodes) * 2 / 3) + 8
 
     # --- what the tier asks ----------------------------------------------------------
 
@@ -449,6 +556,19 @@ class PrefixPolicy(EvictionPolicy):
         finally:
             self._release()
 
+    def remembered(self) -> int:
+        """How many evicted keys the ghost remembers now (its memory, for tests and stats)."""
+        self._acquire()
+        try:
+            return len(self._ghost) + len(self._ghost_old)
+        finally:
+            self._release()
+
+    @property
+    def protected_fraction(self) -> float:
+        """The share of the resident bytes the protected levels may hold now."""
+        return self._fraction
+
     def levels(self) -> dict[str, int]:
         """Resident pages per level, and orphans, for tests and stats."""
         self._acquire()
@@ -464,6 +584,6 @@ class PrefixPolicy(EvictionPolicy):
 
     def __repr__(self) -> str:
         return (
-            f"PrefixPolicy(pages={len(self)}, ghost={len(self._ghost)}, "
+            f"PrefixPolicy(pages={len(self)}, ghost={len(self._ghost) + len(self._ghost_old)}, "
             f"nbytes={self.nbytes}, levels={self._top})"
         )

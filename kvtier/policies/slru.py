@@ -6,7 +6,9 @@ used first, then from protected; when victims are chosen, protected holds at mos
 ``protected_fraction`` of the resident bytes, its least recently used pages going back
 to probation beyond that. So a
 scan of pages used once passes through probation without displacing the pages used
-twice, and a page evicted too early is protected when it returns.
+twice, and a page evicted too early is protected when it returns. The ghost remembers
+about ``ghost_factor`` x the resident page count of evicted keys, in two generations of
+sets, the older forgotten whole when the newer fills (no trim per key).
 
 Why SLRU among the classic scan-resistant designs: on the Mooncake trace it measured
 best of the three candidates (S3-FIFO, SLRU, ARC) at every capacity; ``docs/tiers.md``
@@ -43,8 +45,11 @@ class SLRUPolicy(EvictionPolicy):
         self._probation: OrderedDict[str, None] = OrderedDict()
         self._protected: OrderedDict[str, None] = OrderedDict()
         self._protected_bytes = 0
-        self._ghost: OrderedDict[str, None] = OrderedDict()
-        self._ghost_limit = 16  # recomputed whenever the ghost outgrows it
+        #: Evicted keys in two generations: keys go into the newer; when it is full it
+        #: becomes the older and the older is dropped whole (no per-key trim).
+        self._ghost: set[str] = set()
+        self._ghost_old: set[str] = set()
+        self._ghost_half = 8  # keys a generation holds; recomputed as each one closes
         self._promoted = False  # a page entered protected since the last _balance
 
     def describe(self, key: str, info: PageInfo) -> None:
@@ -70,8 +75,9 @@ class SLRUPolicy(EvictionPolicy):
                     self._probation.move_to_end(key)
             else:
                 book.insert_new(key, nbytes)
-                if key in self._ghost:  # remembered: it was evicted too soon
-                    del self._ghost[key]
+                if key in self._ghost or key in self._ghost_old:  # evicted too soon
+                    self._ghost.discard(key)
+                    self._ghost_old.discard(key)
                     self._protected[key] = None
                     self._protected_bytes += nbytes
                     self._promoted = True
@@ -105,14 +111,14 @@ class SLRUPolicy(EvictionPolicy):
             else:
                 del self._probation[key]
             ghost = self._ghost
-            ghost[key] = None
-            if len(ghost) > self._ghost_limit:
-                # at most ghost_factor x the resident pages, and an eighth fewer after a
-                # trim, so that trimming is not a cost on every removal
-                limit = int(self.config.ghost_factor * len(self._book.sizes)) + 16
-                self._ghost_limit = limit
-                while len(ghost) > limit - limit // 8:
-                    ghost.popitem(last=False)
+            ghost.add(key)
+            if len(ghost) >= self._ghost_half:
+                # the full generation becomes the older; the older is forgotten whole, so
+                # the ghost holds between 2/3 and 4/3 of ghost_factor x the resident pages
+                self._ghost_old = ghost
+                self._ghost = set()
+                factor = self.config.ghost_factor
+                self._ghost_half = int(factor * len(self._book.sizes) * 2 / 3) + 8
         finally:
             self._release()
 
@@ -145,6 +151,14 @@ class SLRUPolicy(EvictionPolicy):
         finally:
             self._release()
 
+    def remembered(self) -> int:
+        """How many evicted keys the ghost remembers now (its memory, for tests and stats)."""
+        self._acquire()
+        try:
+            return len(self._ghost) + len(self._ghost_old)
+        finally:
+            self._release()
+
     def __contains__(self, key: object) -> bool:
         return key in self._book.sizes
 
@@ -165,5 +179,5 @@ class SLRUPolicy(EvictionPolicy):
     def __repr__(self) -> str:
         return (
             f"SLRUPolicy(probation={len(self._probation)}, protected={len(self._protected)}, "
-            f"ghost={len(self._ghost)}, nbytes={self.nbytes})"
+            f"ghost={len(self._ghost) + len(self._ghost_old)}, nbytes={self.nbytes})"
         )
