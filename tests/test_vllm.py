@@ -312,7 +312,11 @@ def test_flipped_bit_is_recomputed_and_counted(
     assert worker("load_failed_pages") == 1
     assert worker("store_invalid") == 1
     assert worker("store_invalid_corrupt_checksum") == 1
-    assert worker("load_hit_pages") == len(PREFIX) // BLOCK - 1
+    # the request failed as a whole: vLLM looked it up again and counted as cached only
+    # the pages before the bad one (read a second time), never the promised prefix
+    assert worker("load_failed_requests") == 1
+    assert file_run["c"]["cached"] == [FLIPPED_PAGE * BLOCK]
+    assert worker("load_hit_pages") == len(PREFIX) // BLOCK - 1 + FLIPPED_PAGE
     # the bad page was recomputed from it on, and stored again
     assert worker("save_stored_pages") >= 1
     after = _delta(file_run, "d", "c", "worker")

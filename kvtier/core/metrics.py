@@ -368,8 +368,8 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
                 ("load_requests", "Requests whose load ended (reported to vLLM as received)."),
                 (
                     "load_failed_requests",
-                    "Requests reported to vLLM as failed loads (none of their pages verified, "
-                    "or a hybrid model's): vLLM looks them up again and recomputes.",
+                    "Requests reported to vLLM as failed loads (a page missing or failing "
+                    "verification): vLLM looks them up again and counts only what verified.",
                 ),
                 (
                     "load_deleted_pages",

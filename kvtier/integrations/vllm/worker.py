@@ -271,9 +271,10 @@ class WorkerSide(RankWorker):
 
         The blocks of pages that did not verify are recorded by then
         (:meth:`pop_load_errors`), as vLLM wants them no later than the same pass. A
-        request is failed per request when none of its pages verified (so vLLM looks it
-        up again and reports only what verified as cached) or when the model has several
-        KV cache groups (vLLM takes no block errors there).
+        request with a page that did not verify is also failed per request: vLLM looks it
+        up again (the bad page is distrusted, and deleted when proven bad) and counts as
+        cached only the pages before it, which it reads again; with several KV cache groups
+        vLLM takes no block errors, so this is the only report there.
         """
         if wait_s > 0 and self._loads and not self._ended_loads:
             futures_wait([batch.future for batch in self._loads], wait_s, FIRST_COMPLETED)
@@ -327,7 +328,7 @@ class WorkerSide(RankWorker):
             failed = [(op, bad) for op, bad in ops if bad]
             for op, bad in failed:
                 self._failed(op, bad)
-            if failed and (self.groups > 1 or all(len(bad) == len(op.keys) for op, bad in ops)):
+            if failed:  # vLLM looks it up again: only what verified counts as cached
                 self._failed_loads.add(req_id)
                 self.counters.add("load_failed_requests")
         if batch.released.is_set():
