@@ -1,7 +1,7 @@
 """kvtier's vLLM connector vs recomputing the prefix vs vLLM's own ExampleConnector.
 
 Usage: ``python benchmarks/vllm.py [--quick] [--workload shared|trace|miss|all] [--reps N]
-[--requests N] [--trace-every K]``, with any python: the engines run with the vLLM
+[--requests N] [--trace-every K] [--backend NAME]``, with any python: the engines run with the vLLM
 environment's python (``scripts/install-vllm.sh``: ``.venv-vllm`` or ``$KVTIER_VLLM_VENV``).
 One JSON object per line on stdout, a table on stderr.
 
@@ -11,7 +11,8 @@ Model: a random-weight Llama built here (no download): 4 layers, hidden 512, 8 h
 holds one KV connector), started once per workload and driven in turn, round by round, so
 all see the same machine conditions:
 
-- ``kvtier``: ``KvtierConnector`` on the ``file`` backend in a temporary directory, full
+- ``kvtier``: ``KvtierConnector`` on the ``file`` backend (``--backend``: another, such as
+  ``segment``, which packs a prefix's pages into one segment file) in a temporary directory, full
   verification (every page's checksum checked on load), pages persisted as files;
 - ``recompute``: no connector, vLLM computes what its own prefix cache does not hold;
 - ``example``: vLLM's ``ExampleConnector``, which stores each layer's KV as safetensors
@@ -77,7 +78,11 @@ MODELS = {
 # --- the engine side (runs with the vLLM environment's python) ---------------------------
 
 
-def _transfer_config(kind: str, store: Path) -> dict[str, Any] | None:
+#: kvtier's storage backend in this run (``--backend``).
+BACKEND = ["file"]
+
+
+def _transfer_config(kind: str, store: Path, backend: str = "file") -> dict[str, Any] | None:
     if kind == "kvtier":
         return {
             "kv_connector": "KvtierConnector",
@@ -85,7 +90,7 @@ def _transfer_config(kind: str, store: Path) -> dict[str, Any] | None:
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
-                "kvtier": {"backend": "file", "extra_config": {"root": str(store)}}
+                "kvtier": {"backend": backend, "extra_config": {"root": str(store)}}
             },
         }
     if kind == "example":
@@ -152,7 +157,7 @@ def serve(kind: str, model: str, store: Path, options: dict[str, Any]) -> None:
     from vllm.inputs import TokensPrompt
 
     kwargs: dict[str, Any] = {}
-    transfer = _transfer_config(kind, store)
+    transfer = _transfer_config(kind, store, str(options.get("backend", "file")))
     if transfer is not None:
         kwargs["kv_transfer_config"] = transfer
     if kind == "example":
@@ -252,7 +257,7 @@ def _start(
     kinds: tuple[str, ...], python: Path, model: Path, work: Path, options: dict[str, Any]
 ) -> list[_Engine]:
     spec = json.loads((model / "kvtier-tiny-model.json").read_text())
-    options = {**options, "layers": spec["layers"]}
+    options = {**options, "layers": spec["layers"], "backend": BACKEND[0]}
     engines = [_Engine(k, python, model, work / k, options) for k in kinds]
     for engine in engines:  # one at a time: start-up is CPU bound
         engine.ready()
@@ -316,6 +321,7 @@ def _line(
         "unit": unit,
         "ratio": round(ratio, 3),
         "target": target,
+        "backend": BACKEND[0],
     }
     print(json.dumps(row), flush=True)
     print(
@@ -603,8 +609,14 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--trace-every", type=int, default=None)
     parser.add_argument("--block-tokens", type=int, default=None)
+    parser.add_argument(
+        "--backend",
+        default="file",
+        help="kvtier's storage backend (file, segment, uring, ...; default file)",
+    )
     parser.add_argument("--serve", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    BACKEND[0] = args.backend
     if args.serve:
         kind, model, store, options = args.serve
         serve(kind, model, Path(store), json.loads(options))
