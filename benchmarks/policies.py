@@ -48,7 +48,7 @@ import json
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,6 +144,16 @@ SEEN, OFFER, ADMIT = range(7, 10)
 Call = tuple[int, Any, Any]
 
 
+def leading_hits(keys: Sequence[str], cache: Container[str]) -> int:
+    """How many of ``keys``, from the first, ``cache`` holds: a request's prefix hit ends
+    at its first missing block."""
+    k = 0
+    n = len(keys)
+    while k < n and keys[k] in cache:
+        k += 1
+    return k
+
+
 def replay(
     trace: Trace,
     capacity_blocks: int,
@@ -159,10 +169,7 @@ def replay(
     overflows = 0
     for request in trace.requests:
         keys = request.keys
-        n = len(keys)
-        k = 0
-        while k < n and keys[k] in eviction:
-            k += 1
+        k = leading_hits(keys, eviction)
         if log is not None:
             for key in keys[: k + 1]:
                 log((CONTAINS, key, None))
@@ -288,12 +295,8 @@ def optimum(trace: Trace, capacity_blocks: int) -> float:
     hit_tokens = 0
     position = 0
     for request in trace.requests:
-        keys = request.keys
-        k = 0
-        while k < len(keys) and keys[k] in resident:
-            k += 1
-        hit_tokens += sum(request.tokens[:k])
-        for key in keys:
+        hit_tokens += sum(request.tokens[: leading_hits(request.keys, resident)])
+        for key in request.keys:
             upcoming = following[position]
             position += 1
             resident[key] = upcoming
@@ -319,12 +322,8 @@ def reuse_oracle(trace: Trace, capacity_blocks: int) -> float:
     hit_tokens = 0
     position = 0
     for request in trace.requests:
-        keys = request.keys
-        k = 0
-        while k < len(keys) and keys[k] in resident:
-            k += 1
-        hit_tokens += sum(request.tokens[:k])
-        for key in keys:
+        hit_tokens += sum(request.tokens[: leading_hits(request.keys, resident)])
+        for key in request.keys:
             if key in resident:
                 resident.move_to_end(key)
             elif again[position]:

@@ -21,7 +21,9 @@ the policy.
 
 :class:`LRUPolicy`, the reference eviction policy, lives here rather than among the other
 built-ins (:mod:`kvtier.policies`) because every backend's capacity uses it when it is
-given no policy, and backends import only the core.
+given no policy, and backends import only the core. So do the frames the built-ins share:
+:class:`LockedEviction` (the lock, and the calls that only take it) and
+:class:`BookEviction` (that, over a :class:`PageBook`).
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from pydantic import BaseModel
 
 __all__ = [
     "AdmissionPolicy",
+    "BookEviction",
     "EvictionPolicy",
     "LRUPolicy",
+    "LockedEviction",
     "PageBook",
     "PageInfo",
     "never_pinned",
@@ -292,22 +296,59 @@ class PageBook:
             del self._by_tenant[tenant]
 
 
-class LRUPolicy(EvictionPolicy):
-    """Least recently used first: inserts and hits move a page to the back of one queue.
+class LockedEviction(EvictionPolicy):
+    """The frame of kvtier's built-in eviction policies: one lock, taken once per call.
 
-    The reference eviction policy, and what a backend's ``capacity_bytes`` uses when no
-    policy is given. One lock per call (describing a page not resident yet takes none: see
-    :meth:`PageBook.hold_unlocked`); each call is O(1) but ``choose_victims``, which
-    walks from the least recently used page past pinned pages and other tenants' pages.
+    A subclass keeps its state under the lock, taking it with ``self._acquire()`` and
+    ``self._release()`` in ``try``/``finally`` (half what a ``with`` costs on each call),
+    and writes the two answers that need nothing but the lock as :meth:`_victims` and
+    :meth:`_tenant_bytes`, which this frame calls with the lock held.
     """
 
-    def __init__(self, config: BaseModel | None = None) -> None:
-        self.config = config
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        # acquire()/release() in try/finally: half what a `with` costs on each call
         self._acquire, self._release = self._lock.acquire, self._lock.release
+
+    def choose_victims(
+        self,
+        nbytes: int,
+        *,
+        pinned: Callable[[str], bool] = never_pinned,
+        tenant: str | None = None,
+    ) -> list[str]:
+        self._acquire()
+        try:
+            return self._victims(nbytes, pinned, tenant)
+        finally:
+            self._release()
+
+    @abstractmethod
+    def _victims(self, nbytes: int, pinned: Callable[[str], bool], tenant: str | None) -> list[str]:
+        """:meth:`choose_victims`, called with the lock held."""
+
+    def tenant_bytes(self, tenant: str | None) -> int:
+        self._acquire()
+        try:
+            return self._tenant_bytes(tenant)
+        finally:
+            self._release()
+
+    @abstractmethod
+    def _tenant_bytes(self, tenant: str | None) -> int:
+        """:meth:`tenant_bytes`, called with the lock held."""
+
+
+class BookEviction(LockedEviction):
+    """A :class:`LockedEviction` whose resident pages are a :class:`PageBook` (``_book``).
+
+    It answers what only the book knows (describing a page, whether a page is resident,
+    how many, their bytes and a tenant's); a subclass keeps its order of the pages
+    beside the book and writes the ``record_*`` calls and :meth:`_victims`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
         self._book = PageBook()
-        self._order: OrderedDict[str, None] = OrderedDict()
 
     def describe(self, key: str, info: PageInfo) -> None:
         if self._book.hold_unlocked(key, info):
@@ -317,6 +358,34 @@ class LRUPolicy(EvictionPolicy):
             self._book.describe(key, info)
         finally:
             self._release()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._book.sizes
+
+    def __len__(self) -> int:
+        return len(self._book.sizes)
+
+    @property
+    def nbytes(self) -> int:
+        return self._book.total
+
+    def _tenant_bytes(self, tenant: str | None) -> int:
+        return self._book.tenant_bytes(tenant)
+
+
+class LRUPolicy(BookEviction):
+    """Least recently used first: inserts and hits move a page to the back of one queue.
+
+    The reference eviction policy, and what a backend's ``capacity_bytes`` uses when no
+    policy is given. One lock per call (describing a page not resident yet takes none: see
+    :meth:`PageBook.hold_unlocked`); each call is O(1) but ``choose_victims``, which
+    walks from the least recently used page past pinned pages and other tenants' pages.
+    """
+
+    def __init__(self, config: BaseModel | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self._order: OrderedDict[str, None] = OrderedDict()
 
     def record_insert(self, key: str, nbytes: int) -> None:
         self._acquire()
@@ -343,41 +412,14 @@ class LRUPolicy(EvictionPolicy):
         finally:
             self._release()
 
-    def choose_victims(
-        self,
-        nbytes: int,
-        *,
-        pinned: Callable[[str], bool] = never_pinned,
-        tenant: str | None = None,
-    ) -> list[str]:
-        self._acquire()
-        try:
-            return self._book.pick((self._order,), nbytes, pinned, tenant)
-        finally:
-            self._release()
+    def _victims(self, nbytes: int, pinned: Callable[[str], bool], tenant: str | None) -> list[str]:
+        return self._book.pick((self._order,), nbytes, pinned, tenant)
 
     def order(self) -> list[str]:
         """The resident keys, least recently used first."""
         self._acquire()
         try:
             return list(self._order)
-        finally:
-            self._release()
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._book.sizes
-
-    def __len__(self) -> int:
-        return len(self._book.sizes)
-
-    @property
-    def nbytes(self) -> int:
-        return self._book.total
-
-    def tenant_bytes(self, tenant: str | None) -> int:
-        self._acquire()
-        try:
-            return self._book.tenant_bytes(tenant)
         finally:
             self._release()
 

@@ -27,6 +27,16 @@ _CEILING = 255
 _HALVED = bytes(value >> 1 for value in range(256))
 
 
+def _lowest(table: bytearray, slots: tuple[int, ...]) -> int:
+    """The smallest of ``table``'s counters at ``slots``: a key's count as the sketch
+    estimates it (collisions only add to a counter, so the smallest is the closest)."""
+    low = _CEILING
+    for slot in slots:
+        if table[slot] < low:
+            low = table[slot]
+    return low
+
+
 class FrequencyAdmission(AdmissionPolicy):
     """Admission by access count, counted in a bounded count-min sketch.
 
@@ -77,10 +87,7 @@ class FrequencyAdmission(AdmissionPolicy):
         self._acquire()
         try:
             table = self._table
-            low = _CEILING
-            for slot in slots:
-                if table[slot] < low:
-                    low = table[slot]
+            low = _lowest(table, slots)
             if low < _CEILING:
                 for slot in slots:
                     if table[slot] == low:  # conservative update: only the smallest counters
@@ -98,12 +105,7 @@ class FrequencyAdmission(AdmissionPolicy):
         slots = self._slots(key)
         self._acquire()
         try:
-            table = self._table
-            low = _CEILING
-            for slot in slots:
-                if table[slot] < low:
-                    low = table[slot]
-            return low
+            return _lowest(self._table, slots)
         finally:
             self._release()
 

@@ -53,13 +53,13 @@ so that finding a page's parent and its children costs no extra look-up.
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.core.policy import EvictionPolicy, PageInfo, never_pinned
+from kvtier.core.policy import LockedEviction, PageInfo, never_pinned
 from kvtier.policies.config import PrefixConfig
+from kvtier.policies.ghost import Ghost
 
 __all__ = ["PrefixPolicy"]
 
@@ -108,7 +108,7 @@ def _sentinel() -> list[Any]:
     return node
 
 
-class PrefixPolicy(EvictionPolicy):
+class PrefixPolicy(LockedEviction):
     """Prefix-chain-aware, reuse-levelled eviction (see the module docstring).
 
     Memory: per resident page one node of ten slots (its links, level, parent,
@@ -120,6 +120,7 @@ class PrefixPolicy(EvictionPolicy):
     """
 
     def __init__(self, config: PrefixConfig | None = None) -> None:
+        super().__init__()
         self.config = config or PrefixConfig()
         self._top = self.config.levels
         #: The protected levels' share now: ``protected_fraction``, or where the duel with
@@ -136,10 +137,6 @@ class PrefixPolicy(EvictionPolicy):
         self._duel_ours = 0
         self._duel_lru = 0
         self._orphans_first = self.config.orphans_first
-        self._ghost_factor = self.config.ghost_factor
-        self._lock = threading.Lock()
-        # acquire()/release() in try/finally: half what a `with` costs on each call
-        self._acquire, self._release = self._lock.acquire, self._lock.release
         #: Queue i < top + 1 holds level i; queue ``_orphans`` (the last) the orphans.
         self._orphans = self._top + 1
         #: The order victims are taken in: orphans, then level 0 up.
@@ -153,12 +150,8 @@ class PrefixPolicy(EvictionPolicy):
         self._pending: dict[str, PageInfo] = {}  # described, not resident yet; oldest first
         #: A parent that is not resident -> its resident children (for when it comes).
         self._waiting: dict[str, Children] = {}
-        #: Evicted key -> its level << 1 | whether the duel samples it, in two
-        #: generations: keys go into the newer; when it is full it becomes the older and
-        #: the older is dropped whole (no per-key trim).
-        self._ghost: dict[str, int] = {}
-        self._ghost_old: dict[str, int] = {}
-        self._ghost_half = 8  # keys a generation holds; recomputed as each one closes
+        #: Evicted key -> its level << 1 | whether the duel samples it.
+        self._ghost = Ghost(self.config)
         self._promoted = False  # a page went up a level since the last _balance
 
     # --- what the tier tells -------------------------------------------------------
@@ -225,11 +218,8 @@ class PrefixPolicy(EvictionPolicy):
                 tenant = info.tenant
                 if info.parent != key:
                     parent = info.parent
-            remembered = self._ghost.pop(key, None)
-            if self._ghost_old:
-                older_level = self._ghost_old.pop(key, None)
-                if remembered is None:
-                    remembered = older_level
+            ghost = self._ghost
+            remembered = ghost.pop(key) if key in ghost.newer or key in ghost.older else None
             level = 0
             if remembered is not None:  # its level, and whether the duel samples it
                 level = min(self._top, (remembered >> 1) + 1)
@@ -346,51 +336,41 @@ class PrefixPolicy(EvictionPolicy):
                 if self._orphans_first:
                     self._orphan(children)
             ghost = self._ghost
-            ghost[key] = level << 1 | node[_SAMPLED]  # never a resident key in the newer one
-            if len(ghost) >= self._ghost_half:
-                self._next_ghost()
+            ghost.newer[key] = level << 1 | node[_SAMPLED]  # never a resident key in it
+            if len(ghost.newer) >= ghost.half:
+                ghost.close(len(self._nodes))
         finally:
             self._release()
 
     # --- the answer ----------------------------------------------------------------
 
-    def choose_victims(
-        self,
-        nbytes: int,
-        *,
-        pinned: Callable[[str], bool] = never_pinned,
-        tenant: str | None = None,
-    ) -> list[str]:
-        self._acquire()
-        try:
-            if self._promoted:
-                self._balance()
-            victims: list[str] = []
-            if nbytes <= 0:
-                return victims
-            freed = 0
-            if tenant is None and pinned is never_pinned:  # the usual call: oldest first
-                for head in self._order_heads:
-                    node = head[_NEWER]
-                    while node is not head:
-                        victims.append(node[_KEY])
-                        freed += node[_SIZE]
-                        if freed >= nbytes:
-                            return victims
-                        node = node[_NEWER]
-                return victims
+    def _victims(self, nbytes: int, pinned: Callable[[str], bool], tenant: str | None) -> list[str]:
+        if self._promoted:
+            self._balance()
+        victims: list[str] = []
+        if nbytes <= 0:
+            return victims
+        freed = 0
+        if tenant is None and pinned is never_pinned:  # the usual call: oldest first
             for head in self._order_heads:
                 node = head[_NEWER]
                 while node is not head:
+                    victims.append(node[_KEY])
+                    freed += node[_SIZE]
                     if freed >= nbytes:
                         return victims
-                    if (tenant is None or node[_TENANT] == tenant) and not pinned(node[_KEY]):
-                        victims.append(node[_KEY])
-                        freed += node[_SIZE]
                     node = node[_NEWER]
             return victims
-        finally:
-            self._release()
+        for head in self._order_heads:
+            node = head[_NEWER]
+            while node is not head:
+                if freed >= nbytes:
+                    return victims
+                if (tenant is None or node[_TENANT] == tenant) and not pinned(node[_KEY]):
+                    victims.append(node[_KEY])
+                    freed += node[_SIZE]
+                node = node[_NEWER]
+        return victims
 
     # --- bookkeeping (under the lock) ----------------------------------------------
 
@@ -526,15 +506,6 @@ class PrefixPolicy(EvictionPolicy):
         self._share = self._fraction / self._top
         self._promoted = True  # the next choice of victims balances the levels to it
 
-    def _next_ghost(self) -> None:
-        """Close the full generation of the ghost: it becomes the older one, the older
-        one is forgotten whole. Each generation holds 2/3 of ``ghost_factor`` x the
-        resident pages, plus 8, so the ghost remembers between 2/3 and 4/3 of that many
-        of the most recently evicted keys (about as many on average), at no cost per key."""
-        self._ghost_old = self._ghost
-        self._ghost = {}
-        self._ghost_half = int(self._ghost_factor * len(self._nodes) * 2 / 3) + 8
-
     # --- what the tier asks ----------------------------------------------------------
 
     def __contains__(self, key: object) -> bool:
@@ -547,22 +518,15 @@ class PrefixPolicy(EvictionPolicy):
     def nbytes(self) -> int:
         return self._total
 
-    def tenant_bytes(self, tenant: str | None) -> int:
-        self._acquire()
-        try:
-            if tenant is None:
-                return self._total - sum(self._by_tenant.values())
-            return self._by_tenant.get(tenant, 0)
-        finally:
-            self._release()
+    def _tenant_bytes(self, tenant: str | None) -> int:
+        if tenant is None:
+            return self._total - sum(self._by_tenant.values())
+        return self._by_tenant.get(tenant, 0)
 
     def remembered(self) -> int:
         """How many evicted keys the ghost remembers now (its memory, for tests and stats)."""
-        self._acquire()
-        try:
-            return len(self._ghost) + len(self._ghost_old)
-        finally:
-            self._release()
+        with self._lock:
+            return len(self._ghost)
 
     @property
     def protected_fraction(self) -> float:
@@ -584,6 +548,6 @@ class PrefixPolicy(EvictionPolicy):
 
     def __repr__(self) -> str:
         return (
-            f"PrefixPolicy(pages={len(self)}, ghost={len(self._ghost) + len(self._ghost_old)}, "
+            f"PrefixPolicy(pages={len(self)}, ghost={len(self._ghost)}, "
             f"nbytes={self.nbytes}, levels={self._top})"
         )

@@ -7,8 +7,9 @@ used first, then from protected; when victims are chosen, protected holds at mos
 to probation beyond that. So a
 scan of pages used once passes through probation without displacing the pages used
 twice, and a page evicted too early is protected when it returns. The ghost remembers
-about ``ghost_factor`` x the resident page count of evicted keys, in two generations of
-sets, the older forgotten whole when the newer fills (no trim per key).
+about ``ghost_factor`` x the resident page count of evicted keys, in two generations
+(:class:`~kvtier.policies.ghost.Ghost`), the older forgotten whole when the newer fills
+(no trim per key).
 
 Why SLRU among the classic scan-resistant designs: on the Mooncake trace it measured
 best of the three candidates (S3-FIFO, SLRU, ARC) at every capacity; ``docs/tiers.md``
@@ -17,17 +18,17 @@ has the figures.
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from kvtier.core.policy import EvictionPolicy, PageBook, PageInfo, never_pinned
+from kvtier.core.policy import BookEviction
 from kvtier.policies.config import SLRUConfig
+from kvtier.policies.ghost import Ghost
 
 __all__ = ["SLRUPolicy"]
 
 
-class SLRUPolicy(EvictionPolicy):
+class SLRUPolicy(BookEviction):
     """Probation and protected LRU segments plus a bounded ghost (see the module docstring).
 
     One lock per call (describing a page not resident yet takes none: see
@@ -37,29 +38,13 @@ class SLRUPolicy(EvictionPolicy):
     """
 
     def __init__(self, config: SLRUConfig | None = None) -> None:
+        super().__init__()
         self.config = config or SLRUConfig()
-        self._lock = threading.Lock()
-        # acquire()/release() in try/finally: half what a `with` costs on each call
-        self._acquire, self._release = self._lock.acquire, self._lock.release
-        self._book = PageBook()
         self._probation: OrderedDict[str, None] = OrderedDict()
         self._protected: OrderedDict[str, None] = OrderedDict()
         self._protected_bytes = 0
-        #: Evicted keys in two generations: keys go into the newer; when it is full it
-        #: becomes the older and the older is dropped whole (no per-key trim).
-        self._ghost: set[str] = set()
-        self._ghost_old: set[str] = set()
-        self._ghost_half = 8  # keys a generation holds; recomputed as each one closes
+        self._ghost = Ghost(self.config)  # evicted keys (their value unused)
         self._promoted = False  # a page entered protected since the last _balance
-
-    def describe(self, key: str, info: PageInfo) -> None:
-        if self._book.hold_unlocked(key, info):
-            return
-        self._acquire()
-        try:
-            self._book.describe(key, info)
-        finally:
-            self._release()
 
     def record_insert(self, key: str, nbytes: int) -> None:
         self._acquire()
@@ -75,9 +60,9 @@ class SLRUPolicy(EvictionPolicy):
                     self._probation.move_to_end(key)
             else:
                 book.insert_new(key, nbytes)
-                if key in self._ghost or key in self._ghost_old:  # evicted too soon
-                    self._ghost.discard(key)
-                    self._ghost_old.discard(key)
+                ghost = self._ghost
+                if key in ghost.newer or key in ghost.older:  # evicted too soon
+                    ghost.pop(key)
                     self._protected[key] = None
                     self._protected_bytes += nbytes
                     self._promoted = True
@@ -111,14 +96,9 @@ class SLRUPolicy(EvictionPolicy):
             else:
                 del self._probation[key]
             ghost = self._ghost
-            ghost.add(key)
-            if len(ghost) >= self._ghost_half:
-                # the full generation becomes the older; the older is forgotten whole, so
-                # the ghost holds between 2/3 and 4/3 of ghost_factor x the resident pages
-                self._ghost_old = ghost
-                self._ghost = set()
-                factor = self.config.ghost_factor
-                self._ghost_half = int(factor * len(self._book.sizes) * 2 / 3) + 8
+            ghost.newer[key] = 0
+            if len(ghost.newer) >= ghost.half:
+                ghost.close(len(self._book.sizes))
         finally:
             self._release()
 
@@ -136,48 +116,18 @@ class SLRUPolicy(EvictionPolicy):
             self._protected_bytes -= sizes[key]
             self._probation[key] = None
 
-    def choose_victims(
-        self,
-        nbytes: int,
-        *,
-        pinned: Callable[[str], bool] = never_pinned,
-        tenant: str | None = None,
-    ) -> list[str]:
-        self._acquire()
-        try:
-            if self._promoted:
-                self._balance()
-            return self._book.pick((self._probation, self._protected), nbytes, pinned, tenant)
-        finally:
-            self._release()
+    def _victims(self, nbytes: int, pinned: Callable[[str], bool], tenant: str | None) -> list[str]:
+        if self._promoted:
+            self._balance()
+        return self._book.pick((self._probation, self._protected), nbytes, pinned, tenant)
 
     def remembered(self) -> int:
         """How many evicted keys the ghost remembers now (its memory, for tests and stats)."""
-        self._acquire()
-        try:
-            return len(self._ghost) + len(self._ghost_old)
-        finally:
-            self._release()
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._book.sizes
-
-    def __len__(self) -> int:
-        return len(self._book.sizes)
-
-    @property
-    def nbytes(self) -> int:
-        return self._book.total
-
-    def tenant_bytes(self, tenant: str | None) -> int:
-        self._acquire()
-        try:
-            return self._book.tenant_bytes(tenant)
-        finally:
-            self._release()
+        with self._lock:
+            return len(self._ghost)
 
     def __repr__(self) -> str:
         return (
             f"SLRUPolicy(probation={len(self._probation)}, protected={len(self._protected)}, "
-            f"ghost={len(self._ghost) + len(self._ghost_old)}, nbytes={self.nbytes})"
+            f"ghost={len(self._ghost)}, nbytes={self.nbytes})"
         )

@@ -29,7 +29,7 @@ from kvtier.backends.filestore.paths import (
 from kvtier.core.errors import ConfigError, KvtierError
 from kvtier.core.keys import validate_key
 
-__all__ = ["STALE_AGE", "ensure_private_dir", "prepare_store", "sweep_store"]
+__all__ = ["STALE_AGE", "ensure_private_dir", "pid_alive", "prepare_store", "sweep_store"]
 
 #: A temp file older than this (seconds) is stale even if its writer's pid is alive.
 STALE_AGE = 600.0
@@ -149,7 +149,9 @@ def _private_dir_of_ours(
     return True
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` may still run (one we may not signal counts as alive): a
+    temp file's writer that is gone left it behind."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -174,7 +176,7 @@ def _stale(pid: int, mtime: float, now: float, max_age: float) -> str | None:
     """Why a temp file of writer ``pid`` is stale, or None while its writer may be at work."""
     if pid == os.getpid() and mtime < STARTED - 1.0:
         return "left by an earlier process with this pid"
-    if pid != os.getpid() and not _pid_alive(pid):
+    if pid != os.getpid() and not pid_alive(pid):
         return f"left by writer pid {pid}, which is gone"
     if now - mtime >= max_age:
         return f"older than {max_age:.0f} s"

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.backends.filestore.slices import CPUS, Slices
+from kvtier.backends.filestore.writes import pieces
 from kvtier.backends.segment import format as fmt
 from kvtier.backends.segment.config import SegmentConfig
 from kvtier.backends.segment.format import ERASED
@@ -283,7 +284,7 @@ class SegmentBackend(StorageBackend):
         when the run is not all in the page cache. A large page is read piece by piece,
         each piece handed to the core as it lands; the first pass stops at the first
         piece not in the page cache and notes in ``progress`` where the second resumes."""
-        pieces = on_payload is not None and len(which) == 1 and nbytes > 2 * PIECE
+        by_pieces = on_payload is not None and len(which) == 1 and nbytes > 2 * PIECE
         fd = self._store.fd_of(seg)
         if fd is None:  # another process reclaimed the segment: its pages are gone
             for i in which:
@@ -293,7 +294,7 @@ class SegmentBackend(StorageBackend):
             self._counters.add("get_gone", len(which))
             return []
         try:
-            if pieces:
+            if by_pieces:
                 index = which[0]
                 start = progress.get(index, 0) if progress is not None else 0
                 flags = os.RWF_NOWAIT if nowait else 0
@@ -370,7 +371,7 @@ class SegmentBackend(StorageBackend):
             if got != page[0].nbytes:
                 return 0
         at = page[0].nbytes
-        for piece in _pieces(page[1:], PIECE):
+        for piece in pieces(page[1:], PIECE):
             size = sum(v.nbytes for v in piece)
             if at < got:
                 at += size  # read and handed over by the first pass
@@ -555,22 +556,3 @@ class SegmentBackend(StorageBackend):
         self._appender.close()
         self._slices.close()
         self._store.close()
-
-
-def _pieces(views: list[memoryview], size: int) -> list[list[memoryview]]:
-    """``views`` cut into consecutive groups of about ``size`` bytes each."""
-    out: list[list[memoryview]] = []
-    current: list[memoryview] = []
-    room = size
-    for view in views:
-        while view.nbytes:
-            take = min(room, view.nbytes)
-            current.append(view[:take])
-            view = view[take:]
-            room -= take
-            if room == 0:
-                out.append(current)
-                current, room = [], size
-    if current:
-        out.append(current)
-    return out

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from kvtier.backends.filestore.debris import Debris, describe, kind_of, remove_entry
-from kvtier.backends.filestore.startup import prepare_store
+from kvtier.backends.filestore.startup import pid_alive, prepare_store
 from kvtier.backends.segment import format as fmt
 from kvtier.core.storage import Counters
 
@@ -135,16 +135,6 @@ class Segment:
 
 #: Where a key's newest version lives: (segment, data offset, length, seq, state offset).
 Loc: TypeAlias = tuple[Segment, int, int, int, int]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def try_lock(fd: int, kind: int) -> bool:
@@ -272,7 +262,7 @@ class SegmentStore:
         why = None
         if pid == os.getpid() and info.st_mtime < STARTED - 1.0:
             why = "left by an earlier process with this pid"
-        elif pid != os.getpid() and not _pid_alive(pid):
+        elif pid != os.getpid() and not pid_alive(pid):
             why = f"left by writer pid {pid}, which is gone"
         elif time.time() - info.st_mtime >= STALE_AGE:
             why = f"older than {STALE_AGE:.0f} s"

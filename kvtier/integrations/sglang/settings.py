@@ -10,13 +10,19 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from kvtier.core.errors import InvalidFieldError, MissingFieldError
 from kvtier.core.geometry import dtype_from_name, dtype_name
 from kvtier.core.tiers import TenantConfig, TierConfig
 from kvtier.core.validation import validate_model
-from kvtier.integrations.section import OPTIONS_AT, SECTION, EngineSection, find_section
+from kvtier.integrations.section import (
+    OPTIONS_AT,
+    SECTION,
+    EngineSection,
+    backend_of_tiers,
+    find_section,
+)
 from kvtier.plugins.registry import Registry
 
 __all__ = ["DOCS", "LABEL", "OPTIONS_AT", "SECTION", "SGLangSection", "read_section"]
@@ -109,23 +115,7 @@ class SGLangSection(EngineSection):
     @classmethod
     def _backend_of_tiers(cls, data: Any) -> Any:
         """With ``tiers``, ``backend`` is the first tier's (and may not be given too)."""
-        if not isinstance(data, Mapping) or not data.get("tiers"):
-            return data
-        both = sorted({"backend", "extra_config"} & set(data))
-        if both:
-            raise InvalidFieldError(
-                both[0],
-                "give either `backend` (with its `extra_config`) or `tiers`, not both: "
-                "with `tiers`, each tier names its backend and options",
-                value=data[both[0]],
-            )
-        tiers = data["tiers"]
-        first = tiers[0] if isinstance(tiers, (list, tuple)) else None
-        name = first.get("backend") if isinstance(first, Mapping) else None
-        if isinstance(first, BaseModel):
-            name = getattr(first, "backend", None)
-        # a tier without a backend name is reported at tiers[0].backend, not here
-        return {**data, "backend": name if isinstance(name, str) and name.strip() else "-"}
+        return backend_of_tiers(data)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> SGLangSection:

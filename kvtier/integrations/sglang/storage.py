@@ -396,14 +396,12 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
         """Read pages into the given flat page tensors; None for a miss or a bad page."""
-        state = self._require()
-        names = state.keys(keys)  # checked before anything else
-        if target_locations is None or len(target_locations) != len(names):
-            raise TransferError(
-                "kvtier's legacy get reads into the caller's tensors: pass one flat page "
-                "tensor per key (SGLang passes host_pool.get_dummy_flat_data_page())",
-                value=None if target_locations is None else len(target_locations),
-            )
+        state, _ = self._legacy_batch(
+            keys,
+            target_locations,
+            "kvtier's legacy get reads into the caller's tensors: pass one flat page "
+            "tensor per key (SGLang passes host_pool.get_dummy_flat_data_page())",
+        )
         tensors = [flat_page(t, state.pages, writable=True) for t in target_locations]
         results = self._generic("get", keys, tensors)
         return [t if ok else None for t, ok in zip(target_locations, results, strict=True)]
@@ -422,20 +420,30 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         target_sizes: Any = None,
     ) -> bool:
         """Store flat page tensors; True only if every page was stored."""
-        state = self._require()
-        names = state.keys(keys)  # checked before anything else
-        if values is None or len(values) != len(names):
-            raise TransferError(
-                "kvtier's legacy set stores the given tensors: pass one flat page tensor "
-                "per key (SGLang passes host_pool.get_data_page(index))",
-                value=None if values is None else len(values),
-            )
+        state, names = self._legacy_batch(
+            keys,
+            values,
+            "kvtier's legacy set stores the given tensors: pass one flat page tensor "
+            "per key (SGLang passes host_pool.get_data_page(index))",
+        )
         if not self.is_writer:
             self._counters.add("skipped_not_writer", len(names))
             return True
         tensors = [flat_page(v, state.pages, writable=False) for v in values]
         self._learn(keys, None)
         return all(self._generic("put", keys, tensors))
+
+    def _legacy_batch(
+        self, keys: list[str], tensors: Any, why: str
+    ) -> tuple[AttachedPool[SGLangPages], list[str]]:
+        """The attached pool and ``keys``' storage names for a legacy batch call, once the
+        keys are checked (before anything else) and ``tensors`` holds one tensor per key;
+        a :class:`TransferError` saying ``why`` otherwise."""
+        state = self._require()
+        names = state.keys(keys)
+        if tensors is None or len(tensors) != len(names):
+            raise TransferError(why, value=None if tensors is None else len(tensors))
+        return state, names
 
     def _generic(self, op: str, keys: list[str], tensors: list[torch.Tensor]) -> list[bool]:
         """Move caller tensors (one flat page each) as scratch pages of each KV page store."""
