@@ -10,7 +10,10 @@ as memory pressure would:
 - the *multiprocess* engine (vLLM's default): the next request arrives while the previous
   one's store is still in flight;
 - hybrid models under vLLM's hybrid allocator (gpt-oss and Gemma 3 style: sliding-window
-  and full-attention groups), an MLA model (DeepSeek-V2 style), and tensor parallelism 2.
+  and full-attention groups), an MLA model (DeepSeek-V2 style) on one rank and on two, and
+  tensor parallelism 2;
+- the state-space hybrids vLLM's CPU build runs (Granite 4.0-H style with its prefix cache
+  off, Qwen3-Next style), which kvtier refuses at start-up.
 
 Token comparisons are against a no-connector engine, or, for models and parallelism only
 run here, against the same prompt computed in the same engine before kvtier held it (the
@@ -230,6 +233,63 @@ def test_an_mla_model_is_served(python: Path, tmp_path_factory: pytest.TempPathF
     assert phases["flipped"]["tokens"] == phases["computed"]["tokens"]
     after = _delta(phases, "flipped", "loaded", "worker")
     assert (after("load_failed_pages"), after("load_deleted_pages")) == (1, 1)
+
+
+def test_an_mla_model_under_tensor_parallelism_2_writes_once_and_every_rank_loads(
+    python: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    model = _build(python, tmp_path_factory.mktemp("deepseek-tp2"), "deepseek")
+    engine = Engine(python, model, tmp_path_factory.mktemp("deepseek-tp2-jobs"))
+    root = tmp_path_factory.mktemp("mla-tp2") / "pages"
+    result = _same_prompt_run(engine, root, HYBRID, tp=2, log_stats=True)
+    block = result["block_size"]
+    assert block == 16  # vLLM's CPU MLA blocks, as with one rank
+    pages = (len(HYBRID) - 1) // block
+    phases = _phases(result)
+    assert phases["loaded"]["tokens"] == phases["computed"]["tokens"]
+    assert phases["loaded"]["cached"] == [pages * block]
+    # both ranks hold the same latent: rank 0 alone writes (the prompt's pages and the one
+    # its 8 tokens filled), with no rank suffix; rank 1 skips every page it would store
+    written = (len(HYBRID) + 8 - 1) // block
+    assert len(list(root.rglob("*.kv"))) == written and not list(root.rglob("*_r*of2.kv"))
+    computed = _logged(result["stdout"], "computed")
+    assert re.search(rf"kvtier_save_skipped_not_writer={written}\b", computed), computed
+    # every rank loads the shared pages into its own blocks
+    assert phases["loaded"]["scheduler"]["lookup_hit_pages"] == pages
+    loaded = _logged(result["stdout"], "loaded")
+    assert re.search(rf"kvtier_load_hit_pages={2 * pages}\b", loaded), loaded
+
+
+@pytest.mark.parametrize(
+    ("kind", "job"),
+    [
+        # Mamba-2 layers: vLLM's CPU build runs them with its prefix cache off only (its
+        # CPU prefill keeps no per-block state, which the prefix cache's "align" mode reads)
+        ("granite4", {"prefix_caching": False}),
+        ("qwen3-next", {}),  # gated delta net layers, vLLM's prefix cache on
+    ],
+)
+def test_a_state_space_hybrid_that_vllm_runs_is_refused_at_start_up(
+    kind: str, job: dict[str, Any], python: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """vLLM keeps a hybrid's recurrent state as a ``MambaSpec`` group beside attention;
+    kvtier stores no such state, so it refuses the model before anything is stored."""
+    model = _build(python, tmp_path_factory.mktemp(kind), kind, layers=4)
+    engine = Engine(python, model, tmp_path_factory.mktemp(f"{kind}-jobs"))
+    phase = {"name": "plain", "prompts": [HYBRID]}
+    plain = _phases(engine.run({"connector": None, "phases": [phase], **job}))["plain"]
+    assert len(plain["tokens"][0]) == 8  # vLLM's CPU build serves the model
+    root = tmp_path_factory.mktemp(f"{kind}-pages") / "pages"
+    refused = engine.run(_kvtier(root, [phase], **job))
+    error = refused.get("startup_error")
+    assert error is not None, "kvtier served a model whose Mamba state it does not store"
+    assert (error["type"], error["module"]) == ("UnsupportedCombinationError", "kvtier.core.errors")
+    assert error["message"].startswith(
+        "vLLM's KV cache has 2 group(s) of FullAttentionSpec, MambaSpec; "
+        "kvtier does not store a MambaSpec group"
+    )
+    assert "SlidingWindowSpec" in error["message"]  # what would work is listed
+    assert not list(root.rglob("*.kv"))
 
 
 def test_tensor_parallelism_2(llama: Engine, tmp_path: Path) -> None:

@@ -4,8 +4,13 @@
 --kv-heads K --intermediate I]``
 writes a Hugging Face checkpoint to DIR (seeded, so every run builds the same weights).
 ``--kind`` is ``llama`` (the default), ``gemma3`` or ``gpt-oss`` (hybrid: sliding-window and
-full-attention layers, window 64 tokens) or ``deepseek`` (MLA: a DeepSeek-V2-style latent
-KV of 512 + 64, the only size vLLM's CPU MLA kernel takes).
+full-attention layers, window 64 tokens), ``deepseek`` (MLA: a DeepSeek-V2-style latent
+KV of 512 + 64, the only size vLLM's CPU MLA kernel takes), or a hybrid of attention and
+state-space layers, alternating: ``granite4`` (Granite 4.0-H style, Mamba-2 layers, no
+experts; vLLM's CPU build runs it only with prefix caching off: its CPU Mamba-2 scan
+returns no per-chunk state, which the prefix cache reads) or ``qwen3-next`` (Qwen3-Next
+style, gated delta net layers of heads of 128, the size vLLM's CPU kernel takes: 32 is
+refused with "Unexpected head dim size").
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-KINDS = ("llama", "gemma3", "gpt-oss", "deepseek")
+KINDS = ("llama", "gemma3", "gpt-oss", "deepseek", "granite4", "qwen3-next")
 
 
 def _config(kind: str, spec: dict[str, int]) -> tuple[object, object]:
@@ -66,6 +71,35 @@ def _config(kind: str, spec: dict[str, int]) -> tuple[object, object]:
             topk_group=1,
         )
         return config, transformers.DeepseekV2ForCausalLM
+    if kind == "granite4":
+        config = transformers.GraniteMoeHybridConfig(
+            **common,
+            layer_types=["mamba", "attention"] * (layers // 2),
+            num_local_experts=0,
+            shared_intermediate_size=spec["intermediate"],
+            position_embedding_type="rope",
+            mamba_n_heads=2 * spec["hidden"] // 32,
+            mamba_d_head=32,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_chunk_size=64,
+        )
+        return config, transformers.GraniteMoeHybridForCausalLM
+    if kind == "qwen3-next":
+        config = transformers.Qwen3NextConfig(
+            **common,
+            head_dim=32,
+            layer_types=["linear_attention", "full_attention"] * (layers // 2),
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+        )
+        return config, transformers.Qwen3NextForCausalLM
     return transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
 
 
