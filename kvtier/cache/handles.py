@@ -80,7 +80,7 @@ class BackupHandle:
         with self._lock:
             self._writes_pending += 1
 
-    def write_ended(self, written: int, unwritten: int = 0) -> None:
+    def write_ended(self, written: int, unwritten: int) -> None:
         """One owed storage write ended: ``written`` pages stored, ``unwritten`` not."""
         with self._lock:
             self.pages_written += written
