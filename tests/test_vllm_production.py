@@ -221,10 +221,11 @@ def test_an_mla_model_is_served(python: Path, tmp_path_factory: pytest.TempPathF
         {"name": "flipped", "prompts": [prompt], "flip": {"tokens": prompt, "page": 5}, **RESET}
     ]
     result = _same_prompt_run(engine, tmp_path_factory.mktemp("mla") / "p", prompt, more=more)
-    # vLLM's CPU build runs MLA with blocks of 16 tokens whatever was asked: a page is one
+    # vLLM's CPU build picks MLA's block size itself, whatever was asked (16, or 32 on a
+    # CPU with AMX): a page is one block, so every count below is read from what it chose
     block = result["block_size"]
-    assert block == 16
     pages = (len(prompt) - 1) // block
+    assert pages > 5, f"the prompt must span more pages than the flipped one ({block=})"
     phases = _phases(result)
     assert phases["loaded"]["tokens"] == phases["computed"]["tokens"]
     assert phases["loaded"]["cached"] == [pages * block]
@@ -242,9 +243,9 @@ def test_an_mla_model_under_tensor_parallelism_2_writes_once_and_every_rank_load
     engine = Engine(python, model, tmp_path_factory.mktemp("deepseek-tp2-jobs"))
     root = tmp_path_factory.mktemp("mla-tp2") / "pages"
     result = _same_prompt_run(engine, root, HYBRID, tp=2, log_stats=True)
-    block = result["block_size"]
-    assert block == 16  # vLLM's CPU MLA blocks, as with one rank
+    block = result["block_size"]  # vLLM's CPU build chooses MLA's block size, as with one rank
     pages = (len(HYBRID) - 1) // block
+    assert pages >= 2, f"the prompt must span several pages ({block=})"
     phases = _phases(result)
     assert phases["loaded"]["tokens"] == phases["computed"]["tokens"]
     assert phases["loaded"]["cached"] == [pages * block]
