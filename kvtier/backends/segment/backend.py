@@ -388,7 +388,12 @@ class SegmentBackend(StorageBackend):
 
     def put_with(self, keys: Keys, pages: Pages, before_write: BeforeWrite) -> list[bool]:
         """``put``, calling ``before_write(i)`` in the thread about to write page ``i``
-        (the core writes its envelope there, just before the bytes are copied)."""
+        (the core writes its envelope there, just before the bytes are copied).
+
+        The results are true page by page: a batch is one or more records, and a record
+        that fails leaves the pages of the records before it stored (True) and its own
+        and the later ones unstored (False, never served).
+        """
         self._check_batch("put", keys, pages)
         count = len(keys)
         results = [False] * count
@@ -402,15 +407,29 @@ class SegmentBackend(StorageBackend):
                 size += view.nbytes
             sizes.append(size)
         i = 0
-        while i < count:
-            reservation = self._appender.reserve(sizes, i)
-            if isinstance(reservation, str):
-                self._counters.add(f"put_failed_{reservation}", count - i)
-                break
-            n = reservation.count
-            if self._write(reservation, keys, views, sizes, i, before_write):
-                results[i : i + n] = [True] * n
-            i += n
+        try:
+            while i < count:
+                reservation = self._appender.reserve(sizes, i)
+                if isinstance(reservation, str):
+                    self._counters.add(f"put_failed_{reservation}", count - i)
+                    break
+                n = reservation.count
+                if self._write(reservation, keys, views, sizes, i, before_write):
+                    results[i : i + n] = [True] * n
+                i += n
+        except Exception as exc:
+            if not any(results):
+                raise  # nothing stored: the caller's boundary counts the error
+            # some records are stored and served: say so, page by page
+            self._store.warn_once(
+                "put_failed_errors",
+                "segment backend: a put failed after %d of its %d pages were stored: %r",
+                sum(results),
+                count,
+                exc,
+                amount=count - i,
+            )
+            return results
         self._refresh(False)
         return results
 
@@ -423,7 +442,10 @@ class SegmentBackend(StorageBackend):
         first: int,
         before_write: BeforeWrite,
     ) -> bool:
-        """Write one record: its pages (envelopes first), then its header; index them."""
+        """Write one record: its pages (envelopes first), then its header; index them.
+
+        Whatever happens, the reservation is finished (a failed one stops appends to
+        its segment, which is then sealed once its other writes are done)."""
         store = self._store
         seg, offset, count = reservation.segment, reservation.offset, reservation.count
         last = first + count
@@ -433,6 +455,7 @@ class SegmentBackend(StorageBackend):
         seq = store.clock.next(count)
         seqs = range(seq, seq + count)
         fd = seg.fd
+        published = False
         try:
             try:
                 self._write_pages(fd, views, lengths, first, last, offset + head, before_write)
@@ -444,18 +467,22 @@ class SegmentBackend(StorageBackend):
                     os.fdatasync(fd)
             except OSError as exc:
                 self._write_failed(seg, offset, head + data, count, exc)
-                self._appender.finish(seg, failed=True)
                 return False
             locs: list[Loc] = []
             at = offset + head
             for j, length in enumerate(lengths):
                 locs.append((seg, at, length, seq + j, fmt.state_offset(offset, count, j)))
                 at += length
-            superseded = store.commit(keys[first:last], locs)
-            self._appender.finish(seg)
+            superseded, published = store.commit(keys[first:last], locs)
+            if not published:
+                # the segment left the store while this record was written (another
+                # instance's clear): the pages are not stored
+                self._counters.add("put_failed_errors", count)
+                return False
             if superseded:
                 store.mark_dead(superseded)
         finally:
+            self._appender.finish(seg, failed=not published)
             store.unpin([seg])
         self._counters.add("puts", count)
         self._counters.add("bytes_written", data)
@@ -505,9 +532,8 @@ class SegmentBackend(StorageBackend):
             exc,
             amount=count,
         )
-        skip = fmt.pack_record_header(seg.id, [], [], [span - fmt.ALIGN])
         with contextlib.suppress(OSError):
-            os.pwrite(seg.fd, skip, offset)
+            os.pwrite(seg.fd, fmt.pack_skip_record(seg.id, span), offset)
 
     def delete(self, keys: Keys) -> list[bool]:
         self._check_open()

@@ -24,11 +24,16 @@ which version it is (``seq``, the last writer's wins).
 
 A record is published by writing its data first and its header last: a writer killed
 in between leaves zeros (or a torn header, which fails its checksum) where the header
-belongs, and a scan stops there, so the pages are misses, never wrong bytes. A record
-with ``count == 0`` is a *skip* record: it spans space whose write failed, so scans step
-over it. A page's state byte goes DEAD when the page is deleted or a newer version is
-published; a deleted page's first 8 bytes (its envelope magic) become :data:`ERASED`
-as well, so a reader holding an old location finds no page.
+belongs, so the pages are misses, never wrong bytes. Records are reserved at the tail
+and written side by side, so such a hole may lie before records that were published
+(and acknowledged) after it: a scan of a segment nobody writes any more looks past a
+hole for the next valid header at an aligned offset (:func:`is_record_magic` at each
+:data:`ALIGN` boundary, then :func:`parse_record`), and never indexes the hole. A record
+with ``count == 0`` is a *skip* record (:func:`pack_skip_record`): it spans space whose
+write failed, so scans step over it without looking. A page's state byte goes DEAD
+when the page is deleted or a newer version is published; a deleted page's first 8
+bytes (its envelope magic) become :data:`ERASED` as well, so a reader holding an old
+location finds no page.
 """
 
 from __future__ import annotations
@@ -59,8 +64,10 @@ __all__ = [
     "Record",
     "align",
     "header_bytes",
+    "is_record_magic",
     "pack_record_header",
     "pack_segment_header",
+    "pack_skip_record",
     "parse_record",
     "parse_segment_header",
     "segment_name",
@@ -201,11 +208,28 @@ def pack_record_header(
 ) -> bytes:
     """The header of a record of these pages (every state LIVE), :func:`header_bytes` long.
 
-    ``keys`` are checked page keys (ASCII, at most 160 characters). No keys: a skip
-    record whose data spans ``lengths[0]`` bytes.
+    ``keys`` are checked page keys (ASCII, at most 160 characters), one length and one
+    sequence number each.
     """
     count = len(keys)
     data = sum(lengths)
+    return _pack_header(segment_id, count, data, keys, seqs, lengths)
+
+
+def pack_skip_record(segment_id: int, span: int) -> bytes:
+    """The header of a skip record over ``span`` bytes from its start (a reservation whose
+    write failed): scans step to the aligned end of the span without looking inside."""
+    return _pack_header(segment_id, 0, max(0, span - header_bytes(0)), (), (), ())
+
+
+def _pack_header(
+    segment_id: int,
+    count: int,
+    data: int,
+    keys: Sequence[str],
+    seqs: Sequence[int],
+    lengths: Sequence[int],
+) -> bytes:
     fixed = _FIXED.pack(RECORD_MAGIC, VERSION, count, header_bytes(count), segment_id, data)
     entries = b"".join(
         _ENTRY.pack(seq, length, len(key), key.encode("ascii"))
@@ -216,6 +240,12 @@ def pack_record_header(
     digest.update(entries)
     head = b"".join((fixed, _SUM.pack(digest.intdigest()), entries, bytes(count)))
     return head + bytes(header_bytes(count) - len(head))
+
+
+def is_record_magic(data: bytes | memoryview, at: int = 0) -> bool:
+    """Whether a record header's magic starts at ``data[at:]`` (a candidate a scan that
+    looks past a hole parses in full)."""
+    return data[at : at + len(RECORD_MAGIC)] == RECORD_MAGIC
 
 
 def parse_record(data: bytes, offset: int, segment_id: int) -> tuple[Record | None, int]:

@@ -18,6 +18,11 @@ exclusive lock before removing a segment.
 Readers never lock: a record is immutable once published, a segment is never reused,
 and a segment is removed by ``unlink`` only, so a reader holding its descriptor reads
 the old page; one that opens it after the unlink finds no file (a miss).
+
+Nothing is ever written into a segment that another name can reach (a hard link made
+from outside the store) or that its name no longer reaches (removed by another
+instance's ``clear``): :meth:`SegmentStore.alone` checks before each write; a linked
+segment leaves the store instead (:meth:`SegmentStore.disown`).
 """
 
 from __future__ import annotations
@@ -44,7 +49,11 @@ from kvtier.core.storage import Counters
 if TYPE_CHECKING:
     from kvtier.core.policy import EvictionPolicy
 
-__all__ = ["COUNTERS", "Loc", "Segment", "SegmentStore"]
+__all__ = ["ALONE", "COUNTERS", "GONE", "LINKED", "Loc", "Segment", "SegmentStore"]
+
+#: What :meth:`SegmentStore.alone` finds: only the store's name reaches the file; the
+#: name is gone (removed, or now another file); another name reaches it (a hard link).
+ALONE, GONE, LINKED = "alone", "gone", "linked"
 
 #: Every counter ``stats()`` reports, present (zero) from the start so names are stable.
 COUNTERS = (
@@ -67,7 +76,10 @@ COUNTERS = (
     "pages_found_at_start",
     "segments_found_at_start",
     "segments_torn",
+    "holes_skipped",
     "segments_bad",
+    "segments_linked",
+    "segments_removed_by_others",
     "get_size_mismatch",
     "get_short_reads",
     "get_gone",
@@ -92,6 +104,8 @@ STARTED = time.time()
 #: Bytes read at a record header in one call: a record of up to 43 pages; a larger one
 #: (up to 512 pages, ~95 KiB) takes a second read.
 HEADER_READ = 8 << 10
+#: Bytes read at a time while a scan looks past a hole for the next record header.
+HUNT_READ = 1 << 20
 #: Most segment descriptors kept open; the least recently used idle ones are closed.
 MAX_OPEN = 512
 #: A directory listed less than this long after its last change may change again within
@@ -298,7 +312,7 @@ class SegmentStore:
                     self.dir_fd, name, st, self.debris, path, kind="foreign_files", what=what
                 )
                 return None
-            if stat.S_IMODE(st.st_mode) != 0o600:
+            if stat.S_IMODE(st.st_mode) != 0o600 and st.st_nlink == 1:
                 os.fchmod(fd, 0o600)
                 what = f"a segment with mode {stat.S_IMODE(st.st_mode):o}"
                 self.debris.found("modes_fixed", path, what, "mode reset to 0600")
@@ -376,20 +390,28 @@ class SegmentStore:
         return time.monotonic() - self._last_refresh >= REFRESH_PERIOD_S
 
     def _scan(self, seg: Segment, fd: int) -> None:
-        """Read ``seg``'s record headers from its cursor on and index their pages."""
+        """Read ``seg``'s record headers from its cursor on and index their pages.
+
+        A hole (zeros, a torn header, a header whose data the file does not hold) ends
+        the scan of a segment another process still writes: it is a write in flight,
+        and the next scan starts there again. In a sealed segment nothing will fill it,
+        so the scan looks past it for the next valid record header (records are
+        written side by side, so one published after the hole began, a put already
+        acknowledged, may follow it); the hole itself is never indexed.
+        """
         try:
             size = os.fstat(fd).st_size
         except OSError:
             return
         offset = seg.cursor
         records: list[fmt.Record] = []
+        holes = 0
         while offset + fmt.FIXED_BYTES <= size:
             try:
-                data = os.pread(fd, HEADER_READ, offset)
-                record, need = fmt.parse_record(data, offset, seg.id)
-                if record is None and need > 0:
-                    data = os.pread(fd, need, offset)
-                    record, need = fmt.parse_record(data, offset, seg.id)
+                record = self._record_at(fd, seg, offset, size)
+                if record is None and seg.sealed:
+                    record = self._next_record(fd, seg, fmt.align(offset + 1), size)
+                    holes += 1
             except OSError as exc:
                 self.warn_once(
                     "get_errors", "segment backend: reading %s failed: %s", seg.name, exc
@@ -397,8 +419,6 @@ class SegmentStore:
                 break
             if record is None:
                 break
-            if offset + record.header_bytes + record.data_bytes > size:
-                break  # the header is there but not all its data: truncated, or torn
             records.append(record)
             offset = record.end
         with self.lock:
@@ -411,17 +431,48 @@ class SegmentStore:
             for pages in fresh:
                 for key, nbytes in pages:
                     self.policy.record_insert(key, nbytes)
-        if offset < size and not seg.torn and seg.sealed:
+        if holes:
+            self.counters.add("holes_skipped", holes)
+        if (holes or offset < size) and not seg.torn and seg.sealed:
             seg.torn = True
             self.counters.add("segments_torn")
             self.log.warning(
-                "segment backend: %s/%s: nothing valid after byte %d of %d (a torn tail or "
-                "a truncated record); the pages there are misses",
+                "segment backend: %s/%s: %d hole(s) (a torn tail, a truncated record, or a "
+                "write that never finished) in %d bytes; the pages there are misses, the "
+                "records after them are served",
                 self.path,
                 seg.name,
-                offset,
+                holes,
                 size,
             )
+
+    def _record_at(self, fd: int, seg: Segment, offset: int, size: int) -> fmt.Record | None:
+        """The valid record whose header is at ``offset`` and whose data the file holds."""
+        data = os.pread(fd, HEADER_READ, offset)
+        record, need = fmt.parse_record(data, offset, seg.id)
+        if record is None and need > 0:
+            data = os.pread(fd, need, offset)
+            record, need = fmt.parse_record(data, offset, seg.id)
+        if record is None:
+            return None
+        if record.entries and offset + record.header_bytes + record.data_bytes > size:
+            return None  # its data is not all there (a skip record needs none)
+        return record
+
+    def _next_record(self, fd: int, seg: Segment, start: int, size: int) -> fmt.Record | None:
+        """The first valid record at an aligned offset from ``start`` on (past a hole)."""
+        at = start
+        while at + fmt.FIXED_BYTES <= size:
+            chunk = os.pread(fd, HUNT_READ, at)
+            if not chunk:
+                return None
+            for i in range(0, len(chunk), fmt.ALIGN):
+                if fmt.is_record_magic(chunk, i):
+                    record = self._record_at(fd, seg, at + i, size)
+                    if record is not None:
+                        return record
+            at += fmt.align(len(chunk))
+        return None
 
     def _index_record(self, seg: Segment, record: fmt.Record) -> list[tuple[str, int]]:
         """Index a scanned record's live pages (lock held); the (key, bytes) adopted."""
@@ -594,8 +645,10 @@ class SegmentStore:
         with self.lock:
             return self._where.get(key)
 
-    def commit(self, keys: Sequence[str], locs: Sequence[Loc]) -> list[Loc]:
-        """Publish freshly written pages; the locations they superseded (to mark DEAD).
+    def commit(self, keys: Sequence[str], locs: Sequence[Loc]) -> tuple[list[Loc], bool]:
+        """Publish freshly written pages: the locations they superseded (to mark DEAD),
+        and whether they were published (False: their segment left the store meanwhile,
+        cleared or reclaimed by another instance, so the pages are not stored).
 
         A page loses to a newer version committed meanwhile (last writer wins by seq);
         then its own location is returned instead. The returned locations' segments are
@@ -604,12 +657,10 @@ class SegmentStore:
         superseded: list[Loc] = []
         with self.lock:
             where = self._where
+            if locs and locs[0][0].retired:
+                return superseded, False
             for key, loc in zip(keys, locs, strict=True):
                 seg = loc[0]
-                if seg.retired:
-                    seg.pins += 1
-                    superseded.append(loc)
-                    continue
                 old = where.get(key)
                 if old is not None:
                     if (old[3], old[0].id) >= (loc[3], seg.id):
@@ -623,7 +674,7 @@ class SegmentStore:
                 seg.keys.add(key)
                 seg.live_bytes += loc[2]
                 self._live_bytes += loc[2]
-        return superseded
+        return superseded, True
 
     def move(self, key: str, old: Loc, new: Loc) -> bool:
         """Point ``key`` from ``old`` to the rewritten ``new``, unless it moved meanwhile."""
@@ -714,13 +765,20 @@ class SegmentStore:
                     runs[-1] = (seg, runs[-1][1], runs[-1][2] + 1)
                 else:
                     runs.append((seg, state, 1))
-            for seg, state, count in runs:
+            writable: dict[Segment, int | None] = {}
+            for seg in {loc[0] for loc in locs}:
                 fd = self.fd_of(seg)
+                verdict = GONE if fd is None else self.alone(seg, fd)
+                writable[seg] = fd if verdict == ALONE else None
+                if verdict == LINKED:
+                    self.disown(seg)  # its pages go, so a delete or overwrite still holds
+            for seg, state, count in runs:
+                fd = writable[seg]
                 if fd is not None:
                     os.pwrite(fd, b"\x01" * count, state)
             if erase:
                 for seg, offset, _length, _seq, _state in locs:
-                    fd = self.fd_of(seg)
+                    fd = writable[seg]
                     if fd is not None:
                         os.pwrite(fd, fmt.ERASED, offset)
         except OSError as exc:
@@ -729,6 +787,40 @@ class SegmentStore:
             )
         finally:
             self.unpin([loc[0] for loc in locs])
+
+    def alone(self, seg: Segment, fd: int) -> str:
+        """Whether ``seg`` may be written: :data:`ALONE` when the store's name still names
+        it and no other name does; :data:`GONE` when the name is gone (another instance
+        removed it); :data:`LINKED` when another name reaches it (a hard link from
+        outside the store), which kvtier never writes into (as the ``file`` backend)."""
+        try:
+            named = os.stat(seg.name, dir_fd=self.dir_fd, follow_symlinks=False)
+            links = os.fstat(fd).st_nlink
+        except OSError:
+            return GONE
+        if named.st_ino != seg.ino:
+            return GONE
+        return ALONE if links == 1 else LINKED
+
+    def disown(self, seg: Segment) -> None:
+        """Take a segment another name reaches out of the store: its pages leave the
+        index (counted as evictions) and the store's name of it is removed (the other
+        name keeps the file, which kvtier never writes again)."""
+        left = self.retire(seg, dropped=True)
+        self.counters.add("evictions", len(left))
+        self.counters.add("evicted_bytes", sum(nbytes for _, nbytes in left))
+        with contextlib.suppress(OSError):
+            if os.stat(seg.name, dir_fd=self.dir_fd, follow_symlinks=False).st_ino == seg.ino:
+                os.unlink(seg.name, dir_fd=self.dir_fd)
+        self.warn_once(
+            "segments_linked",
+            "segment backend: %s/%s has another name (a hard link from outside the store); "
+            "kvtier never writes into a file another name reaches, so its %d pages were "
+            "dropped and it left the store (remove the link to keep this from recurring)",
+            self.path,
+            seg.name,
+            len(left),
+        )
 
     # --- reporting ---------------------------------------------------------------------
 

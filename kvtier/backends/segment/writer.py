@@ -13,8 +13,11 @@ with an eviction policy, the one holding the most of the bytes the policy would 
 first (plus its dead bytes); without one, the oldest. Its live pages that the policy did
 not choose are rewritten into the new segment (up to ``reclaim_rewrite_fraction`` of a
 segment, keeping their sequence numbers), the others are dropped, and the file is
-unlinked: a reader holding its descriptor still reads the old page; a later reader
-misses or finds the rewritten copy.
+unlinked only once those copies are published (synced under ``fsync: "batch"``), so a
+kill at any moment leaves each kept page in the old segment or its copy. A segment with
+nothing to copy is unlinked before the new one is created, so its space is free for it;
+on a full disk the copies are given up (evictions) rather than the put. A reader holding
+the old descriptor still reads the old page; a later reader misses or finds the copy.
 
 Overwrites and deletes leave dead pages in sealed segments, whatever the capacity: when
 a new segment is started, the sealed segment with the most dead bytes is compacted if at
@@ -36,9 +39,17 @@ from dataclasses import dataclass
 
 from kvtier.backends.segment import format as fmt
 from kvtier.backends.segment.config import SegmentConfig
-from kvtier.backends.segment.store import Loc, Segment, SegmentStore, try_lock
+from kvtier.backends.segment.store import (
+    ALONE,
+    GONE,
+    LINKED,
+    Loc,
+    Segment,
+    SegmentStore,
+    try_lock,
+)
 
-__all__ = ["Appender", "Reservation", "copy_range", "pwritev_all"]
+__all__ = ["Appender", "Reservation", "Victim", "copy_range", "pwritev_all"]
 
 IOV_MAX = 1024
 #: A sealed segment at least this dead (superseded or deleted pages, torn tails) is
@@ -94,6 +105,20 @@ class Reservation:
     count: int
 
 
+@dataclass
+class Victim:
+    """A segment taken for reclamation: exclusively locked through ``fd`` (its kept
+    pages are copied from it), still in the store until it is released."""
+
+    seg: Segment
+    fd: int
+    #: Its live pages to copy before it goes, each with its location there.
+    kept: list[tuple[str, Loc]]
+    size: int
+    #: Taken to compact it: if its pages cannot all be copied it stays as it is.
+    compact: bool = False
+
+
 class Appender:
     """The active segment of one backend, its reservations and reclamation."""
 
@@ -146,6 +171,9 @@ class Appender:
         seg = self._active
         if seg is None:
             return None
+        if not self._usable(seg):
+            self._retire_active()
+            return None
         room = seg.limit - self._tail
         count, data = 0, 0
         most = min(len(sizes) - first, fmt.MAX_RECORD_PAGES)
@@ -172,6 +200,32 @@ class Appender:
             elif seg in self._full and self._inflight[seg] == 0:
                 self._seal(seg)
                 self._cond.notify_all()
+
+    def _usable(self, seg: Segment) -> bool:
+        """Whether the active segment still takes records: it is still in the store,
+        under its name, and no other name reaches it (lock held). Another instance's
+        ``clear`` removes it (then every segment it removed is noticed now, and a new
+        segment starts); a hard link from outside is never written into."""
+        store = self.store
+        verdict = GONE if seg.retired or seg.fd < 0 else store.alone(seg, seg.fd)
+        if verdict == ALONE:
+            return True
+        if verdict == LINKED:
+            why = "has another name (a hard link from outside the store)"
+            counter = "segments_linked"
+        else:
+            why = "was removed by another instance (a clear, or a reclaim)"
+            counter = "segments_removed_by_others"
+        store.warn_once(
+            counter,
+            "segment backend: the active segment %s/%s %s; appending into a new one",
+            store.path,
+            seg.name,
+            why,
+        )
+        if verdict == GONE:
+            store.refresh(force=True)  # forget every segment that went with it
+        return False
 
     def _retire_active(self) -> None:
         """The active segment takes no more records; sealed once its writes are done."""
@@ -214,7 +268,15 @@ class Appender:
     # --- new segments and reclamation ----------------------------------------------
 
     def _make_room(self, limit: int) -> str | None:
-        """Reclaim until a segment of ``limit`` bytes fits, then create it (lock held)."""
+        """Reclaim until a segment of ``limit`` bytes fits, then create it (lock held).
+
+        The order keeps every live page on disk at every moment: victims whose pages
+        are all dropped go first (unlinked and closed, so their space is free before the
+        new segment is created); then the new segment is created; the pages kept are
+        copied into it and published (durably under ``fsync: "batch"``); only then do
+        the segments they came from go. A kill anywhere leaves each kept page in its
+        old segment or in its published copy (the same sequence number: either wins).
+        """
         config = self.config
         capacity = None if config.capacity_bytes is None else int(config.capacity_bytes)
         if capacity is not None and limit > capacity:
@@ -222,79 +284,104 @@ class Appender:
         min_free = int(config.min_free_bytes)
         policy = self.store.policy
         budget = int(config.reclaim_rewrite_fraction * int(config.segment_bytes)) if policy else 0
-        kept: list[tuple[str, Loc]] = []
-        sources: list[tuple[Segment, int]] = []
+        victims: list[Victim] = []
         refreshed = False
         waits = 0
         freed = 0
         free = self._free_bytes() if min_free > 0 else 0
         refused: str | None = None
-        while True:
-            total = self.store.total_bytes()
-            over = capacity is not None and total + limit > capacity
-            low = min_free > 0 and free + freed - limit < min_free
-            if not (over or low):
-                break
-            if not refreshed:
-                self.store.refresh(force=True)  # who else still writes, what they sealed
-                refreshed = True
-                continue
-            victim = self._choose_victim()
-            if victim is None and self._full and waits < _SEAL_WAITS:
-                # a full segment of ours is still being written: wait for it to be
-                # sealed (a reclaimable segment then), rather than refuse the put
-                waits += 1
-                self._cond.wait(_SEAL_WAIT_S)
-                continue
-            if victim is None:
-                refused = "capacity" if over else "min_free_space"
-                break
-            outcome = self._reclaim(victim, budget)
-            if outcome is None:
-                continue
-            fd, keep, size = outcome
-            budget -= sum(loc[2] for _, loc in keep)
-            kept.extend(keep)
-            sources.append((victim, fd))
-            freed += size
-            self.store.counters.add("segments_reclaimed")
-        if refused is None:
-            # overwrites and deletes leave dead pages behind: a sealed segment that is
-            # mostly dead is compacted (its few live pages rewritten) as a new one starts
-            room = int(config.segment_bytes) // 2 - sum(loc[2] for _, loc in kept)
-            victim = self._mostly_dead(room)
-            outcome = self._reclaim(victim, victim.live_bytes, keep_all=True) if victim else None
-            if victim is not None and outcome is not None:
-                fd, keep, _ = outcome
-                kept.extend(keep)
-                sources.append((victim, fd))
-                self.store.counters.add("segments_compacted")
+        finished = False
         try:
+            while True:
+                total = self.store.total_bytes() - sum(v.size for v in victims)
+                over = capacity is not None and total + limit > capacity
+                low = min_free > 0 and free + freed - limit < min_free
+                if not (over or low):
+                    break
+                if not refreshed:
+                    self.store.refresh(force=True)  # who else still writes, what they sealed
+                    refreshed = True
+                    continue
+                taken = {v.seg for v in victims}
+                victim = self._choose_victim(taken)
+                if victim is None and self._full and waits < _SEAL_WAITS:
+                    # a full segment of ours is still being written: wait for it to be
+                    # sealed (a reclaimable segment then), rather than refuse the put
+                    waits += 1
+                    self._cond.wait(_SEAL_WAIT_S)
+                    continue
+                if victim is None:
+                    refused = "capacity" if over else "min_free_space"
+                    break
+                took = self._take(victim, budget)
+                if took is None:
+                    continue
+                budget -= sum(loc[2] for _, loc in took.kept)
+                freed += took.size
+                self.store.counters.add("segments_reclaimed")
+                if took.kept:
+                    victims.append(took)
+                else:
+                    self._release(took)  # nothing to copy: its space comes back now
             if refused is None:
-                try:
-                    self._create(limit)
-                except OSError as exc:
-                    no_space = exc.errno in _NO_SPACE
-                    self.store.warn_once(
-                        "segment_create_errors",
-                        "segment backend: cannot create a segment in %s: %s",
-                        self.store.path,
-                        exc,
-                    )
-                    refused = "no_space" if no_space else "errors"
-            if kept:
-                self._rewrite(kept, dict(sources), write=refused is None)
+                # overwrites and deletes leave dead pages behind: a sealed segment that is
+                # mostly dead is compacted (its few live pages rewritten) as a new one starts
+                room = int(config.segment_bytes) // 2 - sum(
+                    loc[2] for v in victims for _, loc in v.kept
+                )
+                victim = self._mostly_dead(room, {v.seg for v in victims})
+                took = self._take(victim, victim.live_bytes, keep_all=True) if victim else None
+                if took is not None:
+                    took.compact = True
+                    victims.append(took)
+                refused = self._create_or_give_up(limit, victims)
+            if refused is None:
+                self._rewrite(victims)
+            finished = True
         finally:
-            for seg, fd in sources:
-                os.close(fd)  # releases the reclaimer's lock
-                self.store.unpin([seg])
+            for v in victims:
+                if finished and not (v.compact and v.kept):
+                    self._release(v, drop=True)
+                else:
+                    self._cancel(v)  # its pages stay where they are
         return refused
+
+    def _create_or_give_up(self, limit: int, victims: list[Victim]) -> str | None:
+        """Create the new segment; on a full disk, give up copying the victims' kept
+        pages (dropped, counted as evictions) so their segments' space comes back, and
+        try again: the reclaimed segments' first, then the compacted one's. None when
+        created, else why not (``no_space``, ``errors``)."""
+        try:
+            self._create(limit)
+            return None
+        except OSError as exc:
+            error = exc
+        for group in ([v for v in victims if not v.compact], [v for v in victims if v.compact]):
+            if error.errno not in _NO_SPACE:
+                break
+            if not group:
+                continue
+            for v in group:
+                victims.remove(v)
+                self._release(v, drop=True)
+            try:
+                self._create(limit)
+                return None
+            except OSError as exc:
+                error = exc
+        self.store.warn_once(
+            "segment_create_errors",
+            "segment backend: cannot create a segment in %s: %s",
+            self.store.path,
+            error,
+        )
+        return "no_space" if error.errno in _NO_SPACE else "errors"
 
     def _free_bytes(self) -> int:
         info = os.statvfs(self.store.dir_fd)
         return info.f_bavail * info.f_frsize
 
-    def _mostly_dead(self, room: int) -> Segment | None:
+    def _mostly_dead(self, room: int, taken: set[Segment]) -> Segment | None:
         """The sealed segment with the most dead bytes, if at least :data:`COMPACT_DEAD`
         of it is dead and its live pages fit in ``room`` bytes; else None."""
         best: Segment | None = None
@@ -304,6 +391,7 @@ class Appender:
             if (
                 seg.sealed
                 and seg not in self._full
+                and seg not in taken
                 and seg.size >= least
                 and dead >= COMPACT_DEAD * seg.size
                 and seg.live_bytes <= room
@@ -312,9 +400,13 @@ class Appender:
                 best = seg
         return best
 
-    def _choose_victim(self) -> Segment | None:
+    def _choose_victim(self, taken: set[Segment]) -> Segment | None:
         """The sealed segment to reclaim next: in the policy's order, else the oldest."""
-        candidates = [seg for seg in self.store.segments() if seg.sealed and seg not in self._full]
+        candidates = [
+            seg
+            for seg in self.store.segments()
+            if seg.sealed and seg not in self._full and seg not in taken
+        ]
         if not candidates:
             return None
         policy = self.store.policy
@@ -332,16 +424,15 @@ class Appender:
 
         return max(scores, key=score)
 
-    def _reclaim(
-        self, seg: Segment, budget: int, *, keep_all: bool = False
-    ) -> tuple[int, list[tuple[str, Loc]], int] | None:
-        """Take ``seg`` out: its file unlinked, its pages dropped but those kept (the ones
-        the policy would not evict first, within ``budget`` bytes; with ``keep_all``,
-        every live page within it).
+    def _take(self, seg: Segment, budget: int, *, keep_all: bool = False) -> Victim | None:
+        """Take ``seg`` for reclamation: exclusively locked, its pages dropped but those
+        kept (the ones the policy would not evict first, within ``budget`` bytes; with
+        ``keep_all``, every live page within it). The file stays until
+        :meth:`_release` (after the kept pages are published elsewhere) or
+        :meth:`_cancel`.
 
-        Returns the reclaimer's descriptor (exclusively locked; the kept pages are
-        copied from it), the kept pages and the bytes freed; None when ``seg`` could not
-        be taken (another process writes or reclaims it, or it is gone).
+        None when ``seg`` could not be taken (another process writes or reclaims it, or
+        it is gone).
         """
         store = self.store
         try:
@@ -349,11 +440,16 @@ class Appender:
         except OSError:
             store.retire(seg, dropped=True)
             return None
-        if os.fstat(fd).st_ino != seg.ino:
+        try:
+            same = os.fstat(fd).st_ino == seg.ino
+            locked = same and try_lock(fd, fcntl.LOCK_EX)
+        except OSError:
+            same = locked = False
+        if not same:
             os.close(fd)
             store.retire(seg, dropped=True)
             return None
-        if not try_lock(fd, fcntl.LOCK_EX):
+        if not locked:
             os.close(fd)
             seg.sealed = False  # someone holds it: not a candidate until a refresh says so
             return None
@@ -372,19 +468,43 @@ class Appender:
                 if key not in cold and loc[2] <= budget:
                     kept.append((key, loc))
                     budget -= loc[2]
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(seg.name, dir_fd=store.dir_fd)
         keep = {key for key, _ in kept}
+        # the kept pages stay indexed (readable from the segment) until moved
+        for key, loc in live:
+            if key not in keep:
+                self._evict(key, loc)
         with store.lock:
             size = seg.size
-        # the kept pages stay indexed (readable from the pinned descriptor) until moved
-        dropped = [(key, loc) for key, loc in live if key not in keep]
-        for key, loc in dropped:
-            store.forget(key, loc)
-            store.counters.add("evictions")
-            store.counters.add("evicted_bytes", loc[2])
-        store.retire(seg, dropped=False)
-        return fd, kept, size
+        return Victim(seg, fd, kept, size)
+
+    def _evict(self, key: str, loc: Loc) -> None:
+        """Drop a page from the index (reclamation gave up its copy)."""
+        self.store.forget(key, loc)
+        self.store.counters.add("evictions")
+        self.store.counters.add("evicted_bytes", loc[2])
+
+    def _release(self, victim: Victim, *, drop: bool = False) -> None:
+        """Remove a taken segment: its name unlinked, its descriptors closed. With
+        ``drop``, its kept pages not copied yet are dropped first (evictions)."""
+        store = self.store
+        seg = victim.seg
+        if drop:
+            for key, loc in victim.kept:
+                self._evict(key, loc)
+            victim.kept = []
+        with contextlib.suppress(OSError):
+            if os.stat(seg.name, dir_fd=store.dir_fd, follow_symlinks=False).st_ino == seg.ino:
+                os.unlink(seg.name, dir_fd=store.dir_fd)
+        if victim.compact:
+            store.counters.add("segments_compacted")
+        store.retire(seg, dropped=True)
+        os.close(victim.fd)  # releases the reclaimer's lock
+        store.unpin([seg])
+
+    def _cancel(self, victim: Victim) -> None:
+        """Give a taken segment back as it is (its pages not copied stay indexed there)."""
+        os.close(victim.fd)
+        self.store.unpin([victim.seg])
 
     def _create(self, limit: int) -> None:
         """Create, lock and publish a fresh active segment of at most ``limit`` bytes."""
@@ -418,59 +538,65 @@ class Appender:
         self._tail = fmt.SEGMENT_HEADER_BYTES
         store.counters.add("segments_created")
 
-    def _rewrite(
-        self, kept: list[tuple[str, Loc]], sources: dict[Segment, int], *, write: bool
-    ) -> None:
-        """Copy the kept pages of reclaimed segments into the active one, as records with
-        their own sequence numbers; a page that does not fit (or ``write`` False) is
-        dropped."""
+    def _rewrite(self, victims: list[Victim]) -> None:
+        """Copy the victims' kept pages into the active segment and publish them, as
+        records with their own sequence numbers (durably under ``fsync: "batch"``: data,
+        then header, each synced). What is copied leaves ``kept``; what does not fit
+        (or fails) stays there."""
         store = self.store
         dst = self._active
+        pending = [(v, key, loc) for v in victims for key, loc in v.kept]
+        sources = {v.seg: v.fd for v in victims}
+        sizes = [loc[2] for _, _, loc in pending]
         i = 0
-        while write and dst is not None and i < len(kept):
-            sizes = [loc[2] for _, loc in kept]
+        while dst is not None and i < len(pending):
             reservation = self._fit(sizes, i)
             if reservation is None:
                 break
             count = reservation.count
-            chunk = kept[i : i + count]
+            chunk = pending[i : i + count]
             offset = reservation.offset
             head = fmt.header_bytes(count)
             at = offset + head
             new: list[tuple[str, Loc, Loc]] = []
             try:
-                for j, (key, loc) in enumerate(chunk):
+                for j, (_, key, loc) in enumerate(chunk):
                     copy_range(sources[loc[0]], loc[1], dst.fd, at, loc[2])
                     state = fmt.state_offset(offset, count, j)
                     new.append((key, loc, (dst, at, loc[2], loc[3], state)))
                     at += loc[2]
                 if self.config.fsync == "batch":
                     os.fdatasync(dst.fd)
-                keys = [key for key, _ in chunk]
                 header = fmt.pack_record_header(
-                    dst.id, keys, [loc[3] for _, loc in chunk], sizes[i : i + count]
+                    dst.id,
+                    [key for _, key, _ in chunk],
+                    [loc[3] for _, _, loc in chunk],
+                    sizes[i : i + count],
                 )
                 os.pwrite(dst.fd, header, offset)
+                if self.config.fsync == "batch":
+                    os.fdatasync(dst.fd)
             except OSError as exc:
-                self._inflight[dst] -= 1
-                store.unpin([dst])
+                with contextlib.suppress(OSError):
+                    span = head + sum(sizes[i : i + count])
+                    os.pwrite(dst.fd, fmt.pack_skip_record(dst.id, span), offset)
                 store.warn_once(
                     "rewrite_errors", "segment backend: rewriting reclaimed pages failed: %s", exc
                 )
                 break
-            self._inflight[dst] -= 1
-            store.unpin([dst])
+            finally:
+                self._inflight[dst] -= 1
+                store.unpin([dst])
             stale: list[Loc] = []
             for key, old, loc in new:
                 if store.move(key, old, loc):
                     store.counters.add("pages_rewritten")
                     store.counters.add("bytes_rewritten", loc[2])
-                else:
+                else:  # deleted or overwritten meanwhile: the copy must never be read
                     store.pin(dst)
                     stale.append(loc)
-            store.mark_dead(stale)
+            store.mark_dead(stale, erase=True)
             i += count
-        for key, loc in kept[i:]:
-            store.forget(key, loc)
-            store.counters.add("evictions")
-            store.counters.add("evicted_bytes", loc[2])
+        left = pending[i:]
+        for v in victims:
+            v.kept = [(key, loc) for owner, key, loc in left if owner is v]
