@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_model_identity import hub_repo
 
 from kvtier.core.errors import InvalidKeyError, UnkeyableInputError, UnsupportedCombinationError
 from kvtier.core.keys import Namespace, PageKeyer
@@ -141,6 +142,52 @@ def test_an_adapter_is_keyed_by_its_contents_not_its_name_or_id(tmp_path: Path) 
         (copy / file.name).write_bytes(file.read_bytes())
     assert _keys(_Request("r3", lora_request=_lora("a", copy))) == first
     assert not set(_keys(_Request("r4", lora_request=_lora("renamed", copy)))) & set(first)
+
+
+def test_adapters_from_hub_snapshots_are_keyed_by_their_contents(tmp_path: Path) -> None:
+    # a hub download: snapshots/<rev>/FILE -> ../../blobs/<sha>, every file a link
+    config = b'{"r": 8, "peft_type": "LORA"}'
+    one = hub_repo(
+        tmp_path / "hub1",
+        "org/sql",
+        "a" * 40,
+        {"adapter_config.json": config, "adapter_model.safetensors": b"weights one"},
+    )
+    two = hub_repo(
+        tmp_path / "hub2",
+        "org/sql",
+        "b" * 40,
+        {"adapter_config.json": config, "adapter_model.safetensors": b"weights two"},
+    )
+    same = hub_repo(
+        tmp_path / "hub3",
+        "org/sql",
+        "c" * 40,
+        {"adapter_config.json": config, "adapter_model.safetensors": b"weights one"},
+    )
+    assert all(p.is_symlink() for p in one.iterdir())
+    first = _keys(_Request("r1", lora_request=_lora("sql", one)))
+    assert not set(first) & set(_keys(_Request("r2", lora_request=_lora("sql", two))))
+    assert _keys(_Request("r3", lora_request=_lora("sql", same))) == first
+    identities = AdapterIdentities()
+    assert identities(_lora("sql", one)) != identities(_lora("sql", two))
+
+
+def test_an_adapter_link_that_leaves_its_folder_is_refused(tmp_path: Path) -> None:
+    adapter = _adapter(tmp_path, "a", 1)
+    (adapter / "adapter_model.safetensors").unlink()
+    (adapter / "adapter_model.safetensors").symlink_to("/etc/hostname")
+    side = _scheduler()
+    request = _Request("linked", lora_request=_lora("a", adapter))
+    with pytest.raises(UnkeyableInputError) as refused:
+        side.request_keys(request, 4)
+    message = str(refused.value)
+    assert f"LoRA adapter 'a' at {str(adapter)!r}: kvtier cannot key it" in message
+    assert f"{adapter / 'adapter_model.safetensors'} is a symbolic link to" in message
+    assert "copy the files into the folder" in message
+    side.add_request(request)
+    assert side.matched_tokens(request, 0) == 0  # served without kvtier
+    assert side.stats()["requests_unkeyed"] == 1
 
 
 def test_an_adapter_rewritten_in_place_is_hashed_again(tmp_path: Path) -> None:
@@ -347,18 +394,94 @@ def test_a_hub_model_without_a_revision_is_refused_at_start_up() -> None:
 
 
 def test_hub_blobs_are_keyed_by_their_content_hash(tmp_path: Path) -> None:
-    blobs = tmp_path / "blobs"
-    blobs.mkdir()
-    blob = blobs / ("ab" * 32)
-    blob.write_bytes(b"weights")
-    snapshots = [tmp_path / "snap1", tmp_path / "snap2"]
-    for snapshot in snapshots:
-        snapshot.mkdir()
-        (snapshot / "model.safetensors").symlink_to(blob)
-    os.utime(blob, ns=(1, 1))
-    first = model_identity(_model_config(str(snapshots[0])), None)
-    second = model_identity(_model_config(str(snapshots[1])), None)
-    assert first.split("#")[1] == second.split("#")[1]  # the same blob: the same digest
+    files = {"config.json": b"{}", "model.safetensors": b"weights"}
+    first_snapshot = hub_repo(tmp_path / "hub1", "org/model", "a" * 40, files)
+    second_snapshot = hub_repo(tmp_path / "hub2", "org/model", "b" * 40, files)
+    for blob in (tmp_path / "hub1").rglob("blobs/*"):
+        os.utime(blob, ns=(1, 1))  # another time: the blob's name is its content hash
+    first = model_identity(_model_config(str(first_snapshot)), None)
+    second = model_identity(_model_config(str(second_snapshot)), None)
+    assert first.split("#")[1] == second.split("#")[1]  # the same blobs: the same digest
+
+
+def test_weights_in_sub_folders_key_the_model(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    (model / "shards").mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    shard = model / "shards" / "model-00001-of-00001.safetensors"
+    shard.write_bytes(b"weights v1")
+    first = model_identity(_model_config(str(model)))
+    shard.write_bytes(b"weights v2, retrained in place")
+    assert model_identity(_model_config(str(model))) != first
+
+
+def _cache(**changes: Any) -> Any:
+    return SimpleNamespace(
+        cache_dtype=changes.get("cache_dtype", "auto"), **changes.get("more", {})
+    )
+
+
+def test_the_kv_cache_settings_and_load_format_key_the_model() -> None:
+    config = _model_config("org/model", revision="a" * 40)
+    plain = model_identity(config, cache_config=_cache(), load_config=None)
+    assert plain == model_identity(config, load_config=SimpleNamespace(load_format="auto"))
+    changed = [
+        model_identity(config, cache_config=_cache(cache_dtype="fp8_e4m3")),
+        model_identity(config, cache_config=_cache(more={"calculate_kv_scales": True})),
+        model_identity(config, cache_config=_cache(more={"kv_cache_dtype_skip_layers": ["0"]})),
+        model_identity(config, load_config=SimpleNamespace(load_format="safetensors")),
+    ]
+    assert len({plain, *changed}) == 5
+
+
+def test_dummy_weights_are_refused_at_start_up() -> None:
+    with pytest.raises(UnsupportedCombinationError) as refused:
+        model_identity(
+            _model_config("org/model", revision="a" * 40),
+            load_config=SimpleNamespace(load_format="dummy"),
+        )
+    assert "--load-format dummy" in str(refused.value)
+    assert "--load-format auto (the real weights)" in str(refused.value)
+
+
+def _engine_config(**parallel: int) -> Any:
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute"),
+        model_config=SimpleNamespace(use_mla=False, model="tiny", revision="r1"),
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=1, pipeline_parallel_size=1, **parallel
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "flag"),
+    [
+        ("decode_context_parallel_size", "--decode-context-parallel-size 1"),
+        ("prefill_context_parallel_size", "--prefill-context-parallel-size 1"),
+    ],
+)
+def test_context_parallelism_is_refused_at_start_up(field: str, flag: str) -> None:
+    from test_vllm import _kv_cache_config
+
+    from kvtier.integrations.vllm.plan import resolve_plan
+    from kvtier.plugins.manager import default_registry
+
+    def plan(size: int) -> Any:
+        return resolve_plan(
+            _engine_config(**{field: size}),
+            _kv_cache_config(),
+            VLLMSection(backend="memory"),
+            default_registry(),
+            tp_rank=0,
+        )
+
+    assert plan(1).namespace.model.startswith("tiny#")
+    with pytest.raises(UnsupportedCombinationError) as refused:
+        plan(2)
+    message = str(refused.value)
+    assert f"vLLM runs {field} 2 (context parallelism)" in message
+    assert "interleaved share of every block's tokens" in message and flag in message
 
 
 # --- vLLM's own request objects -------------------------------------------------------------

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_model_identity import hub_repo
 from test_vllm import BLOCK, ROOT, Engine, _phases, _vllm_python
 
 ADAPTER = ROOT / "tests" / "vllm_engine" / "tiny_lora.py"
@@ -76,3 +77,42 @@ def test_each_adapter_and_the_base_model_get_their_own_kv(
     assert second["a"]["scheduler"]["lookup_hit_pages"] == PAGES
     assert second["a"]["worker"]["load_hit_pages"] == PAGES
     assert second["a"]["worker"]["load_failed_pages"] == 0
+
+
+def _snapshot(cache: Path, adapter: dict[str, Any], commit: str) -> str:
+    """``adapter``'s files as a hub download: ``snapshots/<commit>/FILE`` links into
+    ``blobs/``, the folder vLLM is given as the adapter's ``lora_path``."""
+    files = {p.name: p.read_bytes() for p in sorted(Path(adapter["path"]).iterdir())}
+    return str(hub_repo(cache, "org/sql", commit, files))
+
+
+def test_adapters_from_hub_snapshots_of_one_name_get_their_own_kv(
+    lora_engine: tuple[Engine, dict[str, Any]], tmp_path: Path
+) -> None:
+    # two hub downloads named "sql" with other weights: every file of each is a link into
+    # its blobs/, which kvtier once skipped, keying both by the name alone
+    engine, adapters = lora_engine
+    a = {
+        "name": "sql",
+        "id": 1,
+        "path": _snapshot(tmp_path / "hub-a", adapters["adapter-a"], "a" * 40),
+    }
+    b = {
+        "name": "sql",
+        "id": 1,
+        "path": _snapshot(tmp_path / "hub-b", adapters["adapter-b"], "b" * 40),
+    }
+    section = {"backend": "file", "extra_config": {"root": str(tmp_path / "pages")}}
+    first = _phases(engine.run(_job(section, [_phase("a", a)])))
+    assert first["a"]["worker"]["save_stored_pages"] >= PAGES
+    # a new engine: B under the same name gets none of A's pages ...
+    second = _phases(engine.run(_job(section, [_phase("b", b)])))
+    assert second["b"]["cached"] == [0]
+    assert second["b"]["scheduler"]["lookup_hit_pages"] == 0
+    assert second["b"]["tokens"][0] != first["a"]["tokens"][0]
+    # ... while A, from another download of the same blobs, hits what the first stored
+    again = {**a, "path": _snapshot(tmp_path / "hub-a2", adapters["adapter-a"], "c" * 40)}
+    third = _phases(engine.run(_job(section, [_phase("a", again)])))
+    assert third["a"]["cached"] == [PAGES * BLOCK]
+    assert third["a"]["worker"]["load_hit_pages"] == PAGES
+    assert third["a"]["tokens"][0] == first["a"]["tokens"][0]

@@ -24,7 +24,7 @@ from kvtier.core.geometry import AttentionKind
 from kvtier.core.keys import rank_suffix
 from kvtier.core.specs import BackendSpec
 from kvtier.core.storage import Counters
-from kvtier.integrations.identity import weights_digest
+from kvtier.integrations.sglang.model import model_name
 from kvtier.integrations.sglang.pages import (
     HeadSlicePages,
     SGLangPages,
@@ -69,14 +69,13 @@ def rank_tag(axis: str, rank: int, size: int) -> str:
     return f"|{axis}{suffix.removeprefix('_r')}" if suffix else ""
 
 
-def model_id(settings: SGLangSection, config: Any) -> str:
-    """The model's part of the namespace: the declared ``kvtier.model``, else SGLang's
-    model name with a digest of its weight files where it names a local path; then the
-    pipeline stage and context-parallel rank, each where there are several."""
-    name = settings.model or config.model_name or "default"
-    weights = None if settings.model else weights_digest(config.model_name or "")
-    if weights is not None:
-        name = f"{name}#{weights}"
+def model_id(settings: SGLangSection, config: Any, model: Any = None) -> str:
+    """The model's part of the namespace: SGLang's model name (or the declared
+    ``kvtier.model``) with a digest of what the server computes its KV with
+    (:func:`~kvtier.integrations.sglang.model.model_name`: the published model settings
+    ``model``, default this process's); then the pipeline stage and context-parallel
+    rank, each where there are several."""
+    name = model_name(config.model_name or "default", settings.model, model)
     pp = rank_tag("pp", getattr(config, "pp_rank", 0), getattr(config, "pp_size", 1))
     cp = rank_tag("cp", getattr(config, "attn_cp_rank", 0), getattr(config, "attn_cp_size", 1))
     return name + pp + cp
@@ -137,13 +136,17 @@ class SGLangSetup:
     specs: tuple[BackendSpec, ...] = ()
 
     @classmethod
-    def for_rank(cls, config: Any, settings: SGLangSection, registry: Registry) -> SGLangSetup:
+    def for_rank(
+        cls, config: Any, settings: SGLangSection, registry: Registry, published: Any = None
+    ) -> SGLangSetup:
         """Check what needs no host pool, as ``resolve()`` will: SGLang constructs the
         storage first and hands its host pool over in ``register_mem_pool_host``. Every
         tier's backend is checked here (name, availability, attention kind, options, named
-        as ``kvtier.tiers[i].extra_config``); layouts and policies when the pool comes."""
+        as ``kvtier.tiers[i].extra_config``); layouts and policies when the pool comes.
+        ``published``: SGLang's model settings (default: those published in this
+        process); what cannot be keyed of them is refused here."""
         attention = AttentionKind.MLA if config.is_mla_model else AttentionKind.MHA
-        model = model_id(settings, config)
+        model = model_id(settings, config, published)
         tp_rank, tp_size = int(config.tp_rank), int(config.tp_size)
         engine = _engine_config(settings, attention, model, tp_rank, tp_size)
         specs = []

@@ -41,7 +41,9 @@ class SGLangSection(EngineSection):
     model: str | None = Field(
         None,
         min_length=1,
-        description="Model id for the key namespace; default: SGLang's model name.",
+        description="Model id for the key namespace, declared by the operator: it replaces "
+        "SGLang's model name and the weights' identity (quantization, dtypes, overrides and "
+        "load format still count; see docs/sglang.md, what keys a page).",
     )
     dtype: str | None = Field(
         None,

@@ -6,14 +6,17 @@ engine and are shared between engines, so it keys them with the same inputs, and
 what identifies the model's weights, never by token ids alone: a page computed under one
 adapter, image or weight set is never a hit for another.
 
-- :func:`model_identity`: the model's name, a digest of its config, dtype and
-  quantization, and what identifies its weights: the files of a local model directory,
-  or the commit its hub revision resolved to; once per engine. A model with neither is
-  refused at start-up.
+- :func:`model_identity`: the model's name and a digest of what vLLM computes its KV
+  with (:func:`model_inputs`: config, dtype, quantization, KV cache dtype and scales, load
+  format), keyed by core's :func:`~kvtier.core.model_identity.identify` as every engine's
+  model is; with what identifies its weights: every file of a local model directory, or
+  the commit its hub revision resolved to; once per engine. A model with neither, or with
+  dummy weights, is refused at start-up.
 - :func:`check_engine_inputs`: refuses at start-up an engine whose multimodal items vLLM
   names by request instead of by content (both of its caches off).
 - :class:`AdapterIdentities`: a LoRA adapter's name and a digest of its files' contents
-  (not vLLM's integer id, which another deployment may give another adapter).
+  (not vLLM's integer id, which another deployment may give another adapter), symbolic
+  links followed (a hub snapshot's files are links into ``blobs/``).
 - :func:`page_extras`: per page, the multimodal items whose placeholders it holds (their
   content hash and position) and a digest of its prompt embeddings.
 
@@ -36,14 +39,30 @@ from typing import Any
 import torch
 
 from kvtier.core.errors import UnkeyableInputError, UnsupportedCombinationError
-from kvtier.integrations.identity import canonical, digest, weights_digest
+from kvtier.core.local_files import LocalFile, local_files
+from kvtier.core.model_identity import ModelInputs, canonical, identify, settings_of
 
-__all__ = ["AdapterIdentities", "check_engine_inputs", "model_identity", "page_extras"]
+__all__ = [
+    "AdapterIdentities",
+    "check_engine_inputs",
+    "model_identity",
+    "model_inputs",
+    "page_extras",
+]
 
 #: Keys of a Hugging Face config that say where it was read, not what the model is.
 _CONFIG_NOISE = ("_name_or_path", "_commit_hash", "transformers_version")
 _DIGEST_BYTES = 16
 _READ_BYTES = 1 << 20
+#: vLLM's KV cache settings that change a page's bytes beyond its dtype (``CacheConfig``).
+CACHE_SETTINGS = (
+    "calculate_kv_scales",
+    "kv_cache_dtype_skip_layers",
+    "mamba_cache_dtype",
+    "mamba_ssm_cache_dtype",
+)
+#: vLLM's model settings that change a page's bytes beyond config, dtype and quantization.
+MODEL_SETTINGS = ("quantization_config", "model_impl")
 
 
 def _config_fields(hf_config: Any) -> Any:
@@ -70,46 +89,60 @@ def _revision(model_config: Any) -> str | None:
     return str(resolved) if resolved else str(revision)
 
 
-def model_identity(model_config: Any, declared: str | None = None) -> str:
+def model_inputs(
+    model_config: Any,
+    declared: str | None = None,
+    *,
+    cache_config: Any = None,
+    load_config: Any = None,
+) -> ModelInputs:
+    """What vLLM computes the model's KV with, read from its ``ModelConfig``,
+    ``CacheConfig`` and ``LoadConfig`` (by attribute; a missing one reads as vLLM's
+    default), for :func:`~kvtier.core.model_identity.identify`."""
+    name = str(getattr(model_config, "model", "") or "")
+    local = name if name and Path(name).exists() else None
+    return ModelInputs(
+        name=name,
+        declared=declared,
+        local_path=local,
+        revision=_revision(model_config),
+        config=_config_fields(getattr(model_config, "hf_config", None)),
+        dtype=getattr(model_config, "dtype", None),
+        kv_cache_dtype=getattr(cache_config, "cache_dtype", None) or "auto",
+        quantization=getattr(model_config, "quantization", None),
+        load_format=getattr(load_config, "load_format", None),
+        settings={
+            **settings_of(model_config, MODEL_SETTINGS),
+            **settings_of(cache_config, CACHE_SETTINGS),
+        },
+    )
+
+
+def model_identity(
+    model_config: Any,
+    declared: str | None = None,
+    *,
+    cache_config: Any = None,
+    load_config: Any = None,
+) -> str:
     """The model's part of the key namespace: ``NAME#DIGEST``.
 
-    The digest covers the config (architecture, sizes, RoPE scaling, overrides), dtype
-    and quantization, and, unless the operator ``declared`` the model's identity
-    (``kvtier.model``), what identifies its weights: the weight files of a local model
-    directory, and the commit of a hub model's revision. A declared name is trusted to
-    change whenever the weights do; it lets engines whose model paths differ share pages.
+    The digest covers the config (architecture, sizes, RoPE scaling and theta, overrides),
+    dtype, quantization, the KV cache dtype and how its scales are found, the load format,
+    and, unless the operator ``declared`` the model's identity (``kvtier.model``), what
+    identifies its weights: every file of a local model directory (sub-folders and hub
+    snapshot links included), and the commit of a hub model's revision. A declared name is
+    trusted to change whenever the weights do; it lets engines whose model paths differ
+    share pages.
 
     Raises :class:`UnsupportedCombinationError` (at start-up) for a model that is neither
-    a local directory nor pinned to a revision: weights pushed under its name later would
-    hit the pages of the old ones.
+    a local directory nor pinned to a revision (weights pushed under its name later would
+    hit the pages of the old ones), dummy weights, and what else
+    :func:`~kvtier.core.model_identity.identify` refuses.
     """
-    name = declared or str(getattr(model_config, "model", ""))
-    parts: dict[str, Any] = {
-        "config": _config_fields(getattr(model_config, "hf_config", None)),
-        "dtype": getattr(model_config, "dtype", None),
-        "quantization": getattr(model_config, "quantization", None),
-    }
-    if declared is None:
-        revision = _revision(model_config)
-        weights = weights_digest(name) if name else None
-        parts["revision"] = revision
-        parts["weights"] = weights
-        if weights is None and revision is None:
-            raise UnsupportedCombinationError(
-                f"kvtier cannot key the pages of model {name!r}: it is not a local model "
-                "directory (whose weight files kvtier would digest) and vLLM resolved no "
-                "revision for it (no commit from the Hub or its local cache), so weights "
-                "published under this name later would be served the old weights' pages",
-                value=name,
-                supported=[
-                    "--revision COMMIT (a commit hash; vLLM resolves a branch or tag to "
-                    "its commit when the Hub or the local hub cache answers)",
-                    "a local model directory as --model",
-                    '"kvtier": {"model": "NAME"}, a name that changes whenever the '
-                    "weights do (llama-3-8b@COMMIT)",
-                ],
-            )
-    return f"{name}#{digest(parts)}"
+    return identify(
+        model_inputs(model_config, declared, cache_config=cache_config, load_config=load_config)
+    )
 
 
 def check_engine_inputs(vllm_config: Any) -> None:
@@ -144,18 +177,15 @@ def check_engine_inputs(vllm_config: Any) -> None:
         )
 
 
-def _adapter_files(root: Path) -> list[Path]:
-    if root.is_file():
-        return [root]
-    return sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
-
-
 class AdapterIdentities:
     """LoRA adapter -> ``NAME@DIGEST``, the digest over every file of the adapter.
 
-    Hashing reads the adapter once per process (an adapter of 100 MiB takes a fraction
-    of a second); the result is kept while the files' sizes and times stay the same, so
-    an adapter rewritten in place is hashed again.
+    Files are found by :func:`~kvtier.core.local_files.local_files`: symbolic links are
+    followed (a hub snapshot is all links into ``blobs/``) and one that leaves the adapter's
+    folder (its hub repository's, for a snapshot), dangles or loops is refused. Hashing
+    reads the adapter once per process (an adapter of 100 MiB takes a fraction of a
+    second); the result is kept while the files' sizes and times stay the same, so an
+    adapter rewritten in place is hashed again.
     """
 
     def __init__(self) -> None:
@@ -163,7 +193,11 @@ class AdapterIdentities:
         self._known: dict[str, tuple[tuple[Any, ...], str]] = {}
 
     def __call__(self, lora_request: Any) -> str | None:
-        """The identity of ``lora_request``'s adapter, or None for no adapter."""
+        """The identity of ``lora_request``'s adapter, or None for no adapter.
+
+        Raises :class:`UnkeyableInputError` for an adapter without local files, one that
+        cannot be read, or one with a symbolic link that cannot be keyed.
+        """
         if not lora_request:
             return None
         name = str(getattr(lora_request, "lora_name", "") or "")
@@ -177,13 +211,13 @@ class AdapterIdentities:
                 value=path,
             )
         try:
-            files = _adapter_files(root)
-            stamp = tuple((str(p), *self._stamp(p)) for p in files)
+            files = local_files(root, what=f"LoRA adapter {name!r} at {path!r}")
+            stamp = tuple((f.name, str(f.path), *self._stamp(f.path)) for f in files)
             with self._lock:
                 known = self._known.get(path)
             if known is not None and known[0] == stamp:
                 return f"{name}@{known[1]}"
-            digest = self._hash(root, files)
+            digest = self._hash(files)
         except OSError as exc:
             raise UnkeyableInputError(
                 f"LoRA adapter {name!r} at {path!r} cannot be read ({exc}), and kvtier "
@@ -201,14 +235,13 @@ class AdapterIdentities:
         return info.st_size, info.st_mtime_ns
 
     @staticmethod
-    def _hash(root: Path, files: Iterable[Path]) -> str:
+    def _hash(files: Iterable[LocalFile]) -> str:
         h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
         for file in files:
-            relative = file.name if root.is_file() else file.relative_to(root).as_posix()
-            h.update(canonical([relative, file.stat().st_size]))
-            with open(file, "rb") as handle:
+            h.update(canonical([file.name, file.size]))
+            with open(file.path, "rb") as handle:
                 if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                    continue
+                    raise OSError(f"{file.path} is not a regular file")
                 while chunk := handle.read(_READ_BYTES):
                     h.update(chunk)
         return h.hexdigest()

@@ -58,6 +58,13 @@ DEVICE_ONLY = ("io_backend", "host_pages", "operations")
 LAYOUT = Layout.LAYER_FIRST
 
 
+#: vLLM's context-parallel sizes (``ParallelConfig``) and their flags: refused above 1.
+_CONTEXT_PARALLEL = (
+    ("decode_context_parallel_size", "--decode-context-parallel-size"),
+    ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
+)
+
+
 def _refuse(what: str, value: object, supported: list[str] = SUPPORTED) -> KvtierError:
     return UnsupportedCombinationError(what, value=value, supported=supported)
 
@@ -219,6 +226,18 @@ def check_engine(vllm_config: Any) -> None:
             stages,
             ["--pipeline-parallel-size 1 (tensor parallelism is fine)"],
         )
+    parallel = vllm_config.parallel_config
+    for field, flag in _CONTEXT_PARALLEL:
+        size = int(getattr(parallel, field, 1) or 1)
+        if size > 1:
+            raise _refuse(
+                f"vLLM runs {field} {size} (context parallelism): each rank then holds "
+                "an interleaved share of every block's tokens, while kvtier keys and stores "
+                "a rank's page as the block's whole tokens, so a page stored under one "
+                "context-parallel layout would load as another's",
+                size,
+                [f"{flag} 1 (tensor parallelism is fine)"],
+            )
     check_engine_inputs(vllm_config)  # inputs vLLM names by request, not by content
 
 
@@ -311,6 +330,16 @@ def reader_plan(plan: ResolvedPlan) -> ResolvedPlan:
     )
 
 
+def _model(vllm_config: Any, settings: VLLMSection) -> str:
+    """The model's part of the namespace, from vLLM's model, cache and load configs."""
+    return model_identity(
+        vllm_config.model_config,
+        settings.model,
+        cache_config=getattr(vllm_config, "cache_config", None),
+        load_config=getattr(vllm_config, "load_config", None),
+    )
+
+
 def resolve_plan(
     vllm_config: Any,
     kv_cache_config: Any,
@@ -343,7 +372,7 @@ def resolve_plan(
             **storage,
             "tenants": {name: t.model_dump() for name, t in settings.tenants.items()},
             "layout": LAYOUT.value,
-            "model": f"{model_identity(vllm_config.model_config, settings.model)}|{tag}",
+            "model": f"{_model(vllm_config, settings)}|{tag}",
             "tenant": settings.tenant,
             "verify": settings.verify,
             "tp_rank": tp_rank,
