@@ -132,6 +132,12 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
                 ),
                 ("puts", "Pages the backend stored."),
                 ("put_failures", "Pages the backend did not store (refused, or the call failed)."),
+                (
+                    "put_tainted",
+                    "Of those, pages whose save guard tripped before the put returned (their "
+                    "memory was taken back, as a preempted vLLM request's blocks): any "
+                    "written after the trip has an envelope that never verifies.",
+                ),
                 ("bytes_read", "Bytes of pages read and verified."),
                 ("bytes_written", "Bytes of pages stored."),
                 ("prefix_queries", "Prefix lookups (`prefix_hits`)."),
@@ -210,6 +216,12 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
                     "Pages of backups and prefetches given up before they were done (closed, "
                     "released, or after a failed page).",
                 ),
+                (
+                    "pages_quarantined",
+                    "Host pages kept out of reuse because a storage call using them timed "
+                    "out (a read may still fill them, a write still read them): freed only "
+                    "once the call returns.",
+                ),
                 CounterSpec(
                     "bytes",
                     _CACHE,
@@ -258,6 +270,23 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
                     "or promotion failed to write there.",
                 ),
                 ("admission_refused", "Pages a tier's admission policy kept out."),
+                (
+                    "quarantined_pages",
+                    "Staging pages kept out of reuse because a cascade, write-back or "
+                    "promotion call into or out of a tier timed out while using them: each "
+                    "is reused only once the call returns.",
+                ),
+                (
+                    "cancelled",
+                    "Pages of queued or running cascades, write-backs and promotions (and "
+                    "puts) not kept in a tier because their key was deleted or tainted "
+                    "meanwhile (a copy written anyway is deleted once its call returned).",
+                ),
+                (
+                    "bypasses",
+                    "Lookups (`exists`, `get`) that skipped a tier because a call to it was "
+                    "stuck past `backend_call_timeout_s`: the next tier answered.",
+                ),
                 ("get_seconds", "Seconds spent in a tier's reads."),
                 ("get_calls", "Reads asked of a tier."),
                 ("read_bytes", "Bytes of pages a tier served, to the engine or the chain."),
@@ -443,6 +472,17 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
             _SGLANG,
             [
                 ("generic_path_pages", "Pages moved through SGLang's generic (copying) path."),
+                (
+                    "scratch_pages_quarantined",
+                    "Scratch pages (kvtier's own, or a generic-path caller's tensors) kept "
+                    "out of reuse because a storage call using them timed out: freed only "
+                    "once the call returns.",
+                ),
+                (
+                    "pages_staged",
+                    "Pages a get read into kvtier's scratch pages and copied into SGLang's "
+                    "host pool (bounded calls never fill SGLang's pages in place).",
+                ),
                 ("skipped_not_writer", "Pages not written: another rank writes MLA pages."),
                 ("metrics_fallback", "1 when SGLang's StorageMetrics class could not be imported."),
                 ("state_pools_by_value", "Hybrid-model state pools served by value (copied)."),

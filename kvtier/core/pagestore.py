@@ -43,6 +43,7 @@ from kvtier.core.host_pool import HostPool
 from kvtier.core.keys import validate_keys
 from kvtier.core.layout import Layout
 from kvtier.core.metrics import zeroed
+from kvtier.core.saveguard import SaveGuard
 from kvtier.core.storage import Counters, StorageBackend
 
 __all__ = [
@@ -91,6 +92,11 @@ _R = TypeVar("_R")
 _ZERO_HEADER = bytes(HEADER.size)
 #: After close's bound, how long the call threads of calls that returned get to end.
 _WAKE_GRACE_S = 0.5
+
+
+def _refuse(slot: memoryview) -> None:
+    """An envelope that never verifies (a zero header: no magic), for a tainted page."""
+    slot[: HEADER.size] = _ZERO_HEADER
 
 
 def _name(backend: object) -> str:
@@ -304,6 +310,7 @@ class PageStore:
         pages: Sequence[int],
         *,
         on_late: Callable[[Any], None] | None = None,
+        guards: Sequence[SaveGuard | None] | None = None,
     ) -> BatchResult:
         """Envelope each page in its header slot and store it; True where the backend did.
 
@@ -312,10 +319,24 @@ class PageStore:
         core's cache); otherwise the envelopes are written here first. If the call times
         out (``result.outcome``), the backend may still read the pages: ``on_late(results)``
         runs once it returns, and the caller must not reuse them before.
+
+        ``guards`` (one per page, or None) are the :class:`~kvtier.core.saveguard.SaveGuard`
+        of pages whose memory its owner may take back during the call: a guarded page's
+        envelope is written under its guard, and once the guard is tripped as an envelope
+        that never verifies (the page is a counted miss for every reader, never a hit); a
+        page whose guard tripped before the call returned is reported False (here and to
+        ``on_late``) and counted ``put_tainted``. Guarded pages are enveloped by the core,
+        never by a backend's own loop (``checks_envelopes``).
         """
         keys = self._checked_keys(keys, pages)
         if not keys:
             return BatchResult()
+        if guards is not None and len(guards) != len(keys):
+            raise PageError(
+                f"got {len(keys)} keys and {len(guards)} guards; pass one guard (or None) per key",
+                value=len(guards),
+            )
+        guarded = guards if guards is not None and any(g is not None for g in guards) else None
         buffers = [self.pool.page_buffers(page) for page in pages]
         views = [[e.view for e in regions] for regions in buffers]
         write = self._format().write
@@ -323,30 +344,41 @@ class PageStore:
         static = self._format().batch(()).static
         write_compiled = compiled_envelope.write_envelopes
 
-        def envelope(i: int) -> None:
+        def seal(i: int) -> None:
             if compiled:
                 write_compiled(static, (keys[i],), (buffers[i],))
                 return
             page = views[i]
             write(page[0], keys[i], page[1:])
 
+        def envelope(i: int) -> None:
+            guard = guarded[i] if guarded is not None else None
+            if guard is None:
+                seal(i)
+            else:  # no checksum over memory its owner took back (saveguard.py)
+                guard.sealing(lambda: seal(i), lambda: _refuse(views[i][0]))
+
         def envelopes(chunk: Sequence[int]) -> None:  # compiled: one call a slice
             write_compiled(static, [keys[i] for i in chunk], [buffers[i] for i in chunk])
 
         hooks = self._hooks
-        enveloped = self._enveloped
+        enveloped = None if guarded is not None else self._enveloped
+        if guarded is not None:
+            on_late = self._tainting(guarded, on_late)
         if enveloped is not None:
             batch = self._format().batch(keys)
             call = lambda: enveloped.put_with(keys, buffers, envelope, envelope=batch)  # noqa: E731
         elif hooks is not None:
             call = lambda: hooks.put_with(keys, buffers, envelope)  # noqa: E731
         else:
-            if compiled:
+            if compiled and guarded is None:
                 self._slices(envelopes, range(len(keys)))
             else:
                 self._each(envelope, range(len(keys)))
             call = lambda: self.backend.put(keys, buffers)  # noqa: E731
         results = self._call("put", len(keys), call, on_late)
+        if guarded is not None and results.outcome is Outcome.OK:
+            self._taint(guarded, results)
         stored = [i for i, ok in enumerate(results) if ok]
         self._counters.add("puts", len(stored))
         self._counters.add("bytes_written", sum(_nbytes(views[i]) for i in stored))
@@ -627,6 +659,32 @@ class PageStore:
                 value=len(pages),
             )
         return checked
+
+    def _taint(self, guards: Sequence[SaveGuard | None], results: list[bool]) -> None:
+        """Report False each page whose guard tripped before its put returned (counted):
+        its memory may have changed under the write, so it is not the key's own."""
+        tainted = 0
+        for i, guard in enumerate(guards):
+            if guard is not None and guard.tripped:
+                tainted += 1
+                results[i] = False
+        self._counters.add("put_tainted", tainted)
+
+    def _tainting(
+        self, guards: Sequence[SaveGuard | None], on_late: Callable[[Any], None] | None
+    ) -> Callable[[Any], None] | None:
+        """``on_late`` of a guarded put: the late results, tainted as :meth:`_taint` does."""
+        if on_late is None:
+            return None
+        late = on_late
+
+        def tainted(results: Any) -> None:
+            if isinstance(results, list) and len(results) == len(guards):
+                results = [bool(ok) for ok in results]
+                self._taint(guards, results)
+            late(results)
+
+        return tainted
 
     def _count_outcome(self, outcome: Outcome, op: str) -> None:
         """Count a call that timed out or was refused, in total and by operation."""

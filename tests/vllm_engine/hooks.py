@@ -12,6 +12,10 @@ change ``connector.hooks`` between phases):
   passed: a load that blocked the steps would run into S;
 - ``swap``: ``{"tokens": P, "with": Q}``: a load of P's pages reads Q's pages instead (a
   negative control: the KV is wrong while every page verifies, and only the output shows it);
+- ``preempt_after_pickup_s``: a preemption reaches the worker only once the writer took
+  the preempted requests' queued stores (at most that long), so a store of theirs is in
+  flight when vLLM reuses their blocks (with ``save_delay_s`` past ``preempt_wait_s``: a
+  tainted store);
 - ``no_page_extras``: ``true`` at start-up: the scheduler keys pages by their tokens alone,
   without a request's multimodal items or prompt embeddings (a negative control: two
   images with the same text share pages, as they did before the images were keyed).
@@ -65,6 +69,20 @@ class HookedKvtierConnector(KvtierConnector):
 
         worker._store_get = slow_get  # type: ignore[method-assign]
         worker._store_put = slow_put  # type: ignore[method-assign]
+        preempted = worker.preempted
+
+        def preempted_after_pickup(req_ids: Any) -> None:
+            hold = float(self.hooks.get("preempt_after_pickup_s", 0))
+            gone = set(req_ids)
+            deadline = time.monotonic() + hold
+            while time.monotonic() < deadline:
+                with worker._cv:
+                    if not any(save.op.req_id in gone for save in worker._queue):
+                        break
+                time.sleep(0.005)
+            preempted(gone)
+
+        worker.preempted = preempted_after_pickup  # type: ignore[method-assign]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         swap = self.hooks.get("swap")

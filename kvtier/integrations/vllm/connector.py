@@ -56,7 +56,7 @@ from kvtier.integrations.vllm.messages import Report, StepWork
 from kvtier.integrations.vllm.plan import KVGroup, kv_groups, plan_strategy, resolve_plan
 from kvtier.integrations.vllm.scheduler import NoPages, SchedulerSide
 from kvtier.integrations.vllm.settings import SECTION, VLLMSection, read_section
-from kvtier.integrations.vllm.worker import WorkerSide
+from kvtier.integrations.vllm.worker import WorkerSide, header_verify_refused
 from kvtier.plugins.manager import default_registry
 
 try:
@@ -321,6 +321,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self.plan: ResolvedPlan = resolve_plan(
                 vllm_config, kv_cache_config, self.settings, registry, tp_rank=_tp_rank(role)
             )
+            if plan_strategy(self.plan) != "device":  # both roles refuse it at start-up
+                refused = header_verify_refused(self.plan.config.verify)
+                if refused is not None:
+                    raise refused
             #: vLLM's KV cache groups (several under its hybrid allocator).
             self.groups: list[KVGroup] = kv_groups(kv_cache_config)
             self.scheduler: SchedulerSide | None = None

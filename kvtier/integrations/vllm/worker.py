@@ -14,9 +14,13 @@ to the scheduler, and keeps every backend call off the model's path:
   beyond it is dropped and counted, never waited for. A finished request's blocks stay
   with vLLM until its stores ran; a preempted request's queued stores are dropped and a
   store in flight is waited for (``preempt_wait_s``) before vLLM reuses the blocks, or
-  else tainted: deleted once its call returns, never reported stored. A sliding-window
-  group's blocks, which vLLM frees while the request runs, are copied to staging pages at
-  the end of their step and stored from there.
+  else tainted: its :class:`~kvtier.core.saveguard.SaveGuard` is tripped (every page not
+  checksummed yet gets an envelope that never verifies, and the put reports each page
+  False), and its pages are deleted (tainted in the chain) once its call returns, never
+  reported stored. Hence ``verify: "header"`` is refused here: a page checksummed before
+  the trip whose bytes changed under the write is caught by full verification only. A
+  sliding-window group's blocks, which vLLM frees while the request runs, are copied to
+  staging pages at the end of their step and stored from there.
 - a page is deleted only when it is proven bad (its envelope failed verification); a
   missing page, a failed or timed-out call deletes nothing.
 
@@ -43,17 +47,18 @@ from kvtier.cache.chain import StorageChain, open_store
 from kvtier.cache.metrics import identity_of, store_collector
 from kvtier.core.bounded import Outcome
 from kvtier.core.capabilities import ResolvedPlan
-from kvtier.core.errors import KvtierError
+from kvtier.core.errors import KvtierError, UnsupportedCombinationError
 from kvtier.core.geometry import AttentionKind
 from kvtier.core.metrics import zeroed
 from kvtier.core.pagestore import BatchResult, PageStore
+from kvtier.core.saveguard import SaveGuard
 from kvtier.integrations.vllm.blocks import VLLMBlocks, layer_positions, order_layers
 from kvtier.integrations.vllm.messages import PageOp
 from kvtier.integrations.vllm.plan import reader_plan
 from kvtier.integrations.vllm.rank import RankWorker, no_pages_yet, proves_bad
 from kvtier.integrations.vllm.settings import VLLMSection
 
-__all__ = ["WorkerSide"]
+__all__ = ["WorkerSide", "header_verify_refused"]
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -94,12 +99,37 @@ class _Save:
     staging: list[int]
     #: Preempted while its call ran: deleted once the call returns, never reported stored.
     tainted: bool = False
+    #: Tripped with ``tainted``: no page of it is checksummed from reused blocks after that.
+    guard: SaveGuard = field(default_factory=SaveGuard)
+
+
+def header_verify_refused(verify: str) -> UnsupportedCombinationError | None:
+    """The error for ``verify: "header"`` on the CPU engine (None for ``full``).
+
+    Pages are written straight from vLLM's blocks, and a preempted request's blocks are
+    reused after ``preempt_wait_s`` even if its store still runs: a page checksummed
+    before that whose bytes then changed under the write carries its original checksum,
+    which only full verification compares.
+    """
+    if verify != "header":
+        return None
+    return UnsupportedCombinationError(
+        'kvtier.verify: "header" is refused on vLLM\'s CPU engine: pages are written '
+        "straight from vLLM's blocks, which a preemption hands back while a store may still "
+        "read them, and only full verification rejects a page whose bytes changed under "
+        'its write (docs/vllm.md, "Preemption"); set "verify": "full" (the default)',
+        value=verify,
+        supported=('verify "full" on the CPU engine', 'verify "header" on an accelerator'),
+    )
 
 
 class WorkerSide(RankWorker):
     """Loads and stores of one vLLM worker (one tensor-parallel rank) on the CPU engine."""
 
     def __init__(self, plan: ResolvedPlan, settings: VLLMSection, *, groups: int = 1) -> None:
+        refused = header_verify_refused(plan.config.verify)
+        if refused is not None:
+            raise refused
         super().__init__(plan, settings, groups=groups)
         #: The plan's storage chain over vLLM's blocks (a chain of one for one backend).
         self.store: StorageChain | None = None
@@ -174,9 +204,16 @@ class WorkerSide(RankWorker):
         each page from the first tier with a valid copy, see ``StorageChain.get``)."""
         return self._require_store().get(names, pages, on_late=on_late, verdicts=verdicts)
 
-    def _store_put(self, names: list[str], pages: list[int], on_late: Any) -> BatchResult:
-        """One bounded ``put`` into the chain's first tier (it cascades down on its own)."""
-        return self._require_store().put(names, pages, on_late=on_late)
+    def _store_put(
+        self,
+        names: list[str],
+        pages: list[int],
+        on_late: Any,
+        guards: Sequence[SaveGuard | None] | None = None,
+    ) -> BatchResult:
+        """One bounded ``put`` into the chain's first tier (it cascades down on its own);
+        ``guards``: each page's save guard (tripped if its request is preempted)."""
+        return self._require_store().put(names, pages, on_late=on_late, guards=guards)
 
     # --- loads --------------------------------------------------------------------------
 
@@ -424,7 +461,7 @@ class WorkerSide(RankWorker):
             self.counters.add("save_stored_pages", stored)
             self.counters.add("save_failed_pages", len(names) - stored)
             late = results is not None and results.outcome is Outcome.TIMED_OUT
-            tainted: list[tuple[_Save, list[bool]]] = []
+            tainted: list[_Save] = []
             with self._cv:
                 at = 0
                 for save in batch:
@@ -434,7 +471,7 @@ class WorkerSide(RankWorker):
                         self._late_saves.append(save)
                         continue
                     if save.tainted:
-                        tainted.append((save, mine))
+                        tainted.append(save)
                     else:
                         for key, ok in zip(save.op.keys, mine, strict=False):
                             if ok:
@@ -446,8 +483,8 @@ class WorkerSide(RankWorker):
                     self._writing = []
                 self._cv.notify_all()
             if tainted:  # deleted before the batch counts as written (flush waits for it)
-                for save, mine in tainted:
-                    self._delete_tainted(save, mine)
+                for save in tainted:
+                    self._delete_tainted(save)
                 with self._cv:
                     self._writing = []
                     self._cv.notify_all()
@@ -457,7 +494,8 @@ class WorkerSide(RankWorker):
         try:
             if self.store is None:
                 raise KvtierError("the page store is closed", value=None)
-            return self._store_put(names, pages, partial(self._late, batch))
+            guards = [save.guard for save in batch for _ in save.names]
+            return self._store_put(names, pages, partial(self._late, batch), guards)
         except KvtierError as exc:  # backend errors are False, not raised
             log.warning("kvtier: a store raised %s; its %d pages are not kept", exc, len(names))
             return None
@@ -475,30 +513,37 @@ class WorkerSide(RankWorker):
 
     def _late(self, batch: list[_Save], results: Any) -> None:
         """A timed-out ``put`` returned at last (on its call thread): its pages are free."""
-        tainted: list[tuple[_Save, list[bool]]] = []
-        at = 0
+        tainted: list[_Save] = []
         with self._cv:
             for save in batch:
-                mine = list(results[at : at + len(save.names)]) if results else []
-                at += len(save.names)
                 if save in self._late_saves:
                     self._late_saves.remove(save)
                 if save.tainted:
-                    tainted.append((save, mine))
+                    tainted.append(save)
                 self._release(save)
             self._cv.notify_all()
-        for save, mine in tainted:
-            self._delete_tainted(save, mine)
+        for save in tainted:
+            self._delete_tainted(save)
 
-    def _delete_tainted(self, save: _Save, results: Sequence[bool]) -> None:
-        """Delete what a store wrote from blocks vLLM may have reused meanwhile."""
-        stored = [name for name, ok in zip(save.names, results, strict=False) if ok]
+    def _delete_tainted(self, save: _Save) -> None:
+        """Remove every page a store wrote from blocks vLLM may have reused meanwhile.
+
+        All of them, whatever the put said: it reports a tainted page False, yet
+        it may have published it (with an envelope that never verifies, or its original
+        bytes). Through the chain's ``taint`` where it has one (it also cancels the
+        cascades and promotions of the keys), else a delete from every tier.
+        """
         store = self.store
-        if stored and store is not None and not store.closed:
-            try:
-                store.delete(stored)
-            except KvtierError as exc:
-                log.warning("kvtier: deleting %d tainted pages raised %s", len(stored), exc)
+        if not save.names or store is None or store.closed:
+            return
+        taint = getattr(store, "taint", None)
+        try:
+            if callable(taint):
+                taint(save.names)
+            else:
+                store.delete(save.names)
+        except KvtierError as exc:
+            log.warning("kvtier: deleting %d tainted pages raised %s", len(save.names), exc)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued store has run (a timed-out one counts as run), and the
@@ -556,13 +601,18 @@ class WorkerSide(RankWorker):
                 self._pending.pop(req_id, None)
 
     def _taint(self, save: _Save) -> None:
-        """Called with ``_cv`` held: ``save``'s blocks are about to be reused under it."""
+        """Called with ``_cv`` held: ``save``'s blocks are about to be reused under it.
+
+        Its guard is tripped first: from then on no page of it is checksummed from the
+        blocks (the envelope of any not yet written never verifies)."""
         if not save.tainted:
+            save.guard.trip()
             save.tainted = True
             self.counters.add("save_tainted_pages", len(save.names))
             log.warning(
                 "kvtier: a store of %d pages of preempted request %s is still running; "
-                "vLLM reuses its blocks now, so the pages are deleted once it returns",
+                "vLLM reuses its blocks now, so no page of it is published as valid from "
+                "them and the pages are deleted once it returns",
                 len(save.names),
                 save.op.req_id,
             )
