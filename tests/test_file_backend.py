@@ -619,7 +619,12 @@ def test_registered_through_the_hook_with_features() -> None:
 
     spec = load_registry(autoload=False).backend("file")
     assert spec is FILE_SPEC
-    assert spec.features == {Feature.PERSISTENT, Feature.SHARED_PROCESSES, Feature.ZERO_COPY}
+    assert spec.features == {
+        Feature.PERSISTENT,
+        Feature.SHARED_PROCESSES,
+        Feature.ZERO_COPY,
+        Feature.EXACT_EVICTION,
+    }
     assert spec.validate_plan is validate_file_plan
     assert spec.unavailable_reason() is None
 

@@ -111,7 +111,12 @@ def test_registered_through_the_hook_with_features_and_hint() -> None:
     spec = load_registry(autoload=False).backend("uring")
     assert spec.requires == ("liburing",)
     assert spec.install_hint == "pip install 'kvtier[uring]'"
-    assert {str(f) for f in spec.features} == {"persistent", "shared_processes", "zero_copy"}
+    assert {str(f) for f in spec.features} == {
+        "persistent",
+        "shared_processes",
+        "zero_copy",
+        "exact_eviction",
+    }
     assert spec.config_model is UringConfig
 
 

@@ -18,7 +18,16 @@ a chain of one behaves as its page store did, and more tiers change nothing upst
   :meth:`StorageChain.pending` says which pages have a promotion queued or running.
 - **exists** answers whether any tier holds the page. A tier that fails a call (a hung
   backend, a master gone) counts as not holding the pages and is counted; the others
-  keep serving.
+  keep serving. A tier with a call stuck past its bound is not asked at all by
+  ``exists`` and ``get`` until that call returns (:meth:`StorageChain.bypassed`).
+- **late calls**: a cascade, write-back or promotion call that times out may still use
+  its staging pages; they stay quarantined (:mod:`kvtier.cache.staging`, counted
+  ``quarantined_pages``) until it returns, so a recycled page never carries another
+  key's bytes into it.
+- **delete / taint**: :meth:`StorageChain.delete` and :meth:`StorageChain.taint` cancel
+  the queued cascades, write-backs and promotions of their keys, and a write of them
+  still running (or timed out) deletes its copy once its call returned
+  (:mod:`kvtier.cache.fences`, counted ``cancelled``).
 - **pins** (:class:`~kvtier.cache.pins.PinSet`): no tier evicts a pinned page, neither
   the chain's own victim choices nor a backend's capacity (both go through the tier's
   :class:`ObservedEviction`). A running load (TieredCache's prefetch, until its handle is
@@ -45,17 +54,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.cache.events import Event, EventKind, EventStream
+from kvtier.cache.fences import KeyFences, Ticket
 from kvtier.cache.pins import PinSet
+from kvtier.cache.staging import LateGuard, StagingPool
 from kvtier.core.bounded import DEFAULT_CALL_TIMEOUT_S, DEFAULT_MAX_ABANDONED, Outcome
-from kvtier.core.capabilities import ResolvedPlan, TierPlan, build_host_pool, open_page_store
+from kvtier.core.capabilities import ResolvedPlan, TierPlan, open_page_store
 from kvtier.core.envelope import ENVELOPE_BYTES
 from kvtier.core.errors import InvalidFieldError
 from kvtier.core.extents import Extent
-from kvtier.core.host_pool import HostPool
 from kvtier.core.keys import NAMESPACE_ID_CHARS
 from kvtier.core.metrics import counter_names, registered_counters
 from kvtier.core.pagestore import BatchResult, PageMemory, PageStore
 from kvtier.core.policy import EvictionPolicy, PageInfo, never_pinned
+from kvtier.core.saveguard import SaveGuard
 from kvtier.core.storage import Counters, StorageBackend
 
 __all__ = ["ObservedEviction", "StorageChain", "Tier", "open_store"]
@@ -66,9 +77,6 @@ log = logging.getLogger("kvtier.cache")
 DEFAULT_QUEUE_PAGES = 1024
 #: A tier's chain counters (kvtier.core.metrics.COUNTERS), reported as 0 until they move.
 TIER_COUNTERS = tuple(counter_names("storage_tier"))
-#: Staging memory for cascades and promotions: at most this many bytes, or pages.
-STAGING_BYTES = 256 << 20
-STAGING_PAGES = 64
 #: Keys a tier's admission refused that a later hit may offer again, per tier.
 _REFUSED_KEEP = 1 << 16
 #: Descriptions the chain gave a tier's policy, kept until the page's insert.
@@ -212,6 +220,8 @@ class _Job:
     #: Pages the queue counts for this job, and the targets not written yet.
     queued: int = 0
     waiting: list[int] = field(default_factory=list)
+    #: Its keys in the chain's fences, from the queue until it is over.
+    ticket: Ticket | None = None
 
 
 def _copy_page(source: Sequence[Extent], target: Sequence[Extent]) -> None:
@@ -229,6 +239,67 @@ def _copy_page(source: Sequence[Extent], target: Sequence[Extent]) -> None:
             dst[at : at + n] = src[done : done + n]
             done += n
             at += n
+
+
+class _LateWrite:
+    """The late side of one put the chain makes: if the call times out, the staging pages
+    it was given (``staged``; None: the caller's pages, the caller holds them) stay
+    quarantined and its keys fenced until it returns; then what it wrote of a key deleted
+    or tainted meanwhile is deleted, and ``then(result)`` (the caller's ``on_late``) runs.
+
+    ``timed_out`` (the caller saw the timeout) and ``returned`` (the call's ``on_late``)
+    may come in either order.
+    """
+
+    def __init__(
+        self,
+        fences: KeyFences,
+        staging: StagingPool,
+        undo: Callable[[Tier, list[str], Sequence[bool] | None, Ticket], object],
+        tier: Tier,
+        keys: list[str],
+        staged: list[int] | None,
+        ticket: Ticket,
+        then: Callable[[Any], None] | None,
+    ) -> None:
+        self._fences = fences
+        self._staging = staging
+        self._undo = undo
+        self._tier = tier
+        self._keys = keys
+        self._staged = staged
+        self._ticket = ticket
+        self._then = then
+        self._lock = threading.Lock()
+        self._returned = False
+        self._held: Ticket | None = None
+
+    def timed_out(self) -> None:
+        """The put reported ``TIMED_OUT``: hold what it still uses until it returns."""
+        with self._lock:
+            if self._returned:  # it returned between the timeout and now: nothing held
+                return
+            # the caller's ticket is still live here, so no revocation is missed
+            self._held = self._fences.carry(self._ticket, self._keys)
+            if self._staged is not None:
+                count = self._staging.quarantine(self._staged)
+                self._tier.counters.add("quarantined_pages", count)
+
+    def returned(self, result: Any) -> None:
+        """The put's ``on_late``: it returned at last."""
+        with self._lock:
+            self._returned = True
+            held, self._held = self._held, None
+        try:
+            if held is not None and self._staged is not None:
+                self._staging.unquarantine(self._staged)
+            written = result if isinstance(result, list) else None
+            self._undo(self._tier, self._keys, written, held or self._ticket)
+        finally:
+            if held is not None:
+                self._fences.leave(held)
+            if self._then is not None:
+                self._then(result)
 
 
 class StorageChain:
@@ -276,9 +347,12 @@ class StorageChain:
         #: Per tier: one make-room-then-put at a time (above a write-back tier), so two
         #: writers never both count the same free room.
         self._room_locks = [threading.Lock() for _ in tiers]
-        self._staging: HostPool | None = None
-        self._staging_free: list[int] = []
+        #: Staging pages of cascades, write-backs and promotions; a page a timed-out call
+        #: still uses stays quarantined there until the call returns.
+        self._staging = StagingPool(plan, self._page_bytes)
         self._staging_stores: dict[int, PageStore] = {}
+        #: Keys with writes in flight, and those deleted or tainted meanwhile.
+        self._fences = KeyFences()
         self._worker: threading.Thread | None = None
         self._closed = False
 
@@ -292,6 +366,12 @@ class StorageChain:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def staging(self) -> StagingPool:
+        """The staging pages of cascades, write-backs and promotions (their free and
+        quarantined counts)."""
+        return self._staging
 
     def exists(self, keys: Sequence[str]) -> BatchResult:
         """Whether any tier holds each key (one batched call per tier, for the rest)."""
@@ -340,6 +420,11 @@ class StorageChain:
         tier, was served by none, and that every tier asked answered for (a miss or
         another rejection). A page a tier could not answer for (its call failed) gets no
         entry: a good copy may still be there, so nothing is known against it.
+
+        A tier with a call stuck past its bound (:meth:`bypassed`) is not asked: the next
+        tier is, at once (counted ``bypasses``). A call that times out here fails the whole
+        get (``TIMED_OUT``): the late call may still write into the caller's pages, so no
+        other tier may fill them; the gets after it skip that tier until the call returns.
         """
         keys, pages = list(keys), list(pages)
         if len(self.tiers) == 1:
@@ -349,6 +434,22 @@ class StorageChain:
             first.counters.add("get_seconds", time.perf_counter() - started)
             first.counters.add("get_calls")
             return result
+        # a page read here may be promoted: a delete or taint from now on cancels that
+        ticket = self._fences.enter(keys)
+        try:
+            return self._get_chained(keys, pages, on_late, verdicts, ticket)
+        finally:
+            self._fences.leave(ticket)
+
+    def _get_chained(
+        self,
+        keys: list[str],
+        pages: list[int],
+        on_late: Callable[[Any], None] | None,
+        verdicts: dict[int, str] | None,
+        ticket: Ticket,
+    ) -> BatchResult:
+        """:meth:`get` over several tiers."""
         results = [False] * len(keys)
         source: dict[int, int] = {}
         rejected: dict[int, str] = {}
@@ -357,6 +458,10 @@ class StorageChain:
         for tier in self.tiers:
             if not todo:
                 break
+            if self.bypassed(tier):
+                tier.counters.add("bypasses")
+                unanswered.update(todo)
+                continue
             started = time.perf_counter()
             found: dict[int, str] = {}
             answer = tier.store.get(
@@ -386,8 +491,8 @@ class StorageChain:
             for i, reason in rejected.items():
                 if not results[i] and i not in unanswered:
                     verdicts[i] = reason
-        self._promote(keys, pages, source)
-        self._record_hits(keys, pages, source)
+        self._promote(keys, pages, source, ticket)
+        self._record_hits(keys, pages, source, ticket)
         return BatchResult(results)
 
     def put(
@@ -396,27 +501,68 @@ class StorageChain:
         pages: Sequence[int],
         *,
         on_late: Callable[[Any], None] | None = None,
+        guards: Sequence[SaveGuard | None] | None = None,
     ) -> BatchResult:
         """Store into the first tier now; cascade down (write-through) on the worker.
 
-        ``on_late`` and the result's ``outcome`` are the first tier's (see
-        :meth:`PageStore.put`); a put that timed out cascades nothing.
+        ``on_late``, ``guards`` and the result's ``outcome`` are the first tier's (see
+        :meth:`PageStore.put`); a put that timed out cascades nothing. A key deleted or
+        tainted (:meth:`delete`, :meth:`taint`) while this put ran is not kept: its copy
+        is deleted once the call returned, and its result is False.
         """
         keys, pages = list(keys), list(pages)
         first = self.tiers[0]
         self._describe(first, keys)
         self._enforce_quota(first, keys)
-        results, _ = self._put_into(first, first.store, keys, pages, on_late=on_late, must=True)
-        stored = [key for key, ok in zip(keys, results, strict=True) if ok]
-        self._emit(EventKind.STORED, first, stored)
-        targets = self._through_below(0)
-        if stored and targets:
-            self._submit(_Job(stored, targets, 0, EventKind.STORED))
+        ticket = self._fences.enter(keys)
+        try:
+
+            def late(names: list[str], _pages: list[int]) -> _LateWrite:
+                return self._late_write(first, names, None, ticket, on_late)
+
+            results, _ = self._put_into(
+                first, first.store, keys, pages, late=late, must=True, guards=guards
+            )
+            undone = self._undo_revoked(first, keys, results, ticket)
+            for i, key in enumerate(keys):
+                if key in undone:
+                    results[i] = False
+            stored = [key for key, ok in zip(keys, results, strict=True) if ok]
+            self._emit(EventKind.STORED, first, stored)
+            targets = self._through_below(0)
+            if stored and targets:
+                self._submit(_Job(stored, targets, 0, EventKind.STORED), since=ticket)
+        finally:
+            self._fences.leave(ticket)
         return results
 
     def delete(self, keys: Sequence[str]) -> BatchResult:
-        """Remove each key from every tier; True where some tier removed it."""
+        """Remove each key from every tier; True where some tier removed it.
+
+        Queued cascades, write-backs and promotions of the keys are cancelled, and one
+        running now (or a put that timed out and may still land) deletes its copy once
+        its call returned, so no tier keeps a key deleted here.
+        """
         keys = list(keys)
+        self._fences.revoke(keys)
+        return self._delete_everywhere(keys)
+
+    def taint(self, keys: Sequence[str]) -> int:
+        """The source of ``keys``' pages may have changed (a preempted request's blocks
+        reused while its save ran): no copy of them may stay visible.
+
+        Every tier's copy is deleted now; queued cascades, write-backs and promotions of
+        the keys are cancelled; a put, cascade or promotion of them still running (or
+        timed out, and still able to land) deletes what it wrote once its call returns
+        (counted ``cancelled`` on the tier). Returns how many of the keys had such a
+        write in flight (their copies go when those calls end).
+        """
+        keys = list(keys)
+        in_flight = self._fences.revoke(keys)
+        self._delete_everywhere(keys)
+        return in_flight
+
+    def _delete_everywhere(self, keys: list[str]) -> BatchResult:
         removed = [False] * len(keys)
         for tier in self.tiers:
             answer = tier.store.delete(keys)
@@ -425,7 +571,9 @@ class StorageChain:
         return BatchResult(removed)
 
     def clear(self) -> bool:
-        """Clear every tier; False if one failed."""
+        """Clear every tier; False if one failed. Every write in flight is void (as for
+        :meth:`delete`)."""
+        self._fences.revoke_all()
         return all([tier.store.clear() for tier in self.tiers])
 
     def backend_stats(self, timeout: float | None = None) -> dict[str, Any]:
@@ -648,8 +796,9 @@ class StorageChain:
         keys: list[str],
         pages: list[int],
         *,
-        on_late: Callable[[Any], None] | None = None,
+        late: Callable[[list[str], list[int]], _LateWrite],
         must: bool,
+        guards: Sequence[SaveGuard | None] | None = None,
     ) -> tuple[BatchResult, int]:
         """Put into ``tier`` (through ``store``, the tier's page store or its staging
         sibling); above a write-back tier, in parts that fit its capacity, each after its
@@ -657,10 +806,13 @@ class StorageChain:
         victims that could not be handed down (they are lost, counted); otherwise pages
         that would evict such a victim are not written (counted drops of this tier, the
         copy they came from is still in its own tier). Returns the results and the drops.
+
+        ``late(keys, pages)`` makes the late side of each backend call (a call that times
+        out keeps its pages and keys fenced until it returns, see :class:`_LateWrite`).
         """
         capacity = tier.plan.capacity_bytes
         if self._back_below(tier) is None or capacity is None or tier.eviction is None:
-            return store.put(keys, pages, on_late=on_late), 0
+            return self._put_call(store, keys, pages, late, guards), 0
         step = max(1, capacity // self._page_bytes)
         results: list[bool] = []
         dropped = 0
@@ -671,13 +823,36 @@ class StorageChain:
                 if fit < len(part):
                     dropped += len(part) - fit
                     tier.counters.add("drops", len(part) - fit)
-                answer = store.put(part[:fit], pages[start : start + fit], on_late=on_late)
+                answer = self._put_call(
+                    store,
+                    part[:fit],
+                    pages[start : start + fit],
+                    late,
+                    None if guards is None else guards[start : start + fit],
+                )
             results += answer
             results += [False] * (len(part) - fit)
             if answer.outcome is not Outcome.OK:
                 results += [False] * (len(keys) - len(results))
                 return BatchResult(results, answer.outcome), dropped
         return BatchResult(results), dropped
+
+    @staticmethod
+    def _put_call(
+        store: PageStore,
+        keys: list[str],
+        pages: list[int],
+        late: Callable[[list[str], list[int]], _LateWrite],
+        guards: Sequence[SaveGuard | None] | None,
+    ) -> BatchResult:
+        """One bounded put; if it times out, its late side holds what it still uses."""
+        if not keys:
+            return BatchResult()
+        side = late(keys, pages)
+        answer = store.put(keys, pages, on_late=side.returned, guards=guards)
+        if answer.outcome is Outcome.TIMED_OUT:
+            side.timed_out()
+        return answer
 
     def _make_room(self, tier: Tier, keys: list[str], *, force: bool) -> int:
         """Before ``keys`` enter ``tier`` (above a write-back tier), hand down the victims
@@ -708,15 +883,20 @@ class StorageChain:
         below = self._back_below(tier)
         moved: list[str] = []
         if below is not None:
-            staged = self._stage_from(tier, victims)
-            keys = [key for key, page in zip(victims, staged, strict=True) if page is not None]
-            pages = [page for page in staged if page is not None]
-            if keys:
-                targets = [below.index, *self._through_below(below.index)]
-                accepted = self._submit(
-                    _Job(keys, targets, tier.index, EventKind.STORED, staged=pages)
-                )
-                moved = keys[:accepted]
+            ticket = self._fences.enter(victims)  # a delete from now on cancels the hand-down
+            try:
+                staged = self._stage_from(tier, victims)
+                keys = [key for key, page in zip(victims, staged, strict=True) if page is not None]
+                pages = [page for page in staged if page is not None]
+                if keys:
+                    targets = [below.index, *self._through_below(below.index)]
+                    accepted = self._submit(
+                        _Job(keys, targets, tier.index, EventKind.STORED, staged=pages),
+                        since=ticket,
+                    )
+                    moved = keys[:accepted]
+            finally:
+                self._fences.leave(ticket)
             gone = set(moved)
             stay = [key for key in victims if key not in gone]
             if stay and not force:
@@ -747,7 +927,9 @@ class StorageChain:
 
     # --- internals: promotions and re-offers ---------------------------------------------------
 
-    def _promote(self, keys: list[str], pages: list[int], source: dict[int, int]) -> None:
+    def _promote(
+        self, keys: list[str], pages: list[int], source: dict[int, int], ticket: Ticket
+    ) -> None:
         """Copy the pages a lower tier served into staging, to write them up."""
         by_tier: dict[int, list[int]] = {}
         for i, tier_index in source.items():
@@ -755,10 +937,18 @@ class StorageChain:
                 by_tier.setdefault(tier_index, []).append(i)
         for tier_index, positions in by_tier.items():
             self._offer(
-                keys, pages, positions, list(range(tier_index)), tier_index, EventKind.PROMOTED
+                keys,
+                pages,
+                positions,
+                list(range(tier_index)),
+                tier_index,
+                EventKind.PROMOTED,
+                ticket,
             )
 
-    def _record_hits(self, keys: list[str], pages: list[int], source: dict[int, int]) -> None:
+    def _record_hits(
+        self, keys: list[str], pages: list[int], source: dict[int, int], ticket: Ticket
+    ) -> None:
         """Tell the admission policies below the tier that served each page of the hit;
         a page one of them refused before and admits now is offered to it again."""
         offers: dict[int, list[int]] = {}
@@ -776,7 +966,14 @@ class StorageChain:
         for target, positions in offers.items():
             targets = [target, *self._through_below(target)]
             self._offer(
-                keys, pages, positions, targets, source[positions[0]], EventKind.STORED, target
+                keys,
+                pages,
+                positions,
+                targets,
+                source[positions[0]],
+                EventKind.STORED,
+                ticket,
+                target,
             )
 
     def _offer(
@@ -787,17 +984,19 @@ class StorageChain:
         targets: list[int],
         source: int,
         kind: EventKind,
+        ticket: Ticket,
         admitted: int | None = None,
     ) -> None:
         """Copy the caller's pages at ``positions`` into staging and queue them for
-        ``targets``; a full staging pool drops the rest (counted on the first target)."""
-        staged = self._take_staging(len(positions))
+        ``targets``; a full staging pool drops the rest (counted on the first target).
+        ``ticket``: the read's, live, so a delete since the read cancels the job."""
+        staged = self._staging.take(len(positions))
         if len(staged) < len(positions):
             self.tiers[targets[0]].counters.add("drops", len(positions) - len(staged))
         if not staged:
             return
         chosen = positions[: len(staged)]
-        staging = self._staging_pool()
+        staging = self._staging.pool
         for position, page in zip(chosen, staged, strict=True):
             _copy_page(self.pool.page_buffers(pages[position]), staging.page_buffers(page))
         self._submit(
@@ -808,57 +1007,46 @@ class StorageChain:
                 kind,
                 staged,
                 admitted=() if admitted is None else (admitted,),
-            )
+            ),
+            since=ticket,
         )
 
     # --- internals: staging memory ----------------------------------------------------------
 
-    def _staging_pool(self) -> HostPool:
-        with self._lock:
-            if self._staging is None:
-                pages = max(4, min(STAGING_PAGES, STAGING_BYTES // max(1, self._page_bytes)))
-                self._staging = build_host_pool(self.plan, num_pages=pages, pin_memory=False)
-                self._staging_free = list(range(pages))
-            return self._staging
-
-    def _take_staging(self, count: int) -> list[int]:
-        self._staging_pool()
-        with self._lock:
-            taken, self._staging_free = self._staging_free[:count], self._staging_free[count:]
-        return taken
-
-    def _give_staging(self, pages: Iterable[int]) -> None:
-        with self._lock:
-            self._staging_free.extend(pages)
-
     def _staging_store(self, tier: Tier) -> PageStore:
         store = self._staging_stores.get(tier.index)
         if store is None:
-            store = self._staging_stores[tier.index] = tier.store.sibling(self._staging_pool())
+            store = self._staging_stores[tier.index] = tier.store.sibling(self._staging.pool)
         return store
 
     def _stage_from(self, tier: Tier, keys: list[str]) -> list[int | None]:
         """Read ``keys`` from ``tier`` into staging pages (None where none was free or the
-        read failed)."""
-        pages = self._take_staging(len(keys))
+        read failed). Pages of a read that timed out stay quarantined until it returns."""
+        pages = self._staging.take(len(keys))
         out: list[int | None] = [None] * len(keys)
         if not pages:
             return out
-        read = self._staging_store(tier).get(keys[: len(pages)], pages)
+        guard = LateGuard(self._staging, pages)
+        read = self._staging_store(tier).get(keys[: len(pages)], pages, on_late=guard.returned)
+        if read.outcome is Outcome.TIMED_OUT:
+            tier.counters.add("quarantined_pages", guard.timed_out())
         unused = []
         for i, (page, ok) in enumerate(zip(pages, read, strict=True)):
             if ok:
                 out[i] = page
             else:
                 unused.append(page)
-        self._give_staging(unused)
+        self._staging.release(unused)
         return out
 
     # --- internals: the queue and its worker ---------------------------------------------------
 
-    def _submit(self, job: _Job) -> int:
+    def _submit(self, job: _Job, *, since: Ticket | None = None) -> int:
         """Queue a job for the worker; the pages beyond ``queue_pages`` are cut off and
-        dropped (counted on its first target). Returns the pages queued."""
+        dropped (counted on its first target). Returns the pages queued.
+
+        ``since``: the live ticket of what the job continues (the put, read or eviction
+        its pages came from): a delete since then cancels the job's keys too."""
         with self._lock:
             take = 0 if self._closed else min(len(job.keys), self.queue_pages - self._queued)
             take = max(0, take)
@@ -877,12 +1065,14 @@ class StorageChain:
         if cut:
             self.tiers[job.targets[0]].counters.add("drops", cut)
             if job.staged:
-                self._give_staging(job.staged[take:])
+                self._staging.release(job.staged[take:])
         if take:
             job.keys = job.keys[:take]
             if job.staged is not None:
                 job.staged = job.staged[:take]
             job.queued, job.waiting = take, list(job.targets)
+            fences = self._fences
+            job.ticket = fences.enter(job.keys) if since is None else fences.carry(since, job.keys)
             self._queue.put(job)
         return take
 
@@ -925,20 +1115,37 @@ class StorageChain:
                     else:
                         promoting.pop(key, None)
         if job.staged:
-            self._give_staging(job.staged)
+            self._staging.release(job.staged)  # a page a late call still uses stays held
             job.staged = []
+        if job.ticket is not None:
+            self._fences.leave(job.ticket)
+            job.ticket = None
 
     def _write(self, job: _Job) -> None:
-        """Write one job's pages into its target tiers (from staging, or read back)."""
+        """Write one job's pages into its target tiers (from staging, or read back); the
+        keys deleted or tainted since the job was queued are not written (``cancelled``)."""
         keys, staged = job.keys, job.staged
+        ticket = job.ticket
         if staged is None:
+            revoked = self._fences.revoked(ticket) if ticket is not None else set()
+            if revoked and job.targets:
+                self.tiers[job.targets[0]].counters.add("cancelled", len(revoked))
+                keys = [key for key in keys if key not in revoked]
             got = self._stage_from(self.tiers[job.source], keys)
-            keys = [key for key, page in zip(keys, got, strict=True) if page is not None]
+            read = [key for key, page in zip(keys, got, strict=True) if page is not None]
             staged = job.staged = [page for page in got if page is not None]
-            if len(keys) < len(job.keys) and job.targets:
-                self.tiers[job.targets[0]].counters.add("drops", len(job.keys) - len(keys))
+            if len(read) < len(keys) and job.targets:
+                self.tiers[job.targets[0]].counters.add("drops", len(keys) - len(read))
+            keys = read
         for target in job.targets:  # (the staged copies are the worker's: nothing to pin)
-            self._write_one(job, self.tiers[target], keys, staged)
+            tier = self.tiers[target]
+            revoked = self._fences.revoked(ticket, keys) if ticket is not None else set()
+            if revoked:
+                tier.counters.add("cancelled", len(revoked))
+                kept = [(key, page) for key, page in zip(keys, staged, strict=True)]
+                keys = [key for key, _ in kept if key not in revoked]
+                staged = [page for key, page in kept if key not in revoked]
+            self._write_one(job, tier, keys, staged)
             self._target_done(job, target)
 
     def _write_one(self, job: _Job, tier: Tier, keys: list[str], staged: list[int]) -> None:
@@ -953,9 +1160,26 @@ class StorageChain:
         names = [key for key, _ in chosen]
         self._describe(tier, names)
         self._enforce_quota(tier, names)
+        ticket = job.ticket
+        assert ticket is not None  # queued jobs have one until they finish
+
+        def late(part: list[str], pages: list[int]) -> _LateWrite:
+            return self._late_write(tier, part, pages, ticket, None)
+
         results, dropped = self._put_into(
-            tier, self._staging_store(tier), names, [page for _, page in chosen], must=False
+            tier,
+            self._staging_store(tier),
+            names,
+            [page for _, page in chosen],
+            late=late,
+            must=False,
         )
+        undone = self._undo_revoked(tier, names, results, ticket)
+        if undone:
+            for i, key in enumerate(names):
+                if key in undone:
+                    results[i] = False
+            dropped += len(undone)  # not a failure: cancelled, counted as such
         written = [key for key, ok in zip(names, results, strict=True) if ok]
         tier.counters.add(
             "promotions" if job.kind is EventKind.PROMOTED else "cascades", len(written)
@@ -968,6 +1192,53 @@ class StorageChain:
                 for key in written:
                     refused.pop(key, None)
         self._emit(job.kind, tier, written)
+
+    def _late_write(
+        self,
+        tier: Tier,
+        keys: list[str],
+        staged: list[int] | None,
+        ticket: Ticket,
+        then: Callable[[Any], None] | None,
+    ) -> _LateWrite:
+        return _LateWrite(
+            self._fences, self._staging, self._undo_revoked, tier, keys, staged, ticket, then
+        )
+
+    def _undo_revoked(
+        self, tier: Tier, keys: list[str], results: Sequence[bool] | None, ticket: Ticket
+    ) -> set[str]:
+        """Delete from ``tier`` the keys a put wrote (``results``; None: unknown, maybe
+        all) that were deleted or tainted since ``ticket`` entered; returns them."""
+        revoked = self._fences.revoked(ticket, keys)
+        if not revoked:
+            return set()
+        if results is not None and len(results) == len(keys):
+            gone = [key for key, ok in zip(keys, results, strict=True) if ok and key in revoked]
+        else:
+            gone = [key for key in keys if key in revoked]
+        if gone:
+            tier.counters.add("cancelled", len(gone))
+            try:
+                answer = tier.store.delete(gone)
+            except Exception as exc:  # a closed store: nothing is served from it any more
+                log.warning("kvtier: removing %d revoked pages raised %r", len(gone), exc)
+            else:
+                if not all(answer):
+                    tier.counters.add("failures")
+                    log.warning(
+                        "kvtier: tier %s did not remove %d pages deleted or tainted while "
+                        "they were being written (its delete failed)",
+                        tier.name,
+                        len(answer) - sum(answer),
+                    )
+        return set(gone)
+
+    def bypassed(self, tier: Tier) -> bool:
+        """Whether lookups skip ``tier`` now: a call to it is stuck past its bound (it
+        timed out and has not returned), and another tier may answer instead. The tier
+        is asked again once its stuck calls returned."""
+        return len(self.tiers) > 1 and tier.store.call_counts()["stuck"] > 0
 
     # --- internals: events ---------------------------------------------------------------------
 

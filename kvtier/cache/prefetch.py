@@ -148,6 +148,7 @@ class Prefetcher:
                     if outcome is Outcome.TIMED_OUT:
                         # Readers see the failure now; the pages stay pinned until the
                         # call returns (the backend may still write into them).
+                        stats.add("pages_quarantined", len(chunk))
                         index.mark_failed(chunk)
                         done += len(chunk)
                     break

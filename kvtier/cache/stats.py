@@ -161,6 +161,7 @@ class CacheStats:
                     "prefetched",
                     "loaded",
                     "cancelled",
+                    "quarantined",
                 )
             },
             "bytes": bytes_moved,

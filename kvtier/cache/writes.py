@@ -113,6 +113,7 @@ class StorageWriter:
                 if outcome is not Outcome.OK:
                     ctx.call_failed(outcome, "put", len(chunk) + len(entries))
                     if outcome is Outcome.TIMED_OUT:
+                        stats.add("pages_quarantined", len(chunk))
                         chunk = []  # still being read by the call: _late_put gives it back
                     break
                 elapsed = time.monotonic() - t0

@@ -63,7 +63,7 @@ from kvtier.core.io import IOBackend
 from kvtier.core.keys import Namespace, PageKeyer, layout_namespace, rank_suffix
 from kvtier.core.layout import Layout, layouts_for
 from kvtier.core.pagestore import PageMemory, PageStore
-from kvtier.core.specs import BackendSpec, IOBackendSpec, Operation
+from kvtier.core.specs import BackendSpec, Feature, IOBackendSpec, Operation
 from kvtier.core.storage import BackendContext, StorageBackend
 from kvtier.core.tiers import policy_choice
 from kvtier.core.validation import validate_model
@@ -483,7 +483,32 @@ def _resolve_tiers(
                     f'"write": "through" on tiers[{plan.index}]',
                 ],
             )
+        if plan.write == "back" and Feature.EXACT_EVICTION not in above.backend.features:
+            _refuse_write_back_under(above, plan, backends)
     return tuple(plans)
+
+
+def _refuse_write_back_under(
+    above: TierPlan, plan: TierPlan, backends: Mapping[str, BackendSpec]
+) -> None:
+    """A ``write: back`` tier under one whose backend reclaims space on its own: the
+    chain hands a page down only when it evicts the page itself, so every page that
+    backend removes alone (whole segments, a master's memory pressure) would be lost."""
+    exact = sorted(
+        name for name, spec in backends.items() if Feature.EXACT_EVICTION in spec.features
+    )
+    raise UnsupportedCombinationError(
+        f"tiers[{plan.index}].write: 'back' receives a page only when the chain evicts it "
+        f"from tiers[{above.index}], but that tier's backend {above.backend.name!r} reclaims "
+        f"space on its own (it does not declare {Feature.EXACT_EVICTION.value!r}): the "
+        "pages it removes by itself would never be handed down, and would be lost",
+        value=above.backend.name,
+        supported=[
+            f'"write": "through" on tiers[{plan.index}] (every page reaches it at once)',
+            f"a backend that evicts only what the chain tells it in tiers[{above.index}]: "
+            f"{', '.join(exact) if exact else '(none installed)'}",
+        ],
+    )
 
 
 def _tenants(

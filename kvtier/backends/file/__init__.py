@@ -24,7 +24,14 @@ FILE_SPEC = BackendSpec(
     layouts=ALL_LAYOUTS,
     attention=ALL_ATTENTION,
     operations=ALL_OPERATIONS,
-    features=frozenset({Feature.PERSISTENT, Feature.SHARED_PROCESSES, Feature.ZERO_COPY}),
+    features=frozenset(
+        {
+            Feature.PERSISTENT,
+            Feature.SHARED_PROCESSES,
+            Feature.ZERO_COPY,
+            Feature.EXACT_EVICTION,
+        }
+    ),
     validate_plan=validate_file_plan,
 )
 

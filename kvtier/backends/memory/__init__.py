@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvtier.backends.memory.config import MemoryConfig
-from kvtier.core.specs import ALL_ATTENTION, ALL_LAYOUTS, ALL_OPERATIONS, BackendSpec
+from kvtier.core.specs import ALL_ATTENTION, ALL_LAYOUTS, ALL_OPERATIONS, BackendSpec, Feature
 from kvtier.plugins.hookspecs import hookimpl
 
 __all__ = ["MEMORY_SPEC", "MemoryConfig"]
@@ -22,7 +22,7 @@ MEMORY_SPEC = BackendSpec(
     layouts=ALL_LAYOUTS,
     attention=ALL_ATTENTION,
     operations=ALL_OPERATIONS,
-    features=frozenset(),
+    features=frozenset({Feature.EXACT_EVICTION}),
 )
 
 

@@ -29,7 +29,14 @@ URING_SPEC = BackendSpec(
     layouts=ALL_LAYOUTS,
     attention=ALL_ATTENTION,
     operations=ALL_OPERATIONS,
-    features=frozenset({Feature.PERSISTENT, Feature.SHARED_PROCESSES, Feature.ZERO_COPY}),
+    features=frozenset(
+        {
+            Feature.PERSISTENT,
+            Feature.SHARED_PROCESSES,
+            Feature.ZERO_COPY,
+            Feature.EXACT_EVICTION,
+        }
+    ),
     validate_plan=validate_uring_plan,
 )
 
