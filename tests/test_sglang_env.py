@@ -30,6 +30,7 @@ MODULES = (
     "tests/test_sglang_zero_copy.py",
     "tests/test_sglang_tiers.py",
     "tests/test_sglang_keys.py",
+    "tests/test_sglang_late_calls.py",
     "tests/test_bounded_paths.py",
     "tests/test_metrics.py",
 )

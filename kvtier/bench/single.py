@@ -60,6 +60,7 @@ from kvtier.bench.options import (
 from kvtier.bench.progress import Progress
 from kvtier.bench.single_report import BenchResult
 from kvtier.cache.chain import StorageChain, open_store
+from kvtier.core.bounded import Outcome
 from kvtier.core.capabilities import (
     ResolvedPlan,
     build_host_pool,
@@ -69,7 +70,7 @@ from kvtier.core.capabilities import (
 )
 from kvtier.core.device_pool import TorchDevicePool
 from kvtier.core.envelope import ENVELOPE_BYTES
-from kvtier.core.errors import InvalidFieldError
+from kvtier.core.errors import InvalidFieldError, StorageError
 from kvtier.core.extra_config import parse_extra_config
 from kvtier.core.host_pool import HostPool
 from kvtier.core.layout import region_stride_bytes
@@ -447,10 +448,29 @@ class _Run:
         if self.timed:
             timing.failed_pages += len(bad)
 
+    def _late(self, result: object) -> None:
+        """Every call's ``on_late``: the call holds it, and so this run and its host pages,
+        until a call that timed out returns (the memory is never freed under it)."""
+
+    def _stop_if_late(self, results: Sequence[object], op: str, lo: int, hi: int) -> None:
+        """Stop the run when a call timed out: the late call may still read or fill host
+        pages ``lo..hi``, which every later round reuses, so no later timing or check of
+        them could be trusted (the pages are never reused while it may still run)."""
+        if getattr(results, "outcome", Outcome.OK) is not Outcome.TIMED_OUT:
+            return
+        raise StorageError(
+            f"bench: a {op} of host pages {lo}..{hi - 1} did not return within the backend "
+            "call bound (backend_call_timeout_s); the late call may still use those pages, "
+            "which every later round reuses, so the run stops here rather than time or "
+            "check them. Bench a backend (or disk) that answers within the bound",
+            value=op,
+        )
+
     def ours_put(self, lo: int, hi: int, label: str) -> float:
         t0 = time.perf_counter()
-        results = self.store.put(self.keys[lo:hi], self.host_pages[lo:hi])
+        results = self.store.put(self.keys[lo:hi], self.host_pages[lo:hi], on_late=self._late)
         elapsed = time.perf_counter() - t0
+        self._stop_if_late(results, "put", lo, hi)
         self._failed(self.put_t, label, "put of page {page} failed", lo, results)
         return elapsed
 
@@ -482,8 +502,9 @@ class _Run:
 
     def ours_get(self, lo: int, hi: int, label: str) -> float:
         t0 = time.perf_counter()
-        results = self.store.get(self.keys[lo:hi], self.host_pages[lo:hi])
+        results = self.store.get(self.keys[lo:hi], self.host_pages[lo:hi], on_late=self._late)
         elapsed = time.perf_counter() - t0
+        self._stop_if_late(results, "get", lo, hi)
         self._failed(self.get_t, label, "get of page {page} failed or was rejected", lo, results)
         return elapsed
 

@@ -32,10 +32,12 @@ from kvtier.core.host_pool import aligned_empty
 from kvtier.core.layout import Layout, layouts_for
 
 __all__ = [
+    "SPARE_BYTES",
     "HeadSlicePages",
     "SGLangPages",
     "SlotPages",
     "StatePages",
+    "copy_runs",
     "flat_page",
     "in_place_refusal",
     "page_ids",
@@ -43,6 +45,10 @@ __all__ = [
     "pool_layout",
     "unsupported_pool",
 ]
+
+#: kvtier's own flat pages for staged gets, per pool: one slab of at most this many bytes
+#: (a larger get takes fresh tensors for the rest).
+SPARE_BYTES = 256 << 20
 
 # --- the host pool, seen as kvtier pages ---------------------------------------------------
 
@@ -66,6 +72,21 @@ def _runs(view: torch.Tensor) -> list[tuple[int, int]]:
         (base + item * sum(i * s for i, s in zip(index, stride[:k], strict=True)), block * item)
         for index in itertools.product(*(range(n) for n in shape[:k]))
     ]
+
+
+def copy_runs(source: Sequence[Extent], target: Sequence[Extent]) -> None:
+    """Copy the bytes of ``source``'s regions, in order, into ``target``'s (same total)."""
+    out = iter(target)
+    dst, at = next(out).view, 0
+    for region in source:
+        src, done = region.view, 0
+        while done < src.nbytes:
+            if at == dst.nbytes:
+                dst, at = next(out).view, 0
+            n = min(src.nbytes - done, dst.nbytes - at)
+            dst[at : at + n] = src[done : done + n]
+            done += n
+            at += n
 
 
 def unsupported_pool(pool: Any, what: str) -> UnsupportedCombinationError:
@@ -222,11 +243,15 @@ def flat_page(tensor: Any, pages: SGLangPages, *, writable: bool) -> torch.Tenso
 
 
 class _InPlacePages:
-    """What both in-place views of an SGLang pool share: the envelope slab and page ids.
+    """What both in-place views of an SGLang pool share: the envelope slab, page ids and
+    scratch pages.
 
     Page ``p`` covers the pool's slots ``[p * page_size, (p + 1) * page_size)``; its
     envelope header lives in a 4096-aligned slot of a slab kvtier owns (untouched slots
     cost no memory), its payload in the pool's own memory, as the subclass names it.
+    Ids from ``num_pages`` up are scratch pages: flat page tensors (a caller's on the
+    generic path, or kvtier's own for a staged get), each with an envelope slot of its
+    own; a scratch page keeps its tensor alive until :meth:`drop_scratch`.
     """
 
     #: What the pool is called in errors: "host" (the KV pool) or "state".
@@ -240,6 +265,14 @@ class _InPlacePages:
         self._headers = aligned_empty(self.num_pages * ENVELOPE_BYTES)[1]
         self._header_cache: dict[int, Extent] = {}
         self._extent_cache: dict[int, tuple[Extent, ...]] = {}
+        self._scratch: dict[int, tuple[Extent, ...]] = {}
+        self._scratch_keep: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._scratch_ids = itertools.count(self.num_pages)
+        #: kvtier's own flat pages for staged gets (one slab, allocated on first use and
+        #: registered with backends that need registered memory), and its free slots.
+        self._slab: torch.Tensor | None = None
+        self._spare_free: list[int] = []
+        self._lock = threading.Lock()
 
     def _header_slab(self) -> Extent:
         return _extent_at(self._headers.data_ptr(), self._headers.numel())
@@ -252,11 +285,19 @@ class _InPlacePages:
                 value=page,
             )
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one whole flat page (SGLang's flat data page)."""
+        raise NotImplementedError
+
     def extents(self, page: int) -> list[Extent]:
         raise NotImplementedError
 
     def header_extent(self, page: int) -> Extent:
-        """The page's 4096-aligned envelope slot."""
+        """The page's 4096-aligned envelope slot (a scratch page's own)."""
+        scratch = self._scratch.get(page)
+        if scratch is not None:
+            return scratch[0]
         cached = self._header_cache.get(page)
         if cached is None:
             self._check_page(page)
@@ -271,6 +312,103 @@ class _InPlacePages:
     def pages_of(self, host_indices: Any, count: int) -> list[int]:
         """Page ids of ``count`` pages from SGLang's slot indices (page_size per key)."""
         return page_ids(host_indices, count, self.page_size, self.num_pages)
+
+    # --- scratch pages ----------------------------------------------------------------------
+
+    def scratch_runs(self, tensor: torch.Tensor) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of what this view stores of a flat page tensor."""
+        return [(tensor.data_ptr(), tensor.numel() * tensor.element_size())]
+
+    def _scratch_extents(self, page: int) -> list[Extent] | None:
+        scratch = self._scratch.get(page)
+        return None if scratch is None else list(scratch[1:])
+
+    def add_scratch(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+        """Register flat page tensors as scratch pages (kept alive until
+        :meth:`drop_scratch`); returns their ids. A tensor of :meth:`take_spare` keeps
+        the envelope slot in front of it in the spare slab; others get a new one."""
+        slab = aligned_empty(len(tensors) * ENVELOPE_BYTES)[1]
+        ids = []
+        with self._lock:
+            for i, tensor in enumerate(tensors):
+                page = next(self._scratch_ids)
+                at = self._spare_slot(tensor)
+                start = slab.data_ptr() + i * ENVELOPE_BYTES if at is None else at
+                header = _extent_at(start, ENVELOPE_BYTES)
+                runs = [_extent_at(a, n) for a, n in self.scratch_runs(tensor)]
+                self._scratch[page] = (header, *runs)
+                self._scratch_keep[page] = (slab, tensor)
+                ids.append(page)
+        return ids
+
+    def drop_scratch(self, ids: Sequence[int]) -> None:
+        """Forget scratch pages once no call uses them any more (the call returned)."""
+        with self._lock:
+            for page in ids:
+                self._scratch.pop(page, None)
+                self._scratch_keep.pop(page, None)
+
+    def scratch_held(self) -> int:
+        """Scratch pages registered now (in a call, or held for a late one)."""
+        with self._lock:
+            return len(self._scratch)
+
+    def _stride(self) -> int:
+        """Bytes of one spare slot: an envelope slot, then the page (4096-aligned)."""
+        return ENVELOPE_BYTES + -(-self.page_bytes // 4096) * 4096
+
+    def _slab_locked(self) -> torch.Tensor:
+        if self._slab is None:
+            slots = max(1, min(self.num_pages, SPARE_BYTES // self._stride()))
+            self._slab = aligned_empty(slots * self._stride())[1]
+            self._spare_free = list(range(slots))
+        return self._slab
+
+    def _spare_slot(self, tensor: torch.Tensor) -> int | None:
+        """The address of the envelope slot of a spare slab tensor, else None."""
+        slab = self._slab
+        if slab is None:
+            return None
+        offset = tensor.data_ptr() - slab.data_ptr()
+        if not 0 <= offset < slab.numel() or offset % self._stride() != ENVELOPE_BYTES:
+            return None
+        return tensor.data_ptr() - ENVELOPE_BYTES
+
+    def spare_region(self) -> Extent:
+        """The slab of kvtier's own flat pages (untouched slots cost no memory)."""
+        with self._lock:
+            slab = self._slab_locked()
+        return _extent_at(slab.data_ptr(), slab.numel())
+
+    def take_spare(self, count: int) -> list[torch.Tensor]:
+        """``count`` flat page tensors of kvtier's own, for a staged get: free slots of
+        the slab first (registered memory), fresh tensors beyond them."""
+        with self._lock:
+            slab = self._slab_locked()
+            slots, self._spare_free = self._spare_free[:count], self._spare_free[count:]
+        size, stride = self.page_bytes, self._stride()
+        first = [slot * stride + ENVELOPE_BYTES for slot in slots]
+        taken = [slab[at : at + size] for at in first]
+        return taken + [torch.empty(size, dtype=torch.uint8) for _ in range(count - len(slots))]
+
+    def give_spare(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Hand back tensors of :meth:`take_spare` that no call uses any more (a slab slot
+        is free again; a fresh tensor is simply dropped)."""
+        with self._lock:
+            slab = self._slab
+            if slab is None:
+                return
+            for tensor in tensors:
+                if self._spare_slot(tensor) is not None:
+                    self._spare_free.append((tensor.data_ptr() - slab.data_ptr()) // self._stride())
+
+    def copy_in(self, scratch: int, page: int) -> None:
+        """Copy scratch page ``scratch``'s payload into page ``page`` (the same bytes in the
+        same order: what the view stores of one page)."""
+        source = self._scratch_extents(scratch)
+        if source is None:
+            raise PageError(f"scratch page {scratch} is not registered", value=scratch)
+        copy_runs(source, self.extents(page))
 
 
 class SGLangPages(_InPlacePages):
@@ -293,10 +431,6 @@ class SGLangPages(_InPlacePages):
         storage = buffer.untyped_storage()
         self._low = storage.data_ptr()
         self._high = self._low + storage.nbytes()
-        self._scratch: dict[int, tuple[Extent, ...]] = {}
-        self._scratch_keep: dict[int, torch.Tensor] = {}
-        self._scratch_ids = itertools.count(self.num_pages)
-        self._lock = threading.Lock()
 
     @property
     def layout(self) -> Layout:
@@ -315,23 +449,20 @@ class SGLangPages(_InPlacePages):
         view: torch.Tensor = self.host_pool.get_data_page(page * self.page_size, flat=False)
         return view
 
-    def scratch_runs(self, tensor: torch.Tensor) -> list[tuple[int, int]]:
-        """``(address, bytes)`` of what this view stores of a caller's flat page tensor."""
-        return [(tensor.data_ptr(), tensor.numel() * tensor.element_size())]
-
     def memory_regions(self) -> list[Extent]:
         """SGLang's whole ``kv_buffer`` and the envelope slab: registered once by backends
         that need registered memory (Mooncake), so every page moves zero-copy."""
         return [
             _extent_at(self._low, self._high - self._low),
             self._header_slab(),
+            self.spare_region(),
         ]
 
     def extents(self, page: int) -> list[Extent]:
         """The page's payload regions inside SGLang's kv_buffer, in flat-data-page order."""
-        scratch = self._scratch.get(page)
+        scratch = self._scratch_extents(page)
         if scratch is not None:
-            return list(scratch[1:])
+            return scratch
         cached = self._extent_cache.get(page)
         if cached is None:
             self._check_page(page)
@@ -349,34 +480,6 @@ class SGLangPages(_InPlacePages):
             cached = tuple(_extent_at(address, length) for address, length in runs)
             self._extent_cache[page] = cached
         return list(cached)
-
-    def header_extent(self, page: int) -> Extent:
-        """The page's 4096-aligned envelope slot (a scratch page's own)."""
-        scratch = self._scratch.get(page)
-        if scratch is not None:
-            return scratch[0]
-        return super().header_extent(page)
-
-    def add_scratch(self, tensors: Sequence[torch.Tensor]) -> list[int]:
-        """Register caller tensors (one flat page each) as scratch pages; returns their ids."""
-        slab = aligned_empty(len(tensors) * ENVELOPE_BYTES)[1]
-        ids = []
-        with self._lock:
-            for i, tensor in enumerate(tensors):
-                page = next(self._scratch_ids)
-                header = _extent_at(slab.data_ptr() + i * ENVELOPE_BYTES, ENVELOPE_BYTES)
-                runs = [_extent_at(a, n) for a, n in self.scratch_runs(tensor)]
-                self._scratch[page] = (header, *runs)
-                self._scratch_keep[page] = slab
-                ids.append(page)
-        return ids
-
-    def drop_scratch(self, ids: Sequence[int]) -> None:
-        """Forget scratch pages once their call returned."""
-        with self._lock:
-            for page in ids:
-                self._scratch.pop(page, None)
-                self._scratch_keep.pop(page, None)
 
 
 class HeadSlicePages(SGLangPages):
@@ -430,12 +533,16 @@ class SlotPages(_InPlacePages):
 
     def __init__(self, pool: Any, page_bytes: int) -> None:
         super().__init__(pool)
-        self.page_bytes = page_bytes
+        self._page_bytes = page_bytes
         self._buffers = [
             (t.data_ptr(), t.numel() * t.element_size())
             for t in pool.get_hybrid_pool_buffer()
             if isinstance(t, torch.Tensor) and t.numel() and t.device.type == "cpu"
         ]
+
+    @property
+    def page_bytes(self) -> int:
+        return self._page_bytes
 
     @property
     def layout(self) -> Layout:
@@ -444,9 +551,16 @@ class SlotPages(_InPlacePages):
 
     def memory_regions(self) -> list[Extent]:
         """The pool's state buffers and the envelope slab, for backends that register."""
-        return [_extent_at(a, n) for a, n in self._buffers] + [self._header_slab()]
+        return [
+            *(_extent_at(a, n) for a, n in self._buffers),
+            self._header_slab(),
+            self.spare_region(),
+        ]
 
     def extents(self, page: int) -> list[Extent]:
+        scratch = self._scratch_extents(page)
+        if scratch is not None:
+            return scratch
         cached = self._extent_cache.get(page)
         if cached is None:
             self._check_page(page)

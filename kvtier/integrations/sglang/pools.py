@@ -14,21 +14,28 @@ The v2 hit rules (``restorable_prefixes``, ``leading_run``) live here too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
 
 from kvtier.cache.chain import StorageChain
+from kvtier.core.bounded import Outcome
 from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.errors import UnsupportedCombinationError
 from kvtier.core.geometry import AttentionKind
 from kvtier.core.keys import external_key
+from kvtier.core.metrics import registered_counters
+from kvtier.core.pagestore import BatchResult
+from kvtier.core.saveguard import SaveGuard
+from kvtier.core.storage import Counters
 from kvtier.integrations.sglang.pages import SGLangPages, SlotPages, StatePages
 
 __all__ = [
     "AttachedPool",
+    "LateHold",
     "first_slots",
     "is_kv_shaped",
     "is_per_rank",
@@ -80,6 +87,76 @@ def state_geometry_fields(
     )
 
 
+class LateHold:
+    """What one bounded call was given of kvtier's own memory (scratch pages), freed by
+    ``release`` once no call can touch it: at once if the call returned in time, else
+    only when the late call returns (its ``on_late``: :meth:`returned`).
+
+    :meth:`timed_out` and :meth:`returned` may come in either order (the call may return
+    between its timeout and its caller's look at the outcome).
+    """
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release = release
+        self._lock = threading.Lock()
+        self._returned = False
+        self._held = False
+
+    def timed_out(self) -> bool:
+        """The call timed out: hold the memory until it returns; False if it already did
+        (the caller releases then, as after a call that returned in time)."""
+        with self._lock:
+            if self._returned:
+                return False
+            self._held = True
+            return True
+
+    def returned(self, result: Any) -> None:
+        """The call's ``on_late``: it returned at last; release what it held."""
+        with self._lock:
+            self._returned = True
+            held, self._held = self._held, False
+        if held:
+            self._release()
+
+
+def late_safe_call(
+    store: StorageChain,
+    op: str,
+    names: list[str],
+    ids: list[int],
+    counters: Counters,
+    *,
+    release: Callable[[], None] | None = None,
+    guard: bool = False,
+) -> tuple[BatchResult, bool]:
+    """Get or put (``op``) pages ``ids`` so that a call timing out never leaves memory
+    that may be reused under the late call; returns the result and whether ``release``
+    is deferred to the late call's return (the caller must not run it then).
+
+    ``release`` frees kvtier's own memory the call was given (scratch pages): after a
+    timeout it runs only when the late call returns, and the pages count as
+    ``scratch_pages_quarantined``. ``guard`` (a put from memory SGLang takes back as soon
+    as this returns) seals each page under a :class:`~kvtier.core.saveguard.SaveGuard`
+    tripped at the timeout: a late write then lands as a page that never verifies.
+    """
+    hold = LateHold(release) if release is not None else None
+    on_late = hold.returned if hold is not None else None
+    guards = [SaveGuard() for _ in ids] if guard and op == "put" else None
+    if op == "put":
+        result = store.put(names, ids, on_late=on_late, guards=guards)
+    else:
+        result = store.get(names, ids, on_late=on_late)
+    if result.outcome is not Outcome.TIMED_OUT:
+        return result, False
+    for one in guards or []:
+        one.trip()  # before SGLang may reuse the memory: no seal over its new bytes
+    if hold is not None and hold.timed_out():
+        counters.add("scratch_pages_quarantined", len(ids))
+        return result, True
+    return result, False
+
+
 #: How a pool's pages are served: in place (KV-shaped, or state runs), or by value.
 P = TypeVar("P", bound=SGLangPages | SlotPages | StatePages)
 
@@ -100,10 +177,61 @@ class AttachedPool(Generic[P]):
     #: Whether this rank writes the pool's pages (its own pages, or the shared writer).
     writes: bool
     closed: bool = False
+    #: What this pool's transfers count themselves (``scratch_pages_quarantined``,
+    #: ``pages_staged``).
+    counters: Counters = field(default_factory=lambda: registered_counters("sglang"))
 
     @property
     def in_place(self) -> bool:
         return not isinstance(self.pages, StatePages)
+
+    @property
+    def bounded(self) -> bool:
+        """Whether a call to some tier may time out (``backend_call_timeout_s`` set) and
+        then still use the pages it was given: then a get never fills SGLang's pages in
+        place (it is staged) and a put of them is guarded (see ``docs/sglang.md``)."""
+        return any(tier.store.call_timeout_s is not None for tier in self.store.tiers)
+
+    def transfer(self, op: str, names: list[str], ids: list[int]) -> list[bool]:
+        """Get or put SGLang's in-place pages ``ids`` under this pool's keys ``names``.
+
+        Unbounded calls move them in place. Bounded ones may time out and complete late,
+        when SGLang already reuses its pages: a get then reads into kvtier's own scratch
+        pages and copies each verified page in (a late read fills only scratch, held until
+        it returns); a put is guarded, so a late write of reused memory never verifies.
+        """
+        pages = self.pages
+        assert not isinstance(pages, StatePages)
+        if not names:
+            return []
+        if not self.bounded:
+            return self.store.get(names, ids) if op == "get" else self.store.put(names, ids)
+        if op == "put":
+            return late_safe_call(self.store, op, names, ids, self.counters, guard=True)[0]
+        tensors = pages.take_spare(len(ids))
+        scratch = pages.add_scratch(tensors)
+
+        def release() -> None:
+            pages.drop_scratch(scratch)
+            pages.give_spare(tensors)
+
+        try:
+            result, held = late_safe_call(
+                self.store, op, names, scratch, self.counters, release=release
+            )
+        except BaseException:
+            release()
+            raise
+        if held:
+            return result
+        try:
+            for source, page, ok in zip(scratch, ids, result, strict=True):
+                if ok:
+                    pages.copy_in(source, page)
+            self.counters.add("pages_staged", sum(result))
+        finally:
+            release()
+        return result
 
     def keys(self, raw: Sequence[str]) -> list[str]:
         """SGLang's page hashes in this pool's namespace, with the plan's rank suffix."""
@@ -130,8 +258,7 @@ class AttachedPool(Generic[P]):
         names = self.keys(keys)
         pages = self.pages
         if not isinstance(pages, StatePages):
-            ids = pages.pages_of(host_indices, len(keys))
-            return self.store.get(names, ids) if op == "get" else self.store.put(names, ids)
+            return self.transfer(op, names, pages.pages_of(host_indices, len(keys)))
         host = pages.host_pool
         if op == "put":
             tensors = [
@@ -141,13 +268,22 @@ class AttachedPool(Generic[P]):
         else:
             tensors = [host.get_dummy_flat_data_page().view(torch.uint8) for _ in firsts]
         ids = pages.add(tensors)
+        held = False
         try:
-            if op == "put":
-                results: list[bool] = self.store.put(names, ids)
-            else:
-                results = leading_run(self.store.get(names, ids))
+            # a put's tensor may be a view of SGLang's pool: guarded as an in-place put
+            answer, held = late_safe_call(
+                self.store,
+                op,
+                names,
+                ids,
+                self.counters,
+                release=lambda: pages.drop(ids),
+                guard=self.bounded,
+            )
+            results: list[bool] = answer if op == "put" else leading_run(answer)
         finally:
-            pages.drop(ids)
+            if not held:  # else the late call still uses them: dropped when it returns
+                pages.drop(ids)
         if op == "get":
             for first, tensor, ok in zip(firsts, tensors, results, strict=True):
                 if ok:
@@ -158,6 +294,7 @@ class AttachedPool(Generic[P]):
         """The page stores' counters (summed over the tiers) and the backends'
         (``backend_*``; a lower tier's as ``backend_tier<i>.<name>``), under ``prefix``."""
         stats = {f"{prefix}{k}": v for k, v in self.store.stats().items()}
+        stats.update({f"{prefix}{k}": v for k, v in self.counters.snapshot().items()})
         backend = self.store.backend_stats()
         stats.update({f"{prefix}backend_{k}": v for k, v in backend.items()})
         return stats

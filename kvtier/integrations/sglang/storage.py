@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -30,6 +31,7 @@ from kvtier.integrations.sglang.plan import SGLangSetup
 from kvtier.integrations.sglang.pools import (
     AttachedPool,
     first_slots,
+    late_safe_call,
     leading_run,
     restorable_prefixes,
 )
@@ -296,10 +298,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self._learn(keys, extra_info)
         start = time.perf_counter()
         results = self._every(
-            [
-                shard.store.get(n, pages) if op == "get" else shard.store.put(n, pages)
-                for shard, n in zip(shards, names, strict=True)
-            ]
+            [shard.transfer(op, n, pages) for shard, n in zip(shards, names, strict=True)]
         )
         moved = sum(results)
         self._windows.record(
@@ -446,17 +445,34 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return state, names
 
     def _generic(self, op: str, keys: list[str], tensors: list[torch.Tensor]) -> list[bool]:
-        """Move caller tensors (one flat page each) as scratch pages of each KV page store."""
+        """Move caller tensors (one flat page each) as scratch pages of each KV page store.
+
+        A call that times out keeps its scratch pages, and so the tensors, until it
+        returns (``scratch_pages_quarantined``): SGLang drops a get's fresh tensors at once, and
+        their memory must not be reused under the late read. A put's tensor may be a
+        view of SGLang's host pool, so a bounded put is guarded as an in-place one is.
+        """
         self._counters.add("generic_path_pages", len(keys))
         results = []
         for shard in self._kv():
             names = shard.keys(keys)
-            ids = shard.pages.add_scratch(tensors)
+            pages = shard.pages
+            ids = pages.add_scratch(tensors)
+            held = False
             try:
-                store = shard.store
-                results.append(store.get(names, ids) if op == "get" else store.put(names, ids))
+                answer, held = late_safe_call(
+                    shard.store,
+                    op,
+                    names,
+                    ids,
+                    shard.counters,
+                    release=partial(pages.drop_scratch, ids),
+                    guard=shard.bounded,
+                )
+                results.append(answer)
             finally:
-                shard.pages.drop_scratch(ids)
+                if not held:  # else dropped when the late call returns
+                    pages.drop_scratch(ids)
         return self._every(results)
 
     # --- the storage tiers' KV events ---------------------------------------------------
