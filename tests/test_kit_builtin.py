@@ -1,8 +1,18 @@
-"""The built-in backends pass the conformance kit, exactly as a third party's would."""
+"""The built-in backends pass the conformance kit, exactly as a third party's would, and
+run the kit's fault campaign (``FaultCampaignTests``) with their real parts: io_uring
+where the kernel allows it, a Mooncake master on loopback, real child processes."""
 
 from __future__ import annotations
 
-from kvtier.testing import BackendKit, ConformanceTests
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.backends.uring import URING_SPEC
+from kvtier.testing import BackendKit, ConformanceTests, FaultCampaignTests, require
+from kvtier.testing.mooncake import MooncakeMaster, mooncake_unavailable_reason, use_client_env
 
 
 class TestMemoryBackendKit(BackendKit, ConformanceTests):
@@ -13,3 +23,65 @@ class TestMemoryBackendKit(BackendKit, ConformanceTests):
 class TestFileBackendKit(BackendKit, ConformanceTests):
     backend_name = "file"
     extra_config = {"root": "{tmp}/pages", "min_free_bytes": 0, "io_threads": 4}
+
+
+# --- the fault campaign, every built-in backend --------------------------------------------
+
+
+class TestMemoryFaults(BackendKit, FaultCampaignTests):
+    backend_name = "memory"
+    extra_config = {"capacity_bytes": 64 << 20}
+
+
+class TestFileFaults(BackendKit, FaultCampaignTests):
+    """The file backend as it runs by default (its compiled page loop)."""
+
+    backend_name = "file"
+    extra_config = {"root": "{tmp}/pages", "min_free_bytes": 0, "io_threads": 4}
+
+
+class TestFilePythonLoopFaults(BackendKit, FaultCampaignTests):
+    """The file backend with its Python page loop, whose every write is an ``os`` call,
+    so ENOSPC and EIO reach each step of a put."""
+
+    backend_name = "file"
+    extra_config = {"root": "{tmp}/pages", "min_free_bytes": 0, "compiled_io": False}
+
+
+class TestUringFaults(BackendKit, FaultCampaignTests):
+    backend_name = "uring"
+    extra_config = {"root": "{tmp}/pages", "min_free_bytes": 0, "queue_depth": 8}
+
+    @pytest.fixture(autouse=True)
+    def _needs_uring(self) -> None:
+        require("uring", URING_SPEC.unavailable_reason())
+
+
+class TestSegmentFaults(BackendKit, FaultCampaignTests):
+    backend_name = "segment"
+    extra_config = {"root": "{tmp}/segments", "min_free_bytes": 0, "segment_bytes": "1MiB"}
+
+
+@pytest.fixture(scope="module")
+def mooncake_master() -> Iterator[MooncakeMaster]:
+    """One master plus a 256 MiB storage node on loopback for this module."""
+    require("mooncake", mooncake_unavailable_reason())
+    use_client_env()
+    master = MooncakeMaster(storage_node_bytes=256 << 20)
+    master.start()
+    try:
+        yield master
+    finally:
+        master.close()
+
+
+@pytest.mark.mooncake
+class TestMooncakeFaults(BackendKit, FaultCampaignTests):
+    backend_name = "mooncake"
+
+    @pytest.fixture(autouse=True)
+    def _master(self, mooncake_master: MooncakeMaster) -> None:
+        self.master_address = mooncake_master.address
+
+    def backend_config(self, tmp: Path) -> dict[str, Any]:
+        return {"master_address": self.master_address, "global_segment_size": 0}

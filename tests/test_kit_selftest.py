@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib
 import os
 import pkgutil
+import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -21,17 +25,22 @@ from kvtier.backends.memory.backend import MemoryBackend
 from kvtier.core.errors import InvalidFieldError
 from kvtier.core.extents import extent_of_view
 from kvtier.core.specs import ALL_ATTENTION, ALL_LAYOUTS, ALL_OPERATIONS, BackendSpec, Feature
-from kvtier.core.storage import PageBuffers
+from kvtier.core.storage import PageBuffers, StorageBackend
 from kvtier.testing import (
+    CascadeCancelTests,
     ConcurrencyTests,
     DeleteClearTests,
     FaultyBackend,
+    FullDiskTests,
     InjectedFault,
     IntegrityTests,
+    KillInFlightTests,
     KillMidWriteTests,
     KitEnv,
+    LateCallTests,
     PersistenceTests,
     RoundTripTests,
+    SecondInstanceTests,
     SharedProcessesTests,
     faults,
 )
@@ -379,3 +388,222 @@ def test_kit_kill_mid_write_needs_both_features(tmp_path: Path, closing: list[Ki
         closing.append(env)
         with pytest.raises(pytest.skip.Exception, match=missing):
             KillMidWriteTests().test_kit_writer_killed_mid_put_leaves_whole_pages_or_misses(env)
+
+
+# --- the fault campaign's tools and mixins ------------------------------------------------
+
+
+def test_call_gate_holds_the_first_call_then_lets_it_complete() -> None:
+    backend = MemoryBackend(MemoryConfig())
+    data = page(7)
+    with faults.CallGate(backend, "put") as gate:
+        done: list[list[bool]] = []
+        worker = threading.Thread(target=lambda: done.append(backend.put(["k"], [data])))
+        worker.start()
+        assert gate.wait_stalled(10)
+        assert backend.exists(["k"]) == [False]  # held at the door: nothing stored yet
+        assert backend.put(["j"], [page(8)]) == [True]  # only the first call is held
+        gate.release()
+        assert gate.wait_returned(10)
+        worker.join(10)
+    assert done == [[True]] and gate.stalled == 1
+    assert "put" not in vars(backend)  # taken off the instance
+    out = page(0)
+    assert backend.get(["k"], [out]) == [True] and flat(out) == flat(data)
+
+
+def test_call_gate_refuses_an_unknown_call() -> None:
+    with pytest.raises(InvalidFieldError, match="op"):
+        faults.CallGate(MemoryBackend(MemoryConfig()), "delete")  # type: ignore[arg-type]
+
+
+def test_os_faults_fail_the_nth_write_call_once_and_restore_os(tmp_path: Path) -> None:
+    saved = os.pwrite
+    target = tmp_path / "f"
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with faults.OSFaults(fail_at=2, errno=errno.EIO) as fault:
+            assert os.pwrite(fd, b"a", 0) == 1
+            with pytest.raises(OSError) as raised:
+                os.pwrite(fd, b"b", 1)
+            assert os.pwrite(fd, b"c", 1) == 1
+        assert raised.value.errno == errno.EIO and fault.failed == "pwrite"
+        assert fault.calls == ["pwrite", "pwrite", "pwrite"]
+        assert fault.reached.is_set()
+    finally:
+        os.close(fd)
+    assert os.pwrite is saved
+    assert target.read_bytes() == b"ac"
+
+
+class PageFiles(StorageBackend):
+    """Each page a file written through ``os`` (temporary file, then ``os.replace``), and
+    the failures the fault campaign must find, switched on one by one."""
+
+    def __init__(self, root: Path, *, all_or_nothing: bool = False, clear_root: bool = False):
+        self.root = root
+        self.all_or_nothing = all_or_nothing  # a failure reports every page False
+        self.clear_root = clear_root  # clear() removes the root: other instances break
+        os.makedirs(root, mode=0o700, exist_ok=True)
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [(self.root / k).exists() for k in keys]
+
+    def get(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
+        out = []
+        for key, buffers in zip(keys, pages, strict=True):
+            try:
+                data = (self.root / key).read_bytes()
+            except OSError:
+                out.append(False)
+                continue
+            offset = 0
+            for extent in buffers:
+                extent.view[:] = data[offset : offset + extent.length]
+                offset += extent.length
+            out.append(offset == len(data))
+        return out
+
+    def put(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
+        out = []
+        for key, buffers in zip(keys, pages, strict=True):
+            tmp = self.root / f".{key}.tmp"
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    os.pwritev(fd, [e.view for e in buffers], 0)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, self.root / key)
+                out.append(True)
+            except OSError:
+                if self.all_or_nothing:
+                    return [False] * len(keys)
+                out.append(False)
+        return out
+
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        done = []
+        for key in keys:
+            try:
+                os.unlink(self.root / key)
+                done.append(True)
+            except FileNotFoundError:
+                done.append(False)
+        return done
+
+    def clear(self) -> None:
+        if self.clear_root:
+            gone = self.root.with_name(f"{self.root.name}.cleared-{os.getpid()}-{id(self)}")
+            os.rename(self.root, gone)  # the root itself goes: no instance can write now
+            shutil.rmtree(gone, ignore_errors=True)
+            return
+        for name in os.listdir(self.root):
+            if not name.startswith("."):  # a put's temporary file is its writer's
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.root / name)
+
+
+def files_env(tmp_path: Path, **broken: bool) -> KitEnv:
+    root = tmp_path / "pages"
+    return env_for(
+        tmp_path,
+        lambda config, context: PageFiles(root, **broken),
+        frozenset({Feature.PERSISTENT, Feature.SHARED_PROCESSES}),
+    )
+
+
+def test_the_fault_campaign_passes_a_sound_backend(tmp_path: Path, closing: list[KitEnv]) -> None:
+    env = files_env(tmp_path)
+    closing.append(env)
+    FullDiskTests().test_kit_put_fails_at_every_os_step(env, "ENOSPC")
+    SecondInstanceTests().test_kit_second_instance_clears_rescans_and_writes(env)
+    LateCallTests().test_kit_late_write_never_publishes_another_keys_bytes(env)
+    LateCallTests().test_kit_late_read_never_fills_another_keys_page(env)
+
+
+def test_the_full_disk_mixin_fails_a_put_that_is_not_true_page_by_page(
+    tmp_path: Path, closing: list[KitEnv]
+) -> None:
+    env = files_env(tmp_path, all_or_nothing=True)
+    closing.append(env)
+    with pytest.raises(AssertionError, match="true page by page"):
+        FullDiskTests().test_kit_put_fails_at_every_os_step(env, "ENOSPC")
+
+
+def test_the_second_instance_mixin_fails_a_clear_that_breaks_the_first(
+    tmp_path: Path, closing: list[KitEnv]
+) -> None:
+    env = files_env(tmp_path, clear_root=True)
+    closing.append(env)
+    with pytest.raises(AssertionError, match=r"stopped taking puts|cannot put"):
+        SecondInstanceTests().test_kit_second_instance_clears_rescans_and_writes(env)
+
+
+class SharedPages(MemoryBackend):
+    """Stores a page by reference and copies it at get: it keeps using a put's pages."""
+
+    def put(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
+        with self._lock:
+            for key, buffers in zip(keys, pages, strict=True):
+                self._pages[key] = buffers  # type: ignore[assignment]
+        return [True] * len(keys)
+
+    def get(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
+        out = []
+        for key, buffers in zip(keys, pages, strict=True):
+            with self._lock:
+                source = self._pages.get(key)
+            if source is None:
+                out.append(False)
+                continue
+            data = b"".join(bytes(e.view) for e in source)  # type: ignore[union-attr]
+            offset = 0
+            for extent in buffers:
+                extent.view[:] = data[offset : offset + extent.length]
+                offset += extent.length
+            out.append(True)
+        return out
+
+
+def test_the_late_call_mixin_fails_a_backend_that_keeps_using_the_pages(
+    tmp_path: Path, closing: list[KitEnv]
+) -> None:
+    # the envelope turns the recycled bytes into a counted miss, so what fails is the
+    # store no longer holding pages it acknowledged... or serving them: either way, no pass
+    env = env_for(tmp_path, lambda config, context: SharedPages(config, context))
+    closing.append(env)
+    with pytest.raises(AssertionError):
+        LateCallTests().test_kit_late_read_never_fills_another_keys_page(env)
+
+
+def test_the_campaign_skips_what_the_spec_does_not_declare(
+    tmp_path: Path, closing: list[KitEnv]
+) -> None:
+    env = env_for(tmp_path, MemoryBackend)
+    closing.append(env)
+    with pytest.raises(pytest.skip.Exception, match="persistent"):
+        KillInFlightTests().test_kit_kill_with_puts_in_flight_loses_no_acknowledged_page(env)
+    with pytest.raises(pytest.skip.Exception, match="shared_processes"):
+        SecondInstanceTests().test_kit_second_instance_clears_rescans_and_writes(env)
+    with pytest.raises(pytest.skip.Exception, match="not a chain"):
+        CascadeCancelTests().test_kit_deleted_key_never_cascades(env)
+
+
+def test_the_fsync_modes_come_from_the_config_model(tmp_path: Path) -> None:
+    from kvtier.testing.kit.faults_ledger import fsync_modes
+
+    registry = load_kit_registry(())
+    for name, modes in (("file", ["none", "page", "batch"]), ("segment", ["none", "batch"])):
+        env = KitEnv(registry.backend(name), {}, (), tmp_path)
+        assert fsync_modes(env) == modes
+    assert fsync_modes(KitEnv(registry.backend("memory"), {}, (), tmp_path)) == [None]
+
+
+def test_the_kill_mixins_child_imports_by_its_path() -> None:
+    code = "from kvtier.testing.kit.faults_kill import _child_puts; print(_child_puts.__doc__)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "acknowledged" in done.stdout

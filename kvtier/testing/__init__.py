@@ -5,7 +5,9 @@
   admission policies; needs pytest, the ``testing`` extra).
 - :func:`require`: skip a test whose optional component cannot run here, or fail it where
   ``KVTIER_REQUIRE_<COMPONENT>=1`` (CI) says the component must be there.
-- :mod:`kvtier.testing.faults`: :class:`FaultyBackend`, fault injection around any backend.
+- :mod:`kvtier.testing.faults`: :class:`FaultyBackend`, fault injection around any backend;
+  :class:`CallGate`, a backend call held past the bound that then completes;
+  :class:`OSFaults`, ENOSPC or EIO (or a stall) at the Nth ``os`` write call.
 - :mod:`kvtier.testing.content`: deterministic KV content per page key, for simulated
   engines (the multiturn bench, the cache tests).
 - :mod:`kvtier.testing.mooncake`: a Mooncake master started on loopback for tests.
@@ -29,21 +31,30 @@ else:
     # them is imported, which this package's import guarantees.
     pytest.register_assert_rewrite("kvtier.testing.kit")
 
-from kvtier.testing.faults import FaultyBackend, InjectedFault
+from kvtier.testing.faults import CallGate, FaultyBackend, InjectedFault, OSFaults
 from kvtier.testing.optional import require
 
 if TYPE_CHECKING:
     from kvtier.testing.kit import (
         AdmissionPolicyTests,
         BackendKit,
+        CascadeCancelTests,
+        ChainFaultCampaignTests,
+        ChainKit,
+        ChainKitEnv,
         ConcurrencyTests,
         ConformanceTests,
         DeleteClearTests,
         EvictionPolicyTests,
+        FaultCampaignTests,
+        FullDiskTests,
         Harness,
         IntegrityTests,
+        KillInFlightTests,
         KillMidWriteTests,
         KitEnv,
+        LateCallTests,
+        LateCascadeReadTests,
         LayoutTests,
         MissTests,
         OverwriteTests,
@@ -53,24 +64,36 @@ if TYPE_CHECKING:
         PolicyKit,
         PrefixExistsTests,
         RoundTripTests,
+        SecondInstanceTests,
         SharedProcessesTests,
     )
 
 __all__ = [
     "AdmissionPolicyTests",
     "BackendKit",
+    "CallGate",
+    "CascadeCancelTests",
+    "ChainFaultCampaignTests",
+    "ChainKit",
+    "ChainKitEnv",
     "ConcurrencyTests",
     "ConformanceTests",
     "DeleteClearTests",
     "EvictionPolicyTests",
+    "FaultCampaignTests",
     "FaultyBackend",
+    "FullDiskTests",
     "Harness",
     "InjectedFault",
     "IntegrityTests",
+    "KillInFlightTests",
     "KillMidWriteTests",
     "KitEnv",
+    "LateCallTests",
+    "LateCascadeReadTests",
     "LayoutTests",
     "MissTests",
+    "OSFaults",
     "OverwriteTests",
     "PersistenceTests",
     "PolicyConformanceTests",
@@ -78,12 +101,19 @@ __all__ = [
     "PolicyKit",
     "PrefixExistsTests",
     "RoundTripTests",
+    "SecondInstanceTests",
     "SharedProcessesTests",
     "require",
 ]
 
 #: The kit's names: imported from kvtier.testing.kit (and so pytest) on first use.
-_KIT_NAMES = frozenset(__all__) - {"FaultyBackend", "InjectedFault", "require"}
+_KIT_NAMES = frozenset(__all__) - {
+    "CallGate",
+    "FaultyBackend",
+    "InjectedFault",
+    "OSFaults",
+    "require",
+}
 
 
 def __getattr__(name: str) -> Any:

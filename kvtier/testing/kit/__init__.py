@@ -31,7 +31,19 @@ only the harness:
 - :mod:`~kvtier.testing.kit.persistence`, :mod:`~kvtier.testing.kit.shared_processes`,
   :mod:`~kvtier.testing.kit.kill_mid_write`: what a declared feature promises (the last
   two start child processes through :mod:`~kvtier.testing.kit.children`);
-- :mod:`~kvtier.testing.kit.conformance`: ``ConformanceTests``, all of them;
+- the fault campaign, one fault a module: :mod:`~kvtier.testing.kit.faults_late_calls`
+  (a call stalled past the bound completes late), :mod:`~kvtier.testing.kit.faults_full_disk`
+  (ENOSPC and EIO at every step of a put), :mod:`~kvtier.testing.kit.faults_kill` (kill -9
+  with puts in flight, every ``fsync`` mode), :mod:`~kvtier.testing.kit.faults_second_instance`
+  (another instance clears and writes), :mod:`~kvtier.testing.kit.faults_cascade` (a
+  chain's cascade or promotion of a deleted or tainted key);
+  :mod:`~kvtier.testing.kit.faults_ledger` holds what they share, and
+  :mod:`~kvtier.testing.kit.faults_chain` ``ChainKit``, the fixture class that runs the
+  kit over a chain of tiers;
+- :mod:`~kvtier.testing.kit.conformance`: ``ConformanceTests``, all of the contract's
+  mixins; ``FaultCampaignTests``, the fault mixins a store runs; and
+  ``ChainFaultCampaignTests``, those and the chain's own (``LateCascadeReadTests``,
+  ``CascadeCancelTests``);
 - :mod:`~kvtier.testing.kit.policies`: the policies' kit, ``PolicyKit`` and
   ``PolicyConformanceTests`` (eviction and admission policies, driven as a tier does).
 
@@ -42,9 +54,19 @@ imported, so every module here reports failed ``assert`` statements in full.
 from __future__ import annotations
 
 from kvtier.testing.kit.concurrency import ConcurrencyTests
-from kvtier.testing.kit.conformance import ConformanceTests
+from kvtier.testing.kit.conformance import (
+    ChainFaultCampaignTests,
+    ConformanceTests,
+    FaultCampaignTests,
+)
 from kvtier.testing.kit.delete_clear import DeleteClearTests
 from kvtier.testing.kit.exists import PrefixExistsTests
+from kvtier.testing.kit.faults_cascade import CascadeCancelTests
+from kvtier.testing.kit.faults_chain import ChainKit, ChainKitEnv
+from kvtier.testing.kit.faults_full_disk import FullDiskTests
+from kvtier.testing.kit.faults_kill import KillInFlightTests
+from kvtier.testing.kit.faults_late_calls import LateCallTests, LateCascadeReadTests
+from kvtier.testing.kit.faults_second_instance import SecondInstanceTests
 from kvtier.testing.kit.harness import BackendKit, Harness, KitEnv, default_geometry
 from kvtier.testing.kit.integrity import IntegrityTests
 from kvtier.testing.kit.kill_mid_write import KillMidWriteTests
@@ -65,14 +87,23 @@ from kvtier.testing.kit.shared_processes import SharedProcessesTests
 __all__ = [
     "AdmissionPolicyTests",
     "BackendKit",
+    "CascadeCancelTests",
+    "ChainFaultCampaignTests",
+    "ChainKit",
+    "ChainKitEnv",
     "ConcurrencyTests",
     "ConformanceTests",
     "DeleteClearTests",
     "EvictionPolicyTests",
+    "FaultCampaignTests",
+    "FullDiskTests",
     "Harness",
     "IntegrityTests",
+    "KillInFlightTests",
     "KillMidWriteTests",
     "KitEnv",
+    "LateCallTests",
+    "LateCascadeReadTests",
     "LayoutTests",
     "MissTests",
     "OverwriteTests",
@@ -82,6 +113,7 @@ __all__ = [
     "PolicyKit",
     "PrefixExistsTests",
     "RoundTripTests",
+    "SecondInstanceTests",
     "SharedProcessesTests",
     "default_geometry",
 ]

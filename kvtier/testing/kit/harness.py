@@ -38,9 +38,12 @@ __all__ = [
     "Harness",
     "KitEnv",
     "default_geometry",
+    "expand_tmp",
+    "geometry_fields",
     "load_kit_registry",
     "random_bytes",
     "require_feature",
+    "whole_page_operations",
 ]
 
 #: Small geometries, as engine-config fields, so the kit runs in seconds: 16 KiB MHA
@@ -62,9 +65,25 @@ _LAYOUT_PREFERENCE = (
 
 def default_geometry(attention: AttentionKind) -> KVGeometry:
     """The kit's small geometry for ``attention``."""
+    return EngineConfig.from_mapping(geometry_fields(attention)).geometry()
+
+
+def geometry_fields(attention: AttentionKind) -> dict[str, Any]:
+    """The engine-config fields of the kit's small geometry for ``attention`` (a chain's
+    kit resolves its plans from them)."""
     kind = AttentionKind(attention)
-    fields = {"attention": kind.value, **_GEOMETRY_FIELDS[kind], **_PAGE_FIELDS}
-    return EngineConfig.from_mapping(fields).geometry()
+    return {"attention": kind.value, **_GEOMETRY_FIELDS[kind], **_PAGE_FIELDS}
+
+
+def whole_page_operations(specs: Sequence[BackendSpec]) -> list[Operation]:
+    """The whole-page transfers a kit plan declares: those every spec supports (else all)."""
+    wanted = [op for op in _WHOLE_PAGES if all(op in spec.operations for spec in specs)]
+    return wanted or list(_WHOLE_PAGES)
+
+
+def expand_tmp(value: Any, tmp: Path) -> Any:
+    """``value`` with ``"{tmp}"`` in every string (nested in mappings and lists) as ``tmp``."""
+    return _expand(value, tmp)
 
 
 def random_bytes(rng: random.Random, n: int) -> bytes:
