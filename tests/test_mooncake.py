@@ -283,23 +283,68 @@ def test_overwrite_keep_is_first_write_wins(open_backend: Any) -> None:
     assert _content(pool, out) == old
 
 
-def test_a_readers_lease_blocks_delete_and_replace_counted(open_backend: Any) -> None:
+def test_a_readers_lease_defers_a_delete_and_the_key_is_gone_for_this_client(
+    open_backend: Any,
+) -> None:
     backend = open_backend()
+    other = open_backend(namespace=backend.context.namespace)  # another client, same keys
     pool = _pool(Layout.PAGE_FIRST)
     backend.attach(pool)
+    other.attach(pool)
     first, second, out = pool.allocate(3)
     old = _fill(pool, [first], seed=7)[0]
     _fill(pool, [second], seed=8)
     assert backend.put(["k"], [pool.page_buffers(first)]) == [True]
     assert backend.get(["k"], [pool.page_buffers(out)]) == [True]  # takes a lease
-    assert backend.delete(["k"]) == [False]
+    # Mooncake refuses to remove a leased object: this client hides it from then on
+    assert backend.delete(["k"]) == [True]
+    assert backend.exists(["k"]) == [False]
+    _scribble(pool, [out])
+    assert backend.get(["k"], [pool.page_buffers(out)]) == [False]
+    # never put over the stale object (Mooncake would keep the old value)
     assert backend.put(["k"], [pool.page_buffers(second)]) == [False]
     stats = backend.stats()
-    assert stats["delete_failed.OBJECT_HAS_LEASE"] == 1
-    assert stats["put_failed.OBJECT_HAS_LEASE"] == 1
+    assert stats["delete_deferred"] == 1 and stats["put_failed.DELETE_PENDING"] == 1
+    assert "delete_failed.OBJECT_HAS_LEASE" not in stats
+    # another client sees the old object, whole, until the lease ends (the documented limit)
     _scribble(pool, [out])
-    assert backend.get(["k"], [pool.page_buffers(out)]) == [True]
-    assert _content(pool, out) == old  # the old page, whole
+    assert other.get(["k"], [pool.page_buffers(out)]) == [True]
+    assert _content(pool, out) == old
+
+
+def test_a_deferred_delete_is_retried_until_the_lease_ends() -> None:
+    require("mooncake", mooncake_unavailable_reason())
+    use_client_env()
+    from kvtier.backends.mooncake.backend import MooncakeBackend
+
+    master = MooncakeMaster(lease_ttl_ms=300).start()
+    backend = None
+    try:
+        context = BackendContext(GEOMETRY, Layout.PAGE_FIRST, namespace="deferred")
+        backend = MooncakeBackend(_config(master.address, global_segment_size=16 << 20), context)
+        pool = _pool(Layout.PAGE_FIRST)
+        backend.attach(pool)
+        first, second, out = pool.allocate(3)
+        _fill(pool, [first], seed=11)
+        new = _fill(pool, [second], seed=12)[0]
+        assert backend.put(["k"], [pool.page_buffers(first)]) == [True]
+        assert backend.get(["k"], [pool.page_buffers(out)]) == [True]  # a 0.3 s lease
+        assert backend.delete(["k"]) == [True]
+        assert backend.stats()["delete_deferred"] == 1
+        deadline = time.monotonic() + 10
+        while backend.stats().get("delete_deferred_done", 0) == 0:
+            assert time.monotonic() < deadline, "the deferred delete was never retried"
+            assert backend.exists(["k"]) == [False]  # each call retries the removal
+            time.sleep(0.05)
+        # removed from the store: a put of the key stores the new page
+        assert backend.put(["k"], [pool.page_buffers(second)]) == [True]
+        _scribble(pool, [out])
+        assert backend.get(["k"], [pool.page_buffers(out)]) == [True]
+        assert _content(pool, out) == new
+    finally:
+        if backend is not None:
+            backend.close()
+        master.close()
 
 
 def test_delete_and_clear_stay_in_their_namespace(open_backend: Any) -> None:

@@ -28,6 +28,10 @@ What Mooncake does differently from the contract is handled here:
   nothing partial is. ``capacity_bytes`` bounds what this client keeps below that: the
   pages the eviction policy chooses are removed first, least recently used first by
   default (``BackendContext.eviction``; :mod:`kvtier.backends.mooncake.occupancy`).
+* A reader's lease also refuses a delete. Such a key is answered as missing by this client
+  from then on, never put over, and its removal is retried on the next calls until
+  Mooncake removes it (``delete_deferred``, ``delete_deferred_done``;
+  :mod:`kvtier.backends.mooncake.removals`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.backends.mooncake.codes import (
     ERROR_NAMES,
     MASTER_UNREACHABLE,
+    OBJECT_HAS_LEASE,
     OBJECT_NOT_FOUND,
     REPLICA_IS_NOT_READY,
     RPC_FAIL,
@@ -52,6 +57,7 @@ from kvtier.backends.mooncake.guard import MasterGuard, reachable
 from kvtier.backends.mooncake.occupancy import Occupancy
 from kvtier.backends.mooncake.probe import INSTALL_HINT
 from kvtier.backends.mooncake.regions import Plan, Regions
+from kvtier.backends.mooncake.removals import DeferredRemovals
 from kvtier.backends.mooncake.staging import Direction, StagingBuffer
 from kvtier.core.errors import BackendUnavailableError, StorageError
 from kvtier.core.extents import Extent
@@ -120,6 +126,8 @@ class MooncakeBackend(StorageBackend):
         )
         #: held across admission and put when capacity_bytes is set, so puts do not race
         self._capacity_lock = threading.Lock()
+        #: deletes a reader's lease refused: hidden, and retried on later calls
+        self._removals = DeferredRemovals()
         self._regions = Regions()
         self._region_lock = threading.Lock()
         self._staging = StagingBuffer(config, self.register_memory, self._counters, log)
@@ -250,6 +258,13 @@ class MooncakeBackend(StorageBackend):
                 self.config.retry_interval_s,
             )
 
+    def _retry_removals(self) -> None:
+        """Retry the deletes a lease refused (one batch_remove while any is pending)."""
+        if len(self._removals):
+            client = self._live_client()
+            done = self._removals.retry(lambda okeys: client.batch_remove(okeys, False))
+            self._counters.add("delete_deferred_done", done)
+
     def _remove_for_put(self, okeys: list[str], results: list[bool], idx: list[int]) -> list[int]:
         """Remove existing objects before a replacing put; the indices that may proceed."""
         if self.config.overwrite == "keep" or not idx:
@@ -292,12 +307,15 @@ class MooncakeBackend(StorageBackend):
             self._occupancy.forget(gone)
             self._counters.add("capacity_evictions", len(gone))
 
-    def _make_room(self, okeys: list[str], plans: list[Plan], results: list[bool]) -> list[int]:
+    def _make_room(
+        self, okeys: list[str], plans: list[Plan], results: list[bool], candidates: list[int]
+    ) -> list[int]:
         """Under capacity_bytes: remove the policy's victims; the pages that now fit."""
         capacity = self._occupancy.capacity_bytes
         assert capacity is not None
         idx: list[int] = []
-        for i, plan in enumerate(plans):
+        for i in candidates:
+            plan = plans[i]
             if plan.total > capacity:
                 self._counters.add("put_failed.PAGE_LARGER_THAN_CAPACITY")
             else:
@@ -322,6 +340,12 @@ class MooncakeBackend(StorageBackend):
         okeys = self._object_keys("exists", keys)
         if okeys is None:
             return [False] * len(keys)
+        self._retry_removals()
+        hidden = self._removals.hidden(okeys)
+        if any(hidden):  # not even asked: asking Mooncake renews the lease that kept them
+            asked = [k for k, deleted in zip(okeys, hidden, strict=True) if not deleted]
+            answers = iter(self.exists([k[len(self._prefix) :] for k in asked]) if asked else ())
+            return [False if deleted else next(answers) for deleted in hidden]
         codes = self._live_client().batch_is_exist(okeys)
         out: list[bool] = []
         for code in codes:
@@ -353,12 +377,19 @@ class MooncakeBackend(StorageBackend):
         if not self._check_call(op, keys, pages) or not keys:
             return results
         okeys = self._keys(keys)
+        self._retry_removals()
+        hidden = self._removals.hidden(okeys)
+        live = [i for i, deleted in enumerate(hidden) if not deleted]
+        if len(live) < len(keys):  # deleted, the old object still leased: a miss, no put
+            name = "get_misses" if op == "get" else "put_failed.DELETE_PENDING"
+            self._counters.add(name, len(keys) - len(live))
         plans = [self._regions.plan(page) for page in pages]
         if op == "get" or self._occupancy.capacity_bytes is None:
-            self._move(op, okeys, plans, pages, results, list(range(len(keys))))
+            self._move(op, okeys, plans, pages, results, live)
             return results
         with self._capacity_lock:
-            self._move(op, okeys, plans, pages, results, self._make_room(okeys, plans, results))
+            admitted = self._make_room(okeys, plans, results, live)
+            self._move(op, okeys, plans, pages, results, admitted)
         return results
 
     def _move(
@@ -496,14 +527,19 @@ class MooncakeBackend(StorageBackend):
             return [False] * len(keys)
         codes = self._live_client().batch_remove(okeys, False)
         out: list[bool] = []
-        for code in codes:
+        leased: list[str] = []
+        for okey, code in zip(okeys, codes, strict=True):
             if code >= 0:
                 self._counters.add("delete_ok")
             elif code == OBJECT_NOT_FOUND:
                 self._counters.add("delete_missing")
+            elif code == OBJECT_HAS_LEASE:  # hidden now, removed when the lease ends
+                leased.append(okey)
+                self._counters.add("delete_deferred")
             else:
                 self._record("delete", code)
-            out.append(code >= 0)
+            out.append(code >= 0 or code == OBJECT_HAS_LEASE)
+        self._removals.add(leased)
         self._occupancy.forget(
             k for k, code in zip(okeys, codes, strict=True) if code >= 0 or code == OBJECT_NOT_FOUND
         )
@@ -527,6 +563,7 @@ class MooncakeBackend(StorageBackend):
             )
         self._counters.add("cleared", code)
         self._occupancy.clear()
+        self._removals.clear()
 
     def stats(self) -> dict[str, int | float]:
         """Counters (hits, misses, bytes, failures by Mooncake error name) and master state."""
