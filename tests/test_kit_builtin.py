@@ -4,7 +4,6 @@ where the kernel allows it, a Mooncake master on loopback, real child processes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,7 @@ import pytest
 
 from kvtier.backends.uring import URING_SPEC
 from kvtier.testing import BackendKit, ConformanceTests, FaultCampaignTests, require
-from kvtier.testing.mooncake import MooncakeMaster, mooncake_unavailable_reason, use_client_env
+from kvtier.testing.mooncake import MooncakeMaster
 
 
 class TestMemoryBackendKit(BackendKit, ConformanceTests):
@@ -60,19 +59,6 @@ class TestUringFaults(BackendKit, FaultCampaignTests):
 class TestSegmentFaults(BackendKit, FaultCampaignTests):
     backend_name = "segment"
     extra_config = {"root": "{tmp}/segments", "min_free_bytes": 0, "segment_bytes": "1MiB"}
-
-
-@pytest.fixture(scope="module")
-def mooncake_master() -> Iterator[MooncakeMaster]:
-    """One master plus a 256 MiB storage node on loopback for this module."""
-    require("mooncake", mooncake_unavailable_reason())
-    use_client_env()
-    master = MooncakeMaster(storage_node_bytes=256 << 20)
-    master.start()
-    try:
-        yield master
-    finally:
-        master.close()
 
 
 @pytest.mark.mooncake

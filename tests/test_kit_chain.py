@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_kit_builtin import mooncake_master  # noqa: F401 (a master for this module)
 
 from kvtier.testing import ChainFaultCampaignTests, ChainKit
 from kvtier.testing.kit.faults_chain import expand_tiers

@@ -58,19 +58,6 @@ GEOMETRY = KVGeometry.mha(num_layers=4, num_kv_heads=2, head_dim=64, dtype="floa
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="session")
-def mooncake_master() -> Iterator[MooncakeMaster]:
-    """One master plus a 256 MiB storage node on loopback for the whole session."""
-    require("mooncake", mooncake_unavailable_reason())
-    use_client_env()
-    master = MooncakeMaster(storage_node_bytes=256 << 20)
-    master.start()
-    try:
-        yield master
-    finally:
-        master.close()
-
-
 def _config(address: str, **overrides: Any) -> MooncakeConfig:
     data: dict[str, Any] = {"master_address": address, "global_segment_size": 0}
     data.update(overrides)

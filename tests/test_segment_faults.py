@@ -30,7 +30,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_segment import STORED, Rig, _check_hits, _disk_bytes, _put_all, _segments
+from test_segment import (
+    STORED,
+    Rig,
+    _check_hits,
+    _disk_bytes,
+    _put_all,
+    _rig,
+    _segments,
+)
 
 from kvtier.backends.segment import format as fmt
 from kvtier.backends.segment import writer as seg_writer
@@ -54,16 +62,11 @@ def _per_segment() -> int:
 
 @pytest.fixture
 def rigs() -> Iterator[list[Rig]]:
+    """The rigs a test opened (``_rig``), closed after it."""
     opened: list[Rig] = []
     yield opened
     for rig in opened:
         rig.close()
-
-
-def _rig(rigs: list[Rig], root: Path, **options: Any) -> Rig:
-    rig = Rig(root, **options)
-    rigs.append(rig)
-    return rig
 
 
 def _seeds(keys: list[str], base: int) -> list[int]:

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 from test_cache import JOIN, cache_registry, load_and_check, put_pages
-from test_mooncake import mooncake_master  # noqa: F401 - the session master fixture
 from test_tiers import _capacity, _chain_get, _evict_host, _file, _open, _tier_has
 
 from kvtier.cache import TieredCache
@@ -45,7 +44,7 @@ def _chain(root: Path, address: str, **more: Any) -> TieredCache:
 
 
 def test_pages_land_in_both_and_a_restart_hits_from_mooncake(
-    mooncake_master: MooncakeMaster,  # noqa: F811
+    mooncake_master: MooncakeMaster,
     tmp_path: Path,
 ) -> None:
     model = f"tiers-{uuid.uuid4().hex[:10]}"
@@ -69,7 +68,7 @@ def test_pages_land_in_both_and_a_restart_hits_from_mooncake(
 
 
 def test_a_bit_flipped_in_the_file_tier_is_served_from_mooncake(
-    mooncake_master: MooncakeMaster,  # noqa: F811
+    mooncake_master: MooncakeMaster,
     tmp_path: Path,
 ) -> None:
     root = tmp_path / "file"

@@ -55,13 +55,13 @@ from typing import Any
 
 from kvtier.cache.events import Event, EventKind, EventStream
 from kvtier.cache.fences import KeyFences, Ticket
-from kvtier.cache.pins import PinSet
+from kvtier.cache.pins import PinSet, count_in, count_out
 from kvtier.cache.staging import LateGuard, StagingPool
 from kvtier.core.bounded import DEFAULT_CALL_TIMEOUT_S, DEFAULT_MAX_ABANDONED, Outcome
 from kvtier.core.capabilities import ResolvedPlan, TierPlan, open_page_store
 from kvtier.core.envelope import ENVELOPE_BYTES
 from kvtier.core.errors import InvalidFieldError
-from kvtier.core.extents import Extent
+from kvtier.core.extents import copy_extents
 from kvtier.core.keys import NAMESPACE_ID_CHARS
 from kvtier.core.metrics import counter_names, registered_counters
 from kvtier.core.pagestore import BatchResult, PageMemory, PageStore
@@ -222,23 +222,6 @@ class _Job:
     waiting: list[int] = field(default_factory=list)
     #: Its keys in the chain's fences, from the queue until it is over.
     ticket: Ticket | None = None
-
-
-def _copy_page(source: Sequence[Extent], target: Sequence[Extent]) -> None:
-    """Copy a page's bytes region to region (the two may cut it up differently)."""
-    out = iter(target)
-    dst = next(out).view
-    at = 0
-    for extent in source:
-        src = extent.view
-        done = 0
-        while done < src.nbytes:
-            if at == dst.nbytes:
-                dst, at = next(out).view, 0
-            n = min(src.nbytes - done, dst.nbytes - at)
-            dst[at : at + n] = src[done : done + n]
-            done += n
-            at += n
 
 
 class _LateWrite:
@@ -998,7 +981,7 @@ class StorageChain:
         chosen = positions[: len(staged)]
         staging = self._staging.pool
         for position, page in zip(chosen, staged, strict=True):
-            _copy_page(self.pool.page_buffers(pages[position]), staging.page_buffers(page))
+            copy_extents(self.pool.page_buffers(pages[position]), staging.page_buffers(page))
         self._submit(
             _Job(
                 [keys[i] for i in chosen],
@@ -1058,9 +1041,7 @@ class StorageChain:
                 for target in job.targets:
                     self._queued_by_tier[target] += take
                 if job.kind is EventKind.PROMOTED:
-                    promoting = self._promoting
-                    for key in job.keys[:take]:
-                        promoting[key] = promoting.get(key, 0) + 1
+                    count_in(self._promoting, job.keys[:take])
         cut = len(job.keys) - take
         if cut:
             self.tiers[job.targets[0]].counters.add("drops", cut)
@@ -1107,13 +1088,7 @@ class StorageChain:
             job.waiting = []
             self._queued -= job.queued
             if job.kind is EventKind.PROMOTED:
-                promoting = self._promoting
-                for key in job.keys:
-                    left = promoting.get(key, 0) - 1
-                    if left > 0:
-                        promoting[key] = left
-                    else:
-                        promoting.pop(key, None)
+                count_out(self._promoting, job.keys)
         if job.staged:
             self._staging.release(job.staged)  # a page a late call still uses stays held
             job.staged = []

@@ -14,6 +14,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
+from kvtier.cache.pins import count_in, count_out
+
 __all__ = ["KeyFences", "Ticket"]
 
 
@@ -40,9 +42,8 @@ class KeyFences:
         """A write of ``keys`` starts (or is queued)."""
         keys = list(keys)
         with self._lock:
-            live, revoked = self._live, self._revoked
-            for key in keys:
-                live[key] = live.get(key, 0) + 1
+            count_in(self._live, keys)
+            revoked = self._revoked
             return Ticket(keys, [revoked.get(key, 0) + self._all for key in keys])
 
     def carry(self, ticket: Ticket, keys: Sequence[str]) -> Ticket:
@@ -51,22 +52,15 @@ class KeyFences:
         keys = list(keys)
         seen = dict(zip(ticket.keys, ticket.seen, strict=True))
         with self._lock:
-            live = self._live
-            for key in keys:
-                live[key] = live.get(key, 0) + 1
+            count_in(self._live, keys)
         return Ticket(keys, [seen[key] for key in keys])
 
     def leave(self, ticket: Ticket) -> None:
         """The write is over (written, given up, or its late call returned)."""
         with self._lock:
             live = self._live
-            for key in ticket.keys:
-                left = live.get(key, 0) - 1
-                if left > 0:
-                    live[key] = left
-                else:
-                    live.pop(key, None)
-                    self._revoked.pop(key, None)
+            for key in count_out(live, ticket.keys):
+                self._revoked.pop(key, None)
             if not live:
                 self._all = 0
                 self._revoked.clear()

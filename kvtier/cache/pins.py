@@ -13,7 +13,27 @@ import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["PinSet"]
+__all__ = ["PinSet", "count_in", "count_out"]
+
+
+def count_in(counts: dict[str, int], keys: Iterable[str]) -> None:
+    """Count each key once more (the caller holds the lock guarding ``counts``)."""
+    for key in keys:
+        counts[key] = counts.get(key, 0) + 1
+
+
+def count_out(counts: dict[str, int], keys: Iterable[str]) -> list[str]:
+    """Count each key once less, dropping it at zero (a key not counted is ignored);
+    the keys that left. The caller holds the lock guarding ``counts``."""
+    gone: list[str] = []
+    for key in keys:
+        left = counts.get(key, 0) - 1
+        if left > 0:
+            counts[key] = left
+        else:
+            if counts.pop(key, None) is not None:
+                gone.append(key)
+    return gone
 
 
 class PinSet:
@@ -30,20 +50,12 @@ class PinSet:
     def pin(self, keys: Iterable[str]) -> None:
         """Pin each key once more."""
         with self._lock:
-            counts = self._counts
-            for key in keys:
-                counts[key] = counts.get(key, 0) + 1
+            count_in(self._counts, keys)
 
     def unpin(self, keys: Iterable[str]) -> None:
         """Drop one pin from each key (a key not pinned is ignored)."""
         with self._lock:
-            counts = self._counts
-            for key in keys:
-                left = counts.get(key, 0) - 1
-                if left > 0:
-                    counts[key] = left
-                else:
-                    counts.pop(key, None)
+            count_out(self._counts, keys)
 
     @contextmanager
     def holding(self, keys: Iterable[str]) -> Iterator[list[str]]:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
 from kvtier.core.errors import ExtentError
 
-__all__ = ["Extent", "extent_of_tensor", "extent_of_view"]
+__all__ = ["Extent", "copy_extents", "extent_of_tensor", "extent_of_view"]
 
 
 class Extent(NamedTuple):
@@ -60,3 +61,19 @@ def extent_of_view(view: memoryview) -> Extent:
     length = view.nbytes
     ptr = ctypes.addressof(ctypes.c_char.from_buffer(view)) if length else 0
     return Extent(view, ptr, length)
+
+
+def copy_extents(source: Sequence[Extent], target: Sequence[Extent]) -> None:
+    """Copy the bytes of ``source``'s regions, in order, into ``target``'s (the same total;
+    the two may cut the page into regions differently)."""
+    out = iter(target)
+    dst, at = next(out).view, 0
+    for region in source:
+        src, done = region.view, 0
+        while done < src.nbytes:
+            if at == dst.nbytes:
+                dst, at = next(out).view, 0
+            n = min(src.nbytes - done, dst.nbytes - at)
+            dst[at : at + n] = src[done : done + n]
+            done += n
+            at += n

@@ -26,7 +26,7 @@ from kvtier.core.errors import (
     TransferError,
     UnsupportedCombinationError,
 )
-from kvtier.core.extents import Extent
+from kvtier.core.extents import Extent, copy_extents
 from kvtier.core.geometry import AttentionKind, KVGeometry, dtype_from_name, dtype_name
 from kvtier.core.host_pool import aligned_empty
 from kvtier.core.layout import Layout, layouts_for
@@ -37,7 +37,6 @@ __all__ = [
     "SGLangPages",
     "SlotPages",
     "StatePages",
-    "copy_runs",
     "flat_page",
     "in_place_refusal",
     "page_ids",
@@ -72,21 +71,6 @@ def _runs(view: torch.Tensor) -> list[tuple[int, int]]:
         (base + item * sum(i * s for i, s in zip(index, stride[:k], strict=True)), block * item)
         for index in itertools.product(*(range(n) for n in shape[:k]))
     ]
-
-
-def copy_runs(source: Sequence[Extent], target: Sequence[Extent]) -> None:
-    """Copy the bytes of ``source``'s regions, in order, into ``target``'s (same total)."""
-    out = iter(target)
-    dst, at = next(out).view, 0
-    for region in source:
-        src, done = region.view, 0
-        while done < src.nbytes:
-            if at == dst.nbytes:
-                dst, at = next(out).view, 0
-            n = min(src.nbytes - done, dst.nbytes - at)
-            dst[at : at + n] = src[done : done + n]
-            done += n
-            at += n
 
 
 def unsupported_pool(pool: Any, what: str) -> UnsupportedCombinationError:
@@ -408,7 +392,7 @@ class _InPlacePages:
         source = self._scratch_extents(scratch)
         if source is None:
             raise PageError(f"scratch page {scratch} is not registered", value=scratch)
-        copy_runs(source, self.extents(page))
+        copy_extents(source, self.extents(page))
 
 
 class SGLangPages(_InPlacePages):
