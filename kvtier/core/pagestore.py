@@ -261,6 +261,8 @@ class PageStore:
         #: Every backend call goes through here, bounded by ``call_timeout_s`` (or another
         #: store's ``caller``, shared with it).
         self._calls = caller or BoundedCaller("backend", call_timeout_s, max_abandoned_calls)
+        #: a caller shared with another store is that store's to close
+        self._owns_calls = caller is None
         self._owns_backend = owns_backend
         self._closed = False
         self._close_lock = threading.Lock()
@@ -567,30 +569,23 @@ class PageStore:
 
         The backend's ``close()`` is bounded by ``timeout`` (default: the call bound);
         calls still stuck past their bound are given up, each named in one WARNING.
-        True when everything closed in time.
+        True when everything closed in time. A store that does not own its backend (a
+        sibling) leaves the backend, and a call thread it shares, to their owner; its own
+        threads it stops.
         """
         with self._close_lock:
             if self._closed:
                 return True
             self._closed = True
-        if not self._owns_backend:  # a sibling: the owner closes the backend
-            return True
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
         closed = True
-        try:
-            outcome, _ = self._calls.call("close", self.backend.close, timeout=timeout)
-        except Exception as exc:
-            closed = False
-            self._counters.add("backend_errors")
-            self._counters.add("backend_errors_close")
-            logger.warning("storage backend %s raised in close: %r", _name(self.backend), exc)
-        else:
-            if outcome is not Outcome.OK:
-                closed = False
-                self._count_outcome(outcome, "close")
+        if self._owns_backend:
+            closed = self._close_backend(timeout)
+        if not self._owns_calls:
+            return closed
         stuck = self._calls.close(time.monotonic() + _WAKE_GRACE_S)
         if stuck:
             logger.warning(
@@ -600,6 +595,20 @@ class PageStore:
                 "; ".join(stuck),
             )
         return closed and not stuck
+
+    def _close_backend(self, timeout: float | None) -> bool:
+        """The backend's ``close()``, bounded and counted; True if it closed in time."""
+        try:
+            outcome, _ = self._calls.call("close", self.backend.close, timeout=timeout)
+        except Exception as exc:
+            self._counters.add("backend_errors")
+            self._counters.add("backend_errors_close")
+            logger.warning("storage backend %s raised in close: %r", _name(self.backend), exc)
+            return False
+        if outcome is not Outcome.OK:
+            self._count_outcome(outcome, "close")
+            return False
+        return True
 
     @property
     def closed(self) -> bool:

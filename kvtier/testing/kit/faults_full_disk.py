@@ -108,7 +108,10 @@ def _boundary_faults(h: Harness, ledger: Ledger, code: int) -> None:
     keys = h.keys(_PAGES)
     h.fill(pages, seed=1100)
     ledger.offered(keys, h.payloads(pages))
-    assert list(store.put(keys, pages)) == [False] * _PAGES
+    try:
+        assert list(store.put(keys, pages)) == [False] * _PAGES
+    finally:
+        store.close()  # its own call thread; the backend stays the harness's
     _after_fault(h, ledger, keys, [False] * _PAGES, where=f"errno {code}: put raised", strict=True)
     for failing in range(_PAGES):
         keys = h.keys(_PAGES)

@@ -164,7 +164,7 @@ def bounded(kit: KitEnv, bound_s: float, *, num_pages: int) -> Harness:
         call_timeout_s=bound_s,
         owns_backend=False,
     )
-    return dataclasses.replace(h, store=store)
+    return dataclasses.replace(h, store=kit.adopt(store))
 
 
 def fsync_modes(kit: KitEnv) -> list[str | None]:

@@ -213,6 +213,12 @@ class KitEnv:
         self._opened.append(store)
         return Harness(store.backend, pool, store, plan.keyer(), plan.geometry, plan.layout, seed)
 
+    def adopt(self, store: PageStore) -> PageStore:
+        """Close ``store`` with the stores this env opened (a store a mixin put in front of
+        one of them); returns it."""
+        self._opened.append(store)
+        return store
+
     def close_all(self) -> None:
         """Close every store opened (each closes its backend, once)."""
         for store in reversed(self._opened):
