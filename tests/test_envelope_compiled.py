@@ -276,9 +276,9 @@ DAMAGE: dict[str, Damage] = {
     "payload_checksum": _set(80, "<Q", 42),
     "payload_bit": _flip_payload,
     "padding": _padding,
-    "checksum_id_and_length": lambda slot, payload, rng: [
-        damage(slot, payload, rng) for damage in (FIELDS[4], FIELDS[6])
-    ] and None,
+    "checksum_id_and_length": lambda slot, payload, rng: (
+        [damage(slot, payload, rng) for damage in (FIELDS[4], FIELDS[6])] and None
+    ),
     "several_fields": _several,
 }
 

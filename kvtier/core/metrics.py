@@ -451,8 +451,7 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
                 ),
                 (
                     "save_skipped_not_writer",
-                    "MLA pages this rank did not write: rank 0 writes the pages every rank "
-                    "shares.",
+                    "MLA pages this rank did not write: rank 0 writes the pages every rank shares.",
                 ),
                 ("preempt_waits", "Preemptions that waited for a store of the request in flight."),
                 (
