@@ -262,6 +262,7 @@ class UringBackend(base.FileStoreBackend[UringConfig]):
         inline = self._write_inline(len(keys))
         live: dict[int, _Put] = {}  # index -> page not yet finished, for cleanup after a bug
         to_publish: list[_Put] = []
+        published: list[_Put] = []  # into the index in the batch's order, not completion order
 
         def requests() -> Iterator[IORequest]:
             for index, (key, page) in enumerate(zip(keys, pages, strict=True)):
@@ -367,7 +368,7 @@ class UringBackend(base.FileStoreBackend[UringConfig]):
                     self._fail_put(put, request.error)
                     return None
                 put.published = True
-                self._committed(put, results)
+                published.append(put)
                 if durability != "page":
                     del live[put.index]
                     return None
@@ -402,7 +403,7 @@ class UringBackend(base.FileStoreBackend[UringConfig]):
                 self._temp_taken(put)
                 return
             put.published = True
-            self._committed(put, results)
+            published.append(put)
 
         try:
             self._rings.run(requests(), on_done)
@@ -414,6 +415,7 @@ class UringBackend(base.FileStoreBackend[UringConfig]):
                     self._rings.run([self._rename(put) for put in ready], finish_batch)
                 self._fs.sync_dirs(put.final for put in to_publish if put.published)
         finally:  # after an unexpected exception: close, remove and release what is left
+            self._committed(published, results)
             for put in [*live.values(), *to_publish]:
                 for fd in (put.fd, put.dir_fd):
                     if fd >= 0:
@@ -469,8 +471,11 @@ class UringBackend(base.FileStoreBackend[UringConfig]):
         put.finished = True
         self._fs.temp_taken(put.nbytes)
 
-    def _committed(self, put: _Put, results: list[bool]) -> None:
-        """``put`` is published: into the index, counted, reported."""
-        put.finished = True
-        self._fs.committed(put.key, put.nbytes)
-        results[put.index] = True
+    def _committed(self, published: list[_Put], results: list[bool]) -> None:
+        """The batch's published pages: into the index in the batch's order (the ring
+        completes them in any order, and the eviction policy ranks by insertion), counted,
+        reported."""
+        for put in sorted(published, key=lambda put: put.index):
+            put.finished = True
+            self._fs.committed(put.key, put.nbytes)
+            results[put.index] = True
