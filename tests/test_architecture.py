@@ -40,6 +40,7 @@ ONLY = {
     "kvtier.plugins": ("kvtier.core", "kvtier._version"),
     "kvtier.backends": ("kvtier.core", "kvtier.plugins.hookspecs"),
     "kvtier.policies": ("kvtier.core", "kvtier.plugins.hookspecs"),
+    "kvtier.storage": ("kvtier.core",),
 }
 #: The layers on top: each imports none of these (the layers beside or above it).
 NEVER = {
@@ -211,7 +212,7 @@ def test_the_layer_rule_catches_an_upward_import() -> None:
     graph = {
         "kvtier.core.io": {"kvtier.core.errors", "kvtier.plugins.registry"},
         "kvtier.plugins.manager": {"kvtier.core.specs", "kvtier._version"},
-        "kvtier.backends.file.backend": {"kvtier.plugins.hookspecs", "kvtier.cache.chain"},
+        "kvtier.backends.file.backend": {"kvtier.plugins.hookspecs", "kvtier.storage.chain"},
         "kvtier.policies.slru": {"kvtier.plugins.manager"},
         "kvtier.cache.tiered": {"kvtier.plugins.registry", "kvtier.integrations.section"},
         "kvtier.integrations.vllm.worker": {"kvtier.cache", "kvtier.testing.faults"},
@@ -220,7 +221,7 @@ def test_the_layer_rule_catches_an_upward_import() -> None:
         "kvtier.corex": {"kvtier.cli"},  # not kvtier.core: no rule
     }
     assert _upward_imports(graph) == [
-        "kvtier.backends.file.backend -> kvtier.cache.chain",
+        "kvtier.backends.file.backend -> kvtier.storage.chain",
         "kvtier.cache.tiered -> kvtier.integrations.section",
         "kvtier.core.io -> kvtier.plugins.registry",
         "kvtier.integrations.vllm.worker -> kvtier.testing.faults",

@@ -336,7 +336,7 @@ def test_a_first_tier_get_that_timed_out_is_skipped_until_it_returns(tmp_path: P
 
 
 def test_fences_void_only_the_writes_in_flight_when_a_key_was_revoked() -> None:
-    from kvtier.cache.fences import KeyFences
+    from kvtier.storage.fences import KeyFences
 
     fences = KeyFences()
     assert fences.revoke(["a"]) == 0  # nothing in flight: nothing to void

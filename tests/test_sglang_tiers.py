@@ -37,7 +37,7 @@ from sglang_host_pool import (
 from sglang_host_pool import mha_host_pool as MHAHostPool
 from sglang_host_pool import mla_host_pool as MLAHostPool
 
-from kvtier.cache.events import EventKind
+from kvtier.storage.events import EventKind
 from kvtier.core.envelope import ENVELOPE_BYTES
 from kvtier.core.errors import (
     InvalidFieldError,

@@ -33,7 +33,7 @@ from test_cache import (
 from test_cache_bounded import HangingBackend
 
 from kvtier.cache import TieredCache
-from kvtier.cache.events import EventKind
+from kvtier.storage.events import EventKind
 from kvtier.core.config import load_engine_config
 from kvtier.core.device_pool import TorchDevicePool
 from kvtier.core.errors import ConfigError, UnknownKeyError, UnknownNameError

@@ -19,7 +19,7 @@ from test_cache import JOIN, cache_registry, load_and_check, put_pages
 from test_tiers import _capacity, _chain_get, _evict_host, _file, _open, _tier_has
 
 from kvtier.cache import TieredCache
-from kvtier.cache.events import EventKind
+from kvtier.storage.events import EventKind
 from kvtier.testing.mooncake import MooncakeMaster
 
 pytestmark = pytest.mark.mooncake

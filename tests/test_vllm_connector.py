@@ -29,7 +29,7 @@ from test_vllm import BLOCK, ROOT, FullAttentionSpec, _kv_cache_config, _plan, _
 
 from kvtier.backends.memory import MemoryConfig
 from kvtier.backends.memory.backend import MemoryBackend
-from kvtier.cache.chain import open_store
+from kvtier.storage import open_store
 from kvtier.core.capabilities import open_page_store
 from kvtier.core.envelope import ENVELOPE_BYTES
 from kvtier.core.errors import InvalidFieldError, UnsupportedCombinationError

@@ -59,7 +59,7 @@ from kvtier.bench.options import (
 )
 from kvtier.bench.progress import Progress
 from kvtier.bench.single_report import BenchResult
-from kvtier.cache.chain import StorageChain, open_store
+from kvtier.storage import StorageChain, open_store
 from kvtier.core.bounded import Outcome
 from kvtier.core.capabilities import (
     ResolvedPlan,

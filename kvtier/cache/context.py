@@ -12,7 +12,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvtier.cache.chain import StorageChain
+from kvtier.storage import StorageChain
 from kvtier.cache.index import HostIndex
 from kvtier.cache.options import CacheOptions
 from kvtier.cache.stats import CacheStats

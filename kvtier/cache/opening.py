@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvtier.cache.chain import StorageChain, open_store
+from kvtier.storage import StorageChain, open_store
 from kvtier.cache.options import CacheOptions
 from kvtier.core.capabilities import ResolvedPlan, build_host_pool, build_io_backend, resolve
 from kvtier.core.config import EngineConfig, load_engine_config

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvtier.cache.backup import Backups
-from kvtier.cache.chain import StorageChain
+from kvtier.storage import StorageChain
 from kvtier.cache.context import CacheContext
 from kvtier.cache.handles import BackupHandle, PrefetchHandle
 from kvtier.cache.load import Loader

@@ -757,7 +757,7 @@ def open_page_store(
 
     ``tier`` and ``eviction``: the tier of the plan's chain to build, and the built policy
     its capacity goes through (see :func:`build_backend`); a whole chain is opened by
-    ``kvtier.cache.chain.open_store``, which calls this once per tier.
+    ``kvtier.storage.open_store``, which calls this once per tier.
 
     A kvtier :class:`HostPool` is attached to the backend first (backends that register
     memory, such as Mooncake, do it once here). Foreign page memory (an engine's own host

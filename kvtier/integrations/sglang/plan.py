@@ -3,8 +3,8 @@
 The one place the adapter resolves: :meth:`SGLangSetup.resolve` builds the plan of the KV
 pool and of every extra pool (its chain of tiers and their policies included), and
 :meth:`SGLangSetup.attach` opens its storage, through core's ``resolve()`` and the cache's
-:func:`~kvtier.cache.chain.open_store` (one page store per tier behind one
-:class:`~kvtier.cache.chain.StorageChain`; a single ``backend`` is a chain of one). Ranks are
+:func:`~kvtier.storage.open_store` (one page store per tier behind one
+:class:`~kvtier.storage.StorageChain`; a single ``backend`` is a chain of one). Ranks are
 spelt with core's :func:`~kvtier.core.keys.rank_suffix`; the namespaces are the ones stored
 pages carry.
 """
@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.cache.chain import open_store
+from kvtier.storage import open_store
 from kvtier.core.capabilities import ResolvedPlan, check_backend, resolve
 from kvtier.core.config import EngineConfig, load_engine_config
 from kvtier.core.errors import InvalidFieldError, UnsupportedCombinationError

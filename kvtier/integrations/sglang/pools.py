@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from kvtier.cache.chain import StorageChain
+from kvtier.storage import StorageChain
 from kvtier.core.bounded import Outcome
 from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.errors import UnsupportedCombinationError
@@ -165,7 +165,7 @@ P = TypeVar("P", bound=SGLangPages | SlotPages | StatePages)
 class AttachedPool(Generic[P]):
     """One registered host pool with its plan and storage: the KV pool, or an extra one.
 
-    ``store`` is the pool's :class:`~kvtier.cache.chain.StorageChain` (its tiers behind
+    ``store`` is the pool's :class:`~kvtier.storage.StorageChain` (its tiers behind
     the page store's API; a single backend is a chain of one).
     """
 

@@ -3,7 +3,7 @@
 vLLM builds one connector in its scheduler (``KVConnectorRole.SCHEDULER``) and one in each
 worker (``KVConnectorRole.WORKER``). Both resolve the ``kvtier`` section through kvtier's
 one construction path (:func:`.plan.resolve_plan`, then the storage chain's
-:func:`~kvtier.cache.chain.open_store`: one page store per tier), so every configuration
+:func:`~kvtier.storage.open_store`: one page store per tier), so every configuration
 mistake stops the engine at start-up with kvtier's error. This module is the glue to vLLM's classes;
 the scheduler's logic lives in :mod:`.scheduler`, the worker's in :mod:`.worker`.
 
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.cache.chain import open_store
+from kvtier.storage import open_store
 from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.errors import KvtierError
 from kvtier.core.metrics import COUNTERS

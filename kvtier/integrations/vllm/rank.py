@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
-from kvtier.cache.events import EventStream
+from kvtier.storage.events import EventStream
 from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.envelope import Rejection
 from kvtier.core.errors import StorageError

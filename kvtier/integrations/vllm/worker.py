@@ -43,7 +43,7 @@ from typing import Any, cast
 
 import torch
 
-from kvtier.cache.chain import StorageChain, open_store
+from kvtier.storage import StorageChain, open_store
 from kvtier.cache.metrics import identity_of, store_collector
 from kvtier.core.bounded import Outcome
 from kvtier.core.capabilities import ResolvedPlan

@@ -133,7 +133,7 @@ class ChainKitEnv(KitEnv):
         seed: int,
         bound_s: float,
     ) -> Harness:
-        from kvtier.cache.chain import open_store
+        from kvtier.storage import open_store
 
         attention = attention or self.default_attention()
         layout = layout or self.default_layout(attention)

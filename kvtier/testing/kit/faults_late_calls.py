@@ -163,7 +163,7 @@ class LateCascadeReadTests:
 
 def _staging_pages() -> int:
     """Pages in a kvtier chain's staging pool (where the worker stages what it moves)."""
-    for module in ("kvtier.cache.staging", "kvtier.cache.chain"):
+    for module in ("kvtier.storage.staging", "kvtier.storage.cascade"):
         with contextlib.suppress(ImportError):
             found = getattr(importlib.import_module(module), "STAGING_PAGES", None)
             if isinstance(found, int):

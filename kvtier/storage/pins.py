@@ -3,7 +3,7 @@
 A running load needs the pages it found in a tier until it has read them: it pins those
 keys here (TieredCache's prefetch does, until its handle is released; an engine adapter
 may), and every tier's eviction (the chain's own victim choices and each backend's capacity,
-which go through the tier's :class:`~kvtier.cache.chain.ObservedEviction`) skips a
+which go through the tier's :class:`~kvtier.storage.observed.ObservedEviction`) skips a
 pinned key. Pins are counted: a key pinned twice stays pinned until unpinned twice.
 """
 

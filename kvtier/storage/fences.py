@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
-from kvtier.cache.pins import count_in, count_out
+from kvtier.storage.pins import count_in, count_out
 
 __all__ = ["KeyFences", "Ticket"]
 

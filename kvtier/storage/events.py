@@ -1,6 +1,6 @@
 """One event stream of what the storage tiers hold: stored, removed, promoted, evicted.
 
-A :class:`~kvtier.cache.chain.StorageChain` emits an :class:`Event` for every page that
+A :class:`~kvtier.storage.StorageChain` emits an :class:`Event` for every page that
 enters or leaves one of its tiers; engine adapters subscribe to map them onto their
 engines' KV events (so a cache-aware router sees kvtier's tiers), operators to watch
 them. Subscribers run in the thread that emitted, right away, and must be quick; one

@@ -1,0 +1,367 @@
+"""Where a page goes and what leaves a tier to make room: descriptions for the tier's
+policies, tenant quotas, admission (and its re-offers after hits), promotions, and the
+room a write-back tier's upper tier makes by handing its victims down.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.core.bounded import Outcome
+from kvtier.core.pagestore import BatchResult, PageStore
+from kvtier.core.policy import PageInfo
+from kvtier.core.saveguard import SaveGuard
+from kvtier.storage.cascade import Cascade, Job
+from kvtier.storage.events import EventKind
+from kvtier.storage.fences import Ticket
+from kvtier.storage.late import LateWrite, MakeLate, put_call, undo_revoked
+from kvtier.storage.tiers import ChainParts, Tier, keys_where
+
+__all__ = ["Placement"]
+
+log = logging.getLogger("kvtier.cache")
+
+#: Keys a tier's admission refused that a later hit may offer again, per tier.
+_REFUSED_KEEP = 1 << 16
+
+
+class Placement:
+    """The chain's placement decisions over its tiers (see the module docstring)."""
+
+    def __init__(self, parts: ChainParts, cascade: Cascade) -> None:
+        self.parts = parts
+        self.cascade = cascade
+        tiers = parts.tiers
+        self._refused: list[OrderedDict[str, None]] = [OrderedDict() for _ in tiers]
+        self._quota_evictions: dict[str, int] = {}
+        #: Keys being removed from a tier after they were handed down.
+        self._evicting: set[str] = set()
+        self._lost_warned = False
+        #: Per tier: one make-room-then-put at a time (above a write-back tier), so two
+        #: writers never both count the same free room.
+        self._room_locks = [threading.Lock() for _ in tiers]
+
+    # --- policies: descriptions, quotas, admission ----------------------------------------
+
+    def describe(self, tier: Tier, keys: list[str]) -> None:
+        """Tell ``tier``'s policies about pages about to enter it (each page's parent is
+        the key before it)."""
+        if tier.eviction is None and tier.admission is None:
+            return
+        parent: str | None = None
+        tokens, tenant_of = self.parts.plan.geometry.page_size, self.parts.tenants.of
+        for key in keys:
+            info = PageInfo(parent=parent, tokens=tokens, tenant=tenant_of(key))
+            if tier.eviction is not None:
+                tier.eviction.describe(key, info)
+            if tier.admission is not None:
+                tier.admission.describe(key, info)
+            parent = key
+
+    def enforce_quota(self, tier: Tier, keys: list[str]) -> None:
+        """Evict a tenant's own pages from ``tier`` before it goes over its quota."""
+        tenants = self.parts.tenants
+        if tier.eviction is None or not tenants:
+            return
+        incoming: dict[str, int] = {}
+        quotas: dict[str, int] = {}
+        for key in keys:
+            chosen = tenants.quota_of(key)
+            if chosen is not None and key not in tier.eviction:
+                incoming[chosen[0]] = incoming.get(chosen[0], 0) + self.parts.page_bytes
+                quotas[chosen[0]] = chosen[1]
+        mine = set(keys)
+        for tenant, nbytes in incoming.items():
+            excess = tier.eviction.tenant_bytes(tenant) + nbytes - quotas[tenant]
+            if excess <= 0:
+                continue
+            victims = tier.eviction.choose_victims(excess, pinned=mine.__contains__, tenant=tenant)
+            if victims:
+                self.evict(tier, victims, force=True)
+                tier.counters.add("quota_evictions", len(victims))
+                with self.parts.lock:
+                    count = self._quota_evictions.get(tenant, 0) + len(victims)
+                    self._quota_evictions[tenant] = count
+
+    def admits(self, tier: Tier, key: str) -> bool:
+        """Whether ``tier``'s admission takes ``key`` now (a refusal of a write-through
+        tier is remembered: a later hit may offer the page again)."""
+        admission = tier.admission
+        if admission is None:
+            return True
+        admission.record_access(key)
+        if admission.admit(key, self.parts.page_bytes):
+            return True
+        tier.counters.add("admission_refused")
+        if tier.plan.write == "through":  # a later hit may offer it again
+            refused = self._refused[tier.index]
+            with self.parts.lock:
+                refused[key] = None
+                if len(refused) > _REFUSED_KEEP:
+                    refused.popitem(last=False)
+        return False
+
+    def written(self, tier: Tier, keys: list[str]) -> None:
+        """``keys`` entered ``tier``: no longer refused there."""
+        refused = self._refused[tier.index]
+        if refused and keys:
+            with self.parts.lock:
+                for key in keys:
+                    refused.pop(key, None)
+
+    def tenant_stats(self) -> dict[str, dict[str, Any]]:
+        """Per configured tenant: bytes per tier and quota evictions."""
+        out: dict[str, dict[str, Any]] = {}
+        tiers = self.parts.tiers
+        for name, quota in self.parts.tenants.quotas():
+            out[name] = {
+                "quota_bytes": quota,
+                "bytes": [
+                    tier.eviction.tenant_bytes(name) if tier.eviction is not None else 0
+                    for tier in tiers
+                ],
+                "quota_evictions": self._quota_evictions.get(name, 0),
+            }
+        return out
+
+    # --- after a hit: promotions and re-offers ----------------------------------------------
+
+    def after_hit(
+        self, keys: list[str], pages: list[int], source: dict[int, int], ticket: Ticket
+    ) -> None:
+        """The pages a lower tier served (``source``: position -> tier): promote them to
+        the tiers above, and offer a page again to a tier whose admission refused it
+        before and admits it now."""
+        self._promote(keys, pages, source, ticket)
+        self._record_hits(keys, pages, source, ticket)
+
+    def _promote(
+        self, keys: list[str], pages: list[int], source: dict[int, int], ticket: Ticket
+    ) -> None:
+        """Copy the pages a lower tier served into staging, to write them up."""
+        tiers = self.parts.tiers
+        by_tier: dict[int, list[int]] = {}
+        for i, tier_index in source.items():
+            if tier_index > 0 and tiers[tier_index].plan.promote:
+                by_tier.setdefault(tier_index, []).append(i)
+        for tier_index, positions in by_tier.items():
+            above = list(range(tier_index))
+            self.cascade.offer(
+                keys, pages, positions, above, tier_index, EventKind.PROMOTED, ticket
+            )
+
+    def _record_hits(
+        self, keys: list[str], pages: list[int], source: dict[int, int], ticket: Ticket
+    ) -> None:
+        """Tell the admission policies below the tier that served each page of the hit;
+        a page one of them refused before and admits now is offered to it again."""
+        parts = self.parts
+        offers: dict[int, list[int]] = {}
+        for i, served in source.items():
+            for tier in parts.tiers[served + 1 :]:
+                admission = tier.admission
+                if admission is None:
+                    continue
+                admission.record_access(keys[i])
+                refused = self._refused[tier.index]
+                if keys[i] in refused and admission.admit(keys[i], parts.page_bytes):
+                    with parts.lock:
+                        refused.pop(keys[i], None)
+                    offers.setdefault(tier.index, []).append(i)
+        for target, positions in offers.items():
+            targets = [target, *parts.through_below(target)]
+            served = source[positions[0]]
+            self.cascade.offer(
+                keys, pages, positions, targets, served, EventKind.STORED, ticket, target
+            )
+
+    def write_staged(self, job: Job, tier: Tier, keys: list[str], staged: list[int]) -> None:
+        """The cascade's write of a job's staged pages into one target tier: through its
+        admission, its tenants' quotas and the room a write-back tier below makes."""
+        parts = self.parts
+        chosen = [
+            (key, page)
+            for key, page in zip(keys, staged, strict=True)
+            if tier.index in job.admitted or self.admits(tier, key)
+        ]
+        if not chosen:
+            return
+        names = [key for key, _ in chosen]
+        self.describe(tier, names)
+        self.enforce_quota(tier, names)
+        ticket = job.ticket
+        assert ticket is not None  # queued jobs have one until they finish
+
+        def late(part: list[str], pages: list[int]) -> LateWrite:
+            return LateWrite(parts.fences, parts.staging, tier, part, pages, ticket, None)
+
+        results, dropped = self.put_into(
+            tier,
+            self.cascade.staging_store(tier),
+            names,
+            [page for _, page in chosen],
+            late=late,
+            must=False,
+        )
+        undone = undo_revoked(parts.fences, tier, names, results, ticket)
+        if undone:
+            for i, key in enumerate(names):
+                if key in undone:
+                    results[i] = False
+            dropped += len(undone)  # not a failure: cancelled, counted as such
+        written = keys_where(names, results)
+        tier.counters.add(
+            "promotions" if job.kind is EventKind.PROMOTED else "cascades", len(written)
+        )
+        if len(written) + dropped < len(names):
+            tier.counters.add("failures", len(names) - len(written) - dropped)
+        self.written(tier, written)
+        parts.emit(job.kind, tier, written)
+
+    # --- room above a write-back tier -----------------------------------------------------
+
+    def put_into(
+        self,
+        tier: Tier,
+        store: PageStore,
+        keys: list[str],
+        pages: list[int],
+        *,
+        late: MakeLate,
+        must: bool,
+        guards: Sequence[SaveGuard | None] | None = None,
+    ) -> tuple[BatchResult, int]:
+        """Put into ``tier`` (through ``store``, the tier's page store or its staging
+        sibling); above a write-back tier, in parts that fit its capacity, each after its
+        victims were handed down. ``must``: the caller's pages, stored whatever happens to
+        victims that could not be handed down (they are lost, counted); otherwise pages
+        that would evict such a victim are not written (counted drops of this tier, the
+        copy they came from is still in its own tier). Returns the results and the drops.
+
+        ``late(keys, pages)`` makes the late side of each backend call (a call that times
+        out keeps its pages and keys fenced until it returns, see
+        :class:`~kvtier.storage.late.LateWrite`).
+        """
+        capacity = tier.plan.capacity_bytes
+        if self.parts.back_below(tier) is None or capacity is None or tier.eviction is None:
+            return put_call(store, keys, pages, late, guards), 0
+        step = max(1, capacity // self.parts.page_bytes)
+        results: list[bool] = []
+        dropped = 0
+        for start in range(0, len(keys), step):
+            part = keys[start : start + step]
+            with self._room_locks[tier.index]:
+                fit = self._make_room(tier, part, force=must)
+                if fit < len(part):
+                    dropped += len(part) - fit
+                    tier.counters.add("drops", len(part) - fit)
+                answer = put_call(
+                    store,
+                    part[:fit],
+                    pages[start : start + fit],
+                    late,
+                    None if guards is None else guards[start : start + fit],
+                )
+            results += answer
+            results += [False] * (len(part) - fit)
+            if answer.outcome is not Outcome.OK:
+                results += [False] * (len(keys) - len(results))
+                return BatchResult(results, answer.outcome), dropped
+        return BatchResult(results), dropped
+
+    def _make_room(self, tier: Tier, keys: list[str], *, force: bool) -> int:
+        """Before ``keys`` enter ``tier`` (above a write-back tier), hand down the victims
+        that make room for them; how many of ``keys`` fit (all with ``force``)."""
+        eviction, capacity = tier.eviction, tier.plan.capacity_bytes
+        assert eviction is not None and capacity is not None
+        page_bytes = self.parts.page_bytes
+        incoming = sum(page_bytes for key in keys if key not in eviction)
+        excess = eviction.nbytes + incoming - capacity
+        if excess <= 0:
+            return len(keys)
+        mine = set(keys)
+        victims = eviction.choose_victims(excess, pinned=mine.__contains__)
+        removed = self.evict(tier, victims, force=force)
+        if force:
+            return len(keys)
+        short = excess - page_bytes * len(removed)
+        if short <= 0:
+            return len(keys)
+        return max(0, len(keys) - -(-short // page_bytes))
+
+    def evict(self, tier: Tier, victims: list[str], *, force: bool) -> list[str]:
+        """Remove ``victims`` from ``tier``; above a write-back tier, each is handed down
+        first (read into staging, queued for the tier below). One that cannot be handed
+        down is removed anyway with ``force`` (a counted drop of the tier below), else it
+        stays. Returns the victims removed."""
+        if not victims:
+            return []
+        parts = self.parts
+        below = parts.back_below(tier)
+        if below is not None:
+            moved = self._hand_down(tier, below, victims)
+            gone = set(moved)
+            stay = [key for key in victims if key not in gone]
+            if stay and not force:
+                assert tier.eviction is not None
+                tier.eviction.forget_choice(stay)
+                victims = moved
+            elif stay:
+                below.counters.add("drops", len(stay))  # lost: counted where it was owed
+        if not victims:
+            return []
+        with parts.lock:
+            self._evicting.update(victims)
+        try:
+            tier.store.delete(victims)
+        finally:
+            with parts.lock:
+                self._evicting.difference_update(victims)
+        return victims
+
+    def _hand_down(self, tier: Tier, below: Tier, victims: list[str]) -> list[str]:
+        """Read ``victims`` into staging and queue them for ``below`` (and the
+        write-through tiers under it); the victims queued."""
+        fences = self.parts.fences
+        ticket = fences.enter(victims)  # a delete from now on cancels the hand-down
+        try:
+            staged = self.cascade.stage_from(tier, victims)
+            keys = [key for key, page in zip(victims, staged, strict=True) if page is not None]
+            pages = [page for page in staged if page is not None]
+            if not keys:
+                return []
+            targets = [below.index, *self.parts.through_below(below.index)]
+            job = Job(keys, targets, tier.index, EventKind.STORED, staged=pages)
+            return keys[: self.cascade.submit(job, since=ticket)]
+        finally:
+            fences.leave(ticket)
+
+    def removed(self, tier_index: int, key: str, evicted: bool) -> None:
+        """A page left tier ``tier_index`` (evicted: to make room): count it, emit it.
+
+        A page the tier's backend evicted on its own (not through the chain: its disk
+        filled, or the chain's room estimate was short) above a write-back tier was not
+        written back: a counted drop of the tier below.
+        """
+        parts = self.parts
+        tier = parts.tiers[tier_index]
+        if evicted:
+            tier.counters.add("evictions")
+            below = parts.back_below(tier)
+            if below is not None and key not in self._evicting:
+                below.counters.add("drops")
+                with parts.lock:
+                    first, self._lost_warned = not self._lost_warned, True
+                if first:
+                    log.warning(
+                        "kvtier: tier %s evicted a page on its own (its backend's capacity or "
+                        "free-space guard) that write-back tier %s never received; later such "
+                        "pages are counted in that tier's drops only",
+                        tier.name,
+                        below.name,
+                    )
+        parts.emit(EventKind.EVICTED if evicted else EventKind.REMOVED, tier, [key])

@@ -1,0 +1,83 @@
+"""A chain's figures, merged from its tiers: a page store's counters summed, each tier's
+own entry (its page store's and the chain's counters, occupancy, queue depth), the
+bounded calls, and the backends' own stats."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier.core.storage import Counters
+from kvtier.storage.cascade import Cascade
+from kvtier.storage.tiers import TIER_COUNTERS, Tier
+
+__all__ = ["backend_stats", "call_counts", "store_stats", "tier_stats"]
+
+
+def store_stats(tiers: list[Tier], counters: Counters) -> dict[str, int | float]:
+    """The page stores' counters summed over the tiers, and the chain's prefix lookups
+    (a page store's names)."""
+    if len(tiers) == 1:
+        return tiers[0].store.stats()
+    merged: dict[str, int | float] = {}
+    for tier in tiers:
+        for key, value in tier.store.stats().items():
+            merged[key] = merged.get(key, 0) + value
+    chain = counters.snapshot()
+    for name in ("prefix_queries", "prefix_pages"):
+        merged[name] = merged.get(name, 0) + chain.get(name, 0)
+    return merged
+
+
+def tier_stats(tiers: list[Tier], cascade: Cascade) -> list[dict[str, Any]]:
+    """Each tier: its name, backend, page store counters, chain counters, occupancy,
+    and the pages queued to be written into it."""
+    out = []
+    depths = cascade.depths()
+    for tier in tiers:
+        moved = cascade.staging_stats(tier)
+        store = tier.store.stats()
+        entry: dict[str, Any] = {
+            "tier": tier.index,
+            "name": tier.name,
+            "backend": tier.plan.backend.name,
+            "write": tier.plan.write,
+            "promote": tier.plan.promote,
+            "capacity_bytes": tier.plan.capacity_bytes,
+            "occupancy_bytes": tier.eviction.nbytes if tier.eviction is not None else None,
+            "queue_depth": depths[tier.index],
+            "store": store,
+        }
+        counts: dict[str, int | float] = dict.fromkeys(TIER_COUNTERS, 0)
+        counts.update(tier.counters.snapshot())
+        # every byte in and out of the tier: the engine's and the chain's moves
+        counts["read_bytes"] = store["bytes_read"] + moved.get("bytes_read", 0)
+        counts["written_bytes"] = store["bytes_written"] + moved.get("bytes_written", 0)
+        entry.update(counts)
+        out.append(entry)
+    return out
+
+
+def call_counts(tiers: list[Tier]) -> dict[str, Any]:
+    """The bounded calls of every tier, summed."""
+    merged: dict[str, Any] = {"timed_out_by_operation": {}}
+    for tier in tiers:
+        for key, value in tier.store.call_counts().items():
+            if key == "timed_out_by_operation":
+                for op, n in value.items():
+                    merged[key][op] = merged[key].get(op, 0) + n
+            else:
+                merged[key] = merged.get(key, 0) + value
+    return merged
+
+
+def backend_stats(tiers: list[Tier], timeout: float | None = None) -> dict[str, Any]:
+    """The first tier's backend stats, and each further tier's as ``tier<i>.<name>``."""
+    out: dict[str, Any] = {}
+    for tier in tiers:
+        store = tier.store
+        values = store.backend_stats() if timeout is None else store.backend_stats(timeout)
+        if tier.index == 0:
+            out.update(values)
+        else:
+            out.update({f"tier{tier.index}.{k}": v for k, v in values.items()})
+    return out
