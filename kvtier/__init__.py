@@ -5,7 +5,7 @@ config over the engine's device pool, back pages up, prefetch and load them, rea
 stats. The other audiences have faces of their own:
 
 - **engine-adapter authors** who drive their own pools build from a resolved plan with
-  the one construction path: :mod:`kvtier.adapters` (``resolve``, ``open_page_store``,
+  the one construction path: :mod:`kvtier.adapters` (``resolve``, ``open_store``,
   ``PageStore``, the builders);
 - **writing a storage backend**, **writing an IO backend** or a policy: declare it with
   :data:`hookimpl` and a spec, implement the contract: :mod:`kvtier.plugins` (specs,

@@ -2,11 +2,13 @@
 
 An adapter that drives its own pools (the SGLang and vLLM adapters do) resolves its
 engine's settings once with :func:`resolve` (or :func:`check_backend` before the pools
-exist), then builds from the plan: :func:`open_page_store` puts a :class:`PageStore`
-(envelopes, verification, bounded backend calls, counters) in front of the plan's backend
-over the engine's page memory; :func:`build_host_pool` and :func:`build_io_backend` build
-the rest; ``TieredCache.open(plan, ...)`` takes the plan too. An adapter never builds a
-backend another way, nor talks to one around its page store.
+exist), then builds from the plan: :func:`open_store` opens the plan's storage tiers
+over the engine's page memory, each behind a :class:`PageStore` (envelopes, verification,
+bounded backend calls, counters), with the chain in front (a :class:`Store`; a single
+backend is a chain of one); :func:`open_lookup` opens them for ``exists`` only (a
+scheduler, with no page memory); :func:`build_host_pool` and :func:`build_io_backend`
+build the rest; ``TieredCache.open(plan, ...)`` takes the plan too. An adapter never
+builds a backend another way, nor talks to one around its store.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from kvtier.core.capabilities import (
     build_host_pool,
     build_io_backend,
     check_backend,
-    open_page_store,
     resolve,
 )
 from kvtier.core.extents import Extent
@@ -29,8 +30,10 @@ from kvtier.core.host_pool import HostPool
 from kvtier.core.keys import Namespace, PageKeyer, external_key, layout_namespace, rank_suffix
 from kvtier.core.metrics import COUNTERS, Cause, zeroed
 from kvtier.core.pagestore import BatchResult, PageMemory, PageStore
+from kvtier.core.store import ExistsLookup, Store
 from kvtier.core.validation import validate_model
 from kvtier.integrations.section import SECTION, EngineSection, find_section
+from kvtier.storage import open_lookup, open_store
 
 __all__ = [  # noqa: RUF022 - grouped by step, as the docstring says
     # resolve once
@@ -38,10 +41,13 @@ __all__ = [  # noqa: RUF022 - grouped by step, as the docstring says
     "check_backend",
     "ResolvedPlan",
     # build from the plan
-    "open_page_store",
+    "open_store",
+    "open_lookup",
     "build_host_pool",
     "build_io_backend",
     "build_backend",
+    "Store",
+    "ExistsLookup",
     "PageStore",
     "BatchResult",
     "Outcome",

@@ -97,11 +97,11 @@ def test_vllm_worker_loads_and_stores_return_within_the_bound(
 def test_vllm_scheduler_lookup_returns_within_the_bound(
     backend: HangingBackend, registry: Registry
 ) -> None:
-    from kvtier.core.capabilities import open_page_store
-    from kvtier.integrations.vllm.scheduler import NoPages, SchedulerSide
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+    from kvtier.storage import open_lookup
 
     plan, settings = _vllm_plan(registry)
-    store = open_page_store(plan, NoPages(plan.layout), **settings.page_store_options())
+    store = open_lookup(plan, **settings.page_store_options())
     side = SchedulerSide(plan, settings, store)
     request = type("R", (), {"request_id": "r", "num_computed_tokens": 0})()
     request.all_token_ids = list(range(1, 3 * 32 + 2))

@@ -776,7 +776,7 @@ def _scheduler(tp: int = 1, store: Any = None) -> Any:
 def test_scheduler_counts_a_page_once_every_rank_stored_it() -> None:
     from kvtier.core.pagestore import PageStore
     from kvtier.integrations.vllm.messages import Report
-    from kvtier.integrations.vllm.scheduler import NoPages
+    from kvtier.storage import NoPages
 
     plan = _plan(tp=2)
     store = PageStore(_NoBackend(), NoPages(plan.layout), fingerprint=plan.geometry.fingerprint)

@@ -29,8 +29,6 @@ from test_vllm import BLOCK, ROOT, FullAttentionSpec, _kv_cache_config, _plan, _
 
 from kvtier.backends.memory import MemoryConfig
 from kvtier.backends.memory.backend import MemoryBackend
-from kvtier.storage import open_store
-from kvtier.core.capabilities import open_page_store
 from kvtier.core.envelope import ENVELOPE_BYTES
 from kvtier.core.errors import InvalidFieldError, UnsupportedCombinationError
 from kvtier.core.storage import PageBuffers, StorageBackend
@@ -39,10 +37,11 @@ from kvtier.integrations.vllm.events import BlockInfo, TierLedger
 from kvtier.integrations.vllm.messages import PageOp, Report
 from kvtier.integrations.vllm.plan import geometry_fields, kv_groups, resolve_plan
 from kvtier.integrations.vllm.rank import proves_bad
-from kvtier.integrations.vllm.scheduler import NoPages, SchedulerSide
+from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.plugins.manager import default_registry
 from kvtier.plugins.registry import Registry
+from kvtier.storage import open_lookup
 
 NAMES = ["model.layers.0.a", "model.layers.1.a"]
 INDEX = {name: i for i, name in enumerate(NAMES)}
@@ -298,7 +297,7 @@ class _Request:
 def _scheduler(registry: Registry, **fields: Any) -> tuple[SchedulerSide, Any]:
     settings = _settings(**fields)
     plan = resolve_plan(_vllm_config(), _kv_cache_config(), settings, registry, tp_rank=0)
-    store = open_page_store(plan, NoPages(plan.layout), **settings.page_store_options())
+    store = open_lookup(plan, **settings.page_store_options())
     return SchedulerSide(plan, settings, store), store
 
 
@@ -769,8 +768,7 @@ def test_a_load_from_a_lower_tier_promotes_and_a_lookup_waits_for_it(
     settings = VLLMSection(tiers=tiers, backend_call_timeout_s=5.0)  # type: ignore[arg-type]
     plan = _plan_of(settings, registry)
     worker = _registered(plan, settings)
-    store = open_store(plan, NoPages(plan.layout), **settings.page_store_options())
-    side = SchedulerSide(plan, settings, store)
+    side = SchedulerSide(plan, settings, open_lookup(plan, **settings.page_store_options()))
     request = _Request("r", _tokens(4))
     keys = side.request_keys(request, 4)
     worker.submit_saves([PageOp("r", keys, [0, 1, 2, 3], 0)])

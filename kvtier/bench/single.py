@@ -59,7 +59,6 @@ from kvtier.bench.options import (
 )
 from kvtier.bench.progress import Progress
 from kvtier.bench.single_report import BenchResult
-from kvtier.storage import StorageChain, open_store
 from kvtier.core.bounded import Outcome
 from kvtier.core.capabilities import (
     ResolvedPlan,
@@ -74,7 +73,8 @@ from kvtier.core.errors import InvalidFieldError, StorageError
 from kvtier.core.extra_config import parse_extra_config
 from kvtier.core.host_pool import HostPool
 from kvtier.core.layout import region_stride_bytes
-from kvtier.core.pagestore import PageStore
+from kvtier.core.store import Store
+from kvtier.storage import StorageChain, open_store
 
 if TYPE_CHECKING:
     from kvtier.core.extents import Extent
@@ -340,9 +340,7 @@ def _run_plan(
     # A chain of tiers (or tenants' quotas) runs through the chain, as an engine's does;
     # one backend through its page store, the path the raw side is compared with.
     chained = bool(plan.config.tiers or plan.config.tenants)
-    store: PageStore | StorageChain = (
-        open_store(plan, host) if chained else open_page_store(plan, host)
-    )
+    store: Store = open_store(plan, host) if chained else open_page_store(plan, host)
     bench: _Run | None = None
     try:
         bench = _Run(args, plan, store, device, workdir, bar, titled=titled)
@@ -362,7 +360,7 @@ class _Run:
         self,
         args: argparse.Namespace,
         plan: ResolvedPlan,
-        store: PageStore | StorageChain,
+        store: Store,
         device: torch.device,
         workdir: Path,
         bar: Progress,

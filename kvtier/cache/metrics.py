@@ -24,7 +24,7 @@ from kvtier.core.metrics import BACKEND_CALLS, COUNTERS, Cause
 
 if TYPE_CHECKING:
     from kvtier.core.capabilities import ResolvedPlan
-    from kvtier.core.pagestore import PageStore
+    from kvtier.core.store import Store
 
 __all__ = [
     "BACKEND_CALLS",
@@ -131,7 +131,7 @@ def identity_of(plan: ResolvedPlan) -> dict[str, str]:
     }
 
 
-def store_collector(store: PageStore, identity: Mapping[str, str]) -> Any:
+def store_collector(store: Store, identity: Mapping[str, str]) -> Any:
     """A prometheus_client collector of one page store's families: what every engine path
     (the vLLM connector's workers, the SGLang adapter) exposes of its storage tier, under
     the same names and labels as a TieredCache's (docs/operating.md)."""

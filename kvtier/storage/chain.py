@@ -64,6 +64,7 @@ from kvtier.storage.cascade import DEFAULT_QUEUE_PAGES, Cascade, Job
 from kvtier.storage.events import EventKind, EventStream
 from kvtier.storage.fences import Ticket
 from kvtier.storage.late import LateWrite, undo_revoked
+from kvtier.storage.lookup import exists_across
 from kvtier.storage.pins import PinSet
 from kvtier.storage.placement import Placement
 from kvtier.storage.staging import StagingPool
@@ -130,26 +131,10 @@ class StorageChain:
 
     def exists(self, keys: Sequence[str]) -> BatchResult:
         """Whether any tier holds each key (one batched call per tier, for the rest)."""
-        keys = list(keys)
-        found = [False] * len(keys)
-        todo = list(range(len(keys)))
-        for tier in self.tiers:
-            if not todo:
-                break
-            answer = tier.store.exists([keys[i] for i in todo])
-            if answer.outcome is not Outcome.OK:
-                tier.counters.add("failures")
-                if len(self.tiers) == 1:
-                    return answer
-                continue
-            rest = []
-            for i, ok in zip(todo, answer, strict=True):
-                if ok:
-                    found[i] = True
-                else:
-                    rest.append(i)
-            todo = rest
-        return BatchResult(found)
+        tiers = self.tiers
+        return exists_across(
+            [tier.store for tier in tiers], keys, lambda i: tiers[i].counters.add("failures")
+        )
 
     def prefix_hits(self, keys: Sequence[str]) -> int:
         """How many leading keys some tier holds (counted as a page store counts it)."""
@@ -338,7 +323,7 @@ class StorageChain:
     def stats(self) -> dict[str, int | float]:
         """The page stores' counters summed over the tiers (a page store's names; each
         tier's own, and the chain's, are in :meth:`tier_stats`)."""
-        return store_stats(self.tiers, self.counters)
+        return store_stats([tier.store for tier in self.tiers], self.counters)
 
     def tier_stats(self) -> list[dict[str, Any]]:
         """Each tier: its name, backend, page store counters, chain counters, occupancy,
@@ -351,7 +336,7 @@ class StorageChain:
 
     def call_counts(self) -> dict[str, Any]:
         """The bounded calls of every tier, summed."""
-        return call_counts(self.tiers)
+        return call_counts(tier.store for tier in self.tiers)
 
     def abandon_in_flight(self) -> int:
         return sum(tier.store.abandon_in_flight() for tier in self.tiers)

@@ -4,8 +4,10 @@ bounded calls, and the backends' own stats."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvtier.core.pagestore import PageStore
 from kvtier.core.storage import Counters
 from kvtier.storage.cascade import Cascade
 from kvtier.storage.tiers import TIER_COUNTERS, Tier
@@ -13,16 +15,18 @@ from kvtier.storage.tiers import TIER_COUNTERS, Tier
 __all__ = ["backend_stats", "call_counts", "store_stats", "tier_stats"]
 
 
-def store_stats(tiers: list[Tier], counters: Counters) -> dict[str, int | float]:
-    """The page stores' counters summed over the tiers, and the chain's prefix lookups
-    (a page store's names)."""
-    if len(tiers) == 1:
-        return tiers[0].store.stats()
+def store_stats(
+    stores: Sequence[PageStore], counters: Counters | None = None
+) -> dict[str, int | float]:
+    """The page stores' counters summed over the tiers, and the chain's own prefix
+    lookups (``counters``; a page store's names)."""
+    if len(stores) == 1:
+        return stores[0].stats()
     merged: dict[str, int | float] = {}
-    for tier in tiers:
-        for key, value in tier.store.stats().items():
+    for store in stores:
+        for key, value in store.stats().items():
             merged[key] = merged.get(key, 0) + value
-    chain = counters.snapshot()
+    chain = counters.snapshot() if counters is not None else {}
     for name in ("prefix_queries", "prefix_pages"):
         merged[name] = merged.get(name, 0) + chain.get(name, 0)
     return merged
@@ -57,11 +61,11 @@ def tier_stats(tiers: list[Tier], cascade: Cascade) -> list[dict[str, Any]]:
     return out
 
 
-def call_counts(tiers: list[Tier]) -> dict[str, Any]:
-    """The bounded calls of every tier, summed."""
+def call_counts(stores: Iterable[PageStore]) -> dict[str, Any]:
+    """The bounded calls of every tier's page store, summed."""
     merged: dict[str, Any] = {"timed_out_by_operation": {}}
-    for tier in tiers:
-        for key, value in tier.store.call_counts().items():
+    for store in stores:
+        for key, value in store.call_counts().items():
             if key == "timed_out_by_operation":
                 for op, n in value.items():
                     merged[key][op] = merged[key].get(op, 0) + n

@@ -16,13 +16,12 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from kvtier.cache.metrics import identity_of, store_collector
 from kvtier.core.errors import StorageError, TransferError, UnsupportedCombinationError
-from kvtier.core.pagestore import PageStore
 from kvtier.core.storage import Counters
 from kvtier.integrations.sglang.events import KVEventLog, KVEventPublishing, sglang_kv_events
 from kvtier.integrations.sglang.metrics import TransferWindows, kvtier_stats
@@ -550,7 +549,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         head slice's store."""
         state = self._require()
         # the chain reads as a page store here: stats(), call_counts(), backend_stats()
-        return store_collector(cast(PageStore, state.store), identity_of(state.plan))
+        return store_collector(state.store, identity_of(state.plan))
 
     def close(self) -> None:
         """Close every pool's storage chain (its queued moves first, then each tier's

@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.storage import open_store
 from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.errors import KvtierError
 from kvtier.core.metrics import COUNTERS
@@ -54,10 +53,11 @@ from kvtier.integrations.vllm.device_worker import DeviceWorkerSide
 from kvtier.integrations.vllm.events import BlockInfo, Describer
 from kvtier.integrations.vllm.messages import Report, StepWork
 from kvtier.integrations.vllm.plan import KVGroup, kv_groups, plan_strategy, resolve_plan
-from kvtier.integrations.vllm.scheduler import NoPages, SchedulerSide
+from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.settings import SECTION, VLLMSection, read_section
 from kvtier.integrations.vllm.worker import WorkerSide, header_verify_refused
 from kvtier.plugins.manager import default_registry
+from kvtier.storage import open_lookup
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -332,13 +332,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self.worker: WorkerSide | DeviceWorkerSide | None = None
             groups = len(self.groups)
             if role is KVConnectorRole.SCHEDULER:
-                # every tier's exists (a chain of one for one backend); the scheduler
-                # never reads or writes a page
-                store = open_store(
-                    self.plan,
-                    NoPages(self.plan.layout),
-                    **self.settings.page_store_options(),
-                )
+                # every tier's exists; the scheduler never reads or writes a page
+                store = open_lookup(self.plan, **self.settings.page_store_options())
                 self._events_on = _kv_events_on(vllm_config)
                 self.scheduler = SchedulerSide(
                     self.plan,

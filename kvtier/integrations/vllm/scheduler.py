@@ -41,13 +41,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvtier.core.capabilities import ResolvedPlan
-from kvtier.core.errors import KvtierError, StorageError, UnkeyableInputError
-from kvtier.core.extents import Extent
+from kvtier.core.errors import KvtierError, UnkeyableInputError
 from kvtier.core.geometry import AttentionKind
 from kvtier.core.keys import PageKeyer, rank_suffix
-from kvtier.core.layout import Layout
 from kvtier.core.metrics import zeroed
 from kvtier.core.storage import Counters
+from kvtier.core.store import ExistsLookup
 from kvtier.integrations.vllm.events import (
     UNSPECIFIED,
     Describer,
@@ -63,7 +62,6 @@ from kvtier.integrations.vllm.settings import VLLMSection
 
 __all__ = [
     "NULL_BLOCK",
-    "NoPages",
     "RequestLike",
     "SchedulerSide",
     "TenantKeyers",
@@ -87,30 +85,6 @@ MIN_BAD = 4096
 EPOCH_TAG = b"kvtier-vllm-epoch:"
 
 
-class NoPages:
-    """The scheduler's page memory: it asks ``exists`` only and never moves a page."""
-
-    def __init__(self, layout: Layout) -> None:
-        self._layout = layout
-
-    @property
-    def layout(self) -> Layout:
-        return self._layout
-
-    def extents(self, page: int) -> list[Extent]:
-        raise StorageError(
-            f"the scheduler-side kvtier connector holds no KV pages (page {page} asked); "
-            "loads and stores run in the workers",
-            value=page,
-        )
-
-    def header_extent(self, page: int) -> Extent:
-        return self.extents(page)[0]
-
-    def page_buffers(self, page: int) -> list[Extent]:
-        return self.extents(page)
-
-
 class RequestLike(Protocol):
     """What the scheduler side reads of vLLM's ``Request``."""
 
@@ -119,12 +93,6 @@ class RequestLike(Protocol):
 
     @property
     def all_token_ids(self) -> Sequence[int]: ...
-
-
-class ExistsStore(Protocol):
-    """What the scheduler needs of its page store: one batched ``exists``."""
-
-    def exists(self, keys: Sequence[str]) -> Sequence[bool]: ...
 
 
 def per_group(block_ids: Any, groups: int) -> list[list[int]]:
@@ -228,7 +196,7 @@ class SchedulerSide:
         self,
         plan: ResolvedPlan,
         settings: VLLMSection,
-        store: ExistsStore,
+        store: ExistsLookup,
         *,
         loads: bool = True,
         saves: bool = True,
@@ -777,9 +745,7 @@ class SchedulerSide:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
-        close = getattr(self.store, "close", None)
-        if callable(close):
-            close()
+        self.store.close()
 
 
 def _kind(plan: ResolvedPlan) -> Any:

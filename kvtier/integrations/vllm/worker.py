@@ -39,24 +39,24 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from kvtier.storage import StorageChain, open_store
 from kvtier.cache.metrics import identity_of, store_collector
 from kvtier.core.bounded import Outcome
 from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.errors import KvtierError, UnsupportedCombinationError
 from kvtier.core.geometry import AttentionKind
 from kvtier.core.metrics import zeroed
-from kvtier.core.pagestore import BatchResult, PageStore
+from kvtier.core.pagestore import BatchResult
 from kvtier.core.saveguard import SaveGuard
 from kvtier.integrations.vllm.blocks import VLLMBlocks, layer_positions, order_layers
 from kvtier.integrations.vllm.messages import PageOp
 from kvtier.integrations.vllm.plan import reader_plan
 from kvtier.integrations.vllm.rank import RankWorker, no_pages_yet, proves_bad
 from kvtier.integrations.vllm.settings import VLLMSection
+from kvtier.storage import StorageChain, open_store
 
 __all__ = ["WorkerSide", "header_verify_refused"]
 
@@ -640,7 +640,7 @@ class WorkerSide(RankWorker):
 
     def prometheus_collector(self) -> Any:
         """A prometheus_client collector of this rank's storage chain (docs/operating.md)."""
-        return store_collector(cast(PageStore, self._require_store()), identity_of(self.plan))
+        return store_collector(self._require_store(), identity_of(self.plan))
 
     def close(self) -> None:
         """Finish queued loads and stores (each bounded), then close the backend. Idempotent."""

@@ -23,7 +23,7 @@ import importlib
 import typing
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import pytest
 
@@ -34,7 +34,7 @@ from kvtier.core.errors import PluginError
 from kvtier.core.geometry import AttentionKind
 from kvtier.core.host_pool import HostPool
 from kvtier.core.layout import Layout
-from kvtier.core.pagestore import PageStore, VerifyMode
+from kvtier.core.pagestore import VerifyMode
 from kvtier.core.specs import BackendSpec, IOBackendSpec
 from kvtier.testing.kit.harness import (
     BackendKit,
@@ -144,9 +144,8 @@ class ChainKitEnv(KitEnv):
         except PluginError as exc:
             raise AssertionError(f"chain {self.tiers} fails the kit: {exc}") from exc
         self._chains.append(chain)
-        # The chain answers every call a page store does (the mixins use only those).
-        store = cast(PageStore, chain)
-        return Harness(chain.backend, pool, store, plan.keyer(), plan.geometry, plan.layout, seed)
+        # a chain is a Store, as a page store is: the mixins use only that API
+        return Harness(chain.backend, pool, chain, plan.keyer(), plan.geometry, plan.layout, seed)
 
     def with_options(self, **overrides: Any) -> ChainKitEnv:
         """The same chain with ``overrides`` in the options of every tier that takes them

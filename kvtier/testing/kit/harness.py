@@ -27,6 +27,7 @@ from kvtier.core.io import DIRECT_SPEC, KERNEL_SPEC
 from kvtier.core.keys import PageKeyer
 from kvtier.core.layout import Layout, layouts_for
 from kvtier.core.pagestore import PageStore, VerifyMode
+from kvtier.core.store import Store
 from kvtier.core.specs import BackendSpec, Feature, IOBackendSpec, Operation
 from kvtier.core.storage import StorageBackend
 
@@ -97,7 +98,7 @@ class Harness:
 
     backend: StorageBackend
     pool: HostPool
-    store: PageStore
+    store: Store
     keyer: PageKeyer
     geometry: KVGeometry
     layout: Layout
@@ -155,7 +156,7 @@ class KitEnv:
         builtin = {spec.name: spec for spec in (DIRECT_SPEC, KERNEL_SPEC)}
         self.io_backends = dict(builtin if io_backends is None else io_backends)
         self.model = f"kit-{secrets.token_hex(4)}"
-        self._opened: list[PageStore] = []
+        self._opened: list[Store] = []
 
     def supports(self, attention: AttentionKind, layout: Layout) -> bool:
         """Whether the spec declares this attention kind and layout."""
@@ -213,7 +214,7 @@ class KitEnv:
         self._opened.append(store)
         return Harness(store.backend, pool, store, plan.keyer(), plan.geometry, plan.layout, seed)
 
-    def adopt(self, store: PageStore) -> PageStore:
+    def adopt(self, store: Store) -> Store:
         """Close ``store`` with the stores this env opened (a store a mixin put in front of
         one of them); returns it."""
         self._opened.append(store)
