@@ -399,7 +399,7 @@ class _SizeSuite:
         self.groups = [list(range(i, min(i + size.batch, n))) for i in range(0, n, size.batch)]
         self.gk = [[self.keys[i] for i in g] for g in self.groups]
         self.gp = [[ids[i] for i in g] for g in self.groups]
-        bound: dict[str, Any] = {} if bounded else {"call_timeout_s": None}
+        bound: dict[str, Any] = {} if bounded else {"backend_call_timeout_s": None}
         self.stores: dict[str, tuple[Store, Any, Any]] = {}  # name -> (store, backend, pages)
         self.header: Any = None
         self.roots: list[Path] = []

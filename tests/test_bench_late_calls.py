@@ -28,7 +28,7 @@ def test_bench_stops_when_a_call_times_out(op: str, monkeypatch: pytest.MonkeyPa
     original = single.open_page_store
 
     def bounded(plan: Any, host: Any, **kwargs: Any) -> Any:
-        return original(plan, host, **{**kwargs, "call_timeout_s": BOUND_S})
+        return original(plan, host, **{**kwargs, "backend_call_timeout_s": BOUND_S})
 
     monkeypatch.setattr(single, "open_page_store", bounded)
     gate = CallGate(backend, op).install()

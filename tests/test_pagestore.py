@@ -540,7 +540,7 @@ def test_close_closes_the_backend_once() -> None:
 def test_a_hung_backend_call_fails_its_batch_within_the_bound(op: str) -> None:
     backend = HangingDictBackend(op)
     pool = FakePool()
-    store = PageStore(backend, pool, fingerprint=FP, call_timeout_s=0.2)
+    store = PageStore(backend, pool, fingerprint=FP, backend_call_timeout_s=0.2)
     late: list[object] = []
     try:
         t0 = time.monotonic()
@@ -567,7 +567,7 @@ def test_a_hung_backend_call_fails_its_batch_within_the_bound(op: str) -> None:
 def test_stuck_calls_are_capped_then_refused_at_once() -> None:
     backend = HangingDictBackend("exists")
     store = PageStore(
-        backend, FakePool(), fingerprint=FP, call_timeout_s=0.1, max_abandoned_calls=1
+        backend, FakePool(), fingerprint=FP, backend_call_timeout_s=0.1, max_abandoned_calls=1
     )
     try:
         assert store.exists(KEYS[:1]).outcome is Outcome.TIMED_OUT
@@ -583,7 +583,7 @@ def test_stuck_calls_are_capped_then_refused_at_once() -> None:
 
 def test_a_hung_close_is_bounded_and_reported() -> None:
     backend = HangingDictBackend("close")
-    store = PageStore(backend, FakePool(), fingerprint=FP, call_timeout_s=0.2)
+    store = PageStore(backend, FakePool(), fingerprint=FP, backend_call_timeout_s=0.2)
     try:
         t0 = time.monotonic()
         assert store.close(timeout=0.2) is False
@@ -595,9 +595,9 @@ def test_a_hung_close_is_bounded_and_reported() -> None:
 
 def test_a_bound_must_be_positive_or_none() -> None:
     with pytest.raises(InvalidFieldError, match="backend_call_timeout_s"):
-        PageStore(DictBackend(), FakePool(), fingerprint=FP, call_timeout_s=0)
+        PageStore(DictBackend(), FakePool(), fingerprint=FP, backend_call_timeout_s=0)
     with pytest.raises(InvalidFieldError, match="max_abandoned_calls"):
         PageStore(DictBackend(), FakePool(), fingerprint=FP, max_abandoned_calls=0)
-    unbounded = PageStore(DictBackend(), FakePool(), fingerprint=FP, call_timeout_s=None)
+    unbounded = PageStore(DictBackend(), FakePool(), fingerprint=FP, backend_call_timeout_s=None)
     assert unbounded.exists(KEYS[:1]) == [False]  # in the caller's thread
     unbounded.close()

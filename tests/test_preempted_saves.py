@@ -153,7 +153,7 @@ def _setup(
     keys = PageKeyer(Namespace("preempt", GEOMETRY.fingerprint), GEOMETRY.page_size).keys(
         list(range(4 * GEOMETRY.page_size))
     )
-    store = PageStore(backend, pool, fingerprint=GEOMETRY.fingerprint, call_timeout_s=JOIN)
+    store = PageStore(backend, pool, fingerprint=GEOMETRY.fingerprint, backend_call_timeout_s=JOIN)
     return backend, store, keys, [_payload(pool, page) for page in range(4)]
 
 

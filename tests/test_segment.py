@@ -82,7 +82,7 @@ class Rig:
         self.backend = SegmentBackend(config, context)
         self.pool = HostPool(GEOMETRY, LAYOUT, num_pages=pages, pin_memory=False)
         self.store = PageStore(
-            self.backend, self.pool, fingerprint=GEOMETRY.fingerprint, call_timeout_s=None
+            self.backend, self.pool, fingerprint=GEOMETRY.fingerprint, backend_call_timeout_s=None
         )
         self.keyer = PageKeyer(Namespace("segment-test", GEOMETRY.fingerprint), 16)
 

@@ -248,10 +248,10 @@ def test_sglang_by_value_state_pages_are_held_for_a_late_get(tmp_path: Path) -> 
             assert h.storage.batch_get_v2([transfer]) == {MAMBA: [False, False]}
             _stalled(gate)
             # the flat pages the late read fills are kvtier's: kept until it returns
-            assert len(mamba.pages._pages) == 2
+            assert mamba.pages.held() == 2
             assert h.storage.kvtier_stats()["mamba_scratch_pages_quarantined"] == 2
             _returned(gate)
-        assert mamba.pages._pages == {}
+        assert mamba.pages.held() == 0
         # nothing reached SGLang's slots from the late read
         for s, old in zip(slot, before, strict=True):
             assert torch.equal(page_content(h.mamba, int(s)), old)

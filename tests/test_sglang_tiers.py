@@ -37,7 +37,6 @@ from sglang_host_pool import (
 from sglang_host_pool import mha_host_pool as MHAHostPool
 from sglang_host_pool import mla_host_pool as MLAHostPool
 
-from kvtier.storage.events import EventKind
 from kvtier.core.envelope import ENVELOPE_BYTES
 from kvtier.core.errors import (
     InvalidFieldError,
@@ -46,6 +45,7 @@ from kvtier.core.errors import (
     UnknownKeyError,
     UnknownNameError,
 )
+from kvtier.storage.events import EventKind
 from kvtier.testing import require
 from kvtier.testing.mooncake import (
     MooncakeMaster,

@@ -16,7 +16,7 @@ from test_cache import GEOMETRY, cache_registry
 
 from kvtier.core.capabilities import ResolvedPlan, build_host_pool, open_page_store, resolve
 from kvtier.core.config import load_engine_config
-from kvtier.core.errors import StorageError
+from kvtier.core.errors import InvalidFieldError, StorageError
 from kvtier.core.pagestore import PageStore
 from kvtier.core.store import ExistsLookup, Store
 from kvtier.storage import ExistsView, NoPages, StorageChain, open_lookup, open_store
@@ -118,7 +118,7 @@ def test_an_exists_view_answers_across_tiers_with_no_memory_and_no_worker(
     assert all(chain.tiers[1].store.delete(keys[:1]))  # only the fast tier holds key 0
     assert all(chain.tiers[0].store.delete(keys[1:2]))  # only the slow tier holds key 1
     before = _kvtier_threads()
-    view = open_lookup(plan, call_timeout_s=5.0)
+    view = open_lookup(plan, backend_call_timeout_s=5.0)
     try:
         assert isinstance(view, ExistsView)
         lookup: ExistsLookup = view
@@ -151,3 +151,16 @@ def test_the_adapters_face_opens_storage_one_way() -> None:
     assert face.open_lookup is open_lookup
     assert not hasattr(face, "open_page_store")
     assert {"Store", "ExistsLookup"} <= set(face.__all__)
+
+
+def test_the_old_name_of_the_call_bound_still_works_with_a_warning(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, [_file(tmp_path / "root")])
+    pool = build_host_pool(plan, num_pages=2, pin_memory=False)
+    with pytest.warns(DeprecationWarning, match="'call_timeout_s' is now called"):
+        chain = open_store(plan, pool, call_timeout_s=2.5)
+    try:
+        assert chain.tiers[0].store.backend_call_timeout_s == 2.5
+    finally:
+        chain.close()
+    with pytest.raises(InvalidFieldError, match="pass only 'backend_call_timeout_s'"):
+        open_store(plan, pool, call_timeout_s=1.0, backend_call_timeout_s=2.0)

@@ -33,11 +33,11 @@ from test_cache import (
 from test_cache_bounded import HangingBackend
 
 from kvtier.cache import TieredCache
-from kvtier.storage.events import EventKind
 from kvtier.core.config import load_engine_config
 from kvtier.core.device_pool import TorchDevicePool
 from kvtier.core.errors import ConfigError, UnknownKeyError, UnknownNameError
 from kvtier.plugins.registry import Registry
+from kvtier.storage.events import EventKind
 from kvtier.testing.content import check_pages
 
 

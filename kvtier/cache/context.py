@@ -12,7 +12,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvtier.storage import StorageChain
 from kvtier.cache.index import HostIndex
 from kvtier.cache.options import CacheOptions
 from kvtier.cache.stats import CacheStats
@@ -23,6 +22,7 @@ from kvtier.core.geometry import KVGeometry
 from kvtier.core.host_pool import HostPool
 from kvtier.core.io import IOBackend
 from kvtier.core.metrics import Cause
+from kvtier.storage import StorageChain
 
 if TYPE_CHECKING:
     from kvtier.core.device_pool import DevicePool

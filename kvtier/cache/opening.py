@@ -10,13 +10,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvtier.storage import StorageChain, open_store
 from kvtier.cache.options import CacheOptions
 from kvtier.core.capabilities import ResolvedPlan, build_host_pool, build_io_backend, resolve
 from kvtier.core.config import EngineConfig, load_engine_config
 from kvtier.core.errors import InvalidFieldError
 from kvtier.core.host_pool import HostPool
 from kvtier.core.io import IOBackend
+from kvtier.storage import StorageChain, open_store
 
 if TYPE_CHECKING:
     from kvtier.plugins.registry import Registry
@@ -56,7 +56,7 @@ def open_parts(
     store = open_store(
         plan,
         host_pool,
-        call_timeout_s=options.backend_call_timeout_s,
+        backend_call_timeout_s=options.backend_call_timeout_s,
         max_abandoned_calls=options.max_abandoned_calls,
         queue_pages=options.tier_queue_pages,
     )

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvtier.cache.backup import Backups
-from kvtier.storage import StorageChain
 from kvtier.cache.context import CacheContext
 from kvtier.cache.handles import BackupHandle, PrefetchHandle
 from kvtier.cache.load import Loader
@@ -52,6 +51,7 @@ from kvtier.core.keys import PageKeyer, layout_namespace, validate_key
 from kvtier.core.metrics import Cause
 from kvtier.core.specs import Operation
 from kvtier.core.storage import StorageBackend
+from kvtier.storage import StorageChain
 
 if TYPE_CHECKING:
     from kvtier.core.device_pool import DevicePool

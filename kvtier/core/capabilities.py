@@ -63,6 +63,7 @@ from kvtier.core.io import IOBackend
 from kvtier.core.keys import Namespace, PageKeyer, layout_namespace, rank_suffix
 from kvtier.core.layout import Layout, layouts_for
 from kvtier.core.pagestore import PageMemory, PageStore
+from kvtier.core.renames import renamed_keywords
 from kvtier.core.specs import BackendSpec, Feature, IOBackendSpec, Operation
 from kvtier.core.storage import BackendContext, StorageBackend
 from kvtier.core.tiers import policy_choice
@@ -743,12 +744,13 @@ class ForeignPageMemory(PageMemory, Protocol):
     def memory_regions(self) -> list[Extent]: ...
 
 
+@renamed_keywords
 def open_page_store(
     plan: ResolvedPlan,
     pool: PageMemory,
     *,
     checksum_workers: int = 1,
-    call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S,
+    backend_call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S,
     max_abandoned_calls: int = DEFAULT_MAX_ABANDONED,
     tier: int = 0,
     eviction: Any = None,
@@ -763,7 +765,7 @@ def open_page_store(
     memory, such as Mooncake, do it once here). Foreign page memory (an engine's own host
     pool, served through :class:`ForeignPageMemory`) goes to the backend's
     ``register_memory(regions)`` instead. The store owns the backend (``store.close()``
-    closes it) and bounds every call to it by ``call_timeout_s``; if anything fails here,
+    closes it) and bounds every call to it by ``backend_call_timeout_s``; if anything fails here,
     the backend is closed before the error propagates.
     """
     spec = _tier(plan, tier).backend
@@ -780,7 +782,7 @@ def open_page_store(
             fingerprint=plan.geometry.fingerprint,
             verify=plan.config.verify,
             checksum_workers=checksum_workers,
-            call_timeout_s=call_timeout_s,
+            backend_call_timeout_s=backend_call_timeout_s,
             max_abandoned_calls=max_abandoned_calls,
         )
     except BaseException:

@@ -43,6 +43,7 @@ from kvtier.core.host_pool import HostPool
 from kvtier.core.keys import validate_keys
 from kvtier.core.layout import Layout
 from kvtier.core.metrics import zeroed
+from kvtier.core.renames import renamed_keywords
 from kvtier.core.saveguard import SaveGuard
 from kvtier.core.storage import Counters, StorageBackend
 
@@ -204,11 +205,12 @@ class PageMemory(Protocol):
 class PageStore:
     """Puts host-pool pages into a storage backend it owns and gets them back, verified.
 
-    ``call_timeout_s`` bounds every backend call (None: unbounded, in the caller's
+    ``backend_call_timeout_s`` bounds every backend call (None: unbounded, in the caller's
     thread); at most ``max_abandoned_calls`` calls may be stuck past it at once, then
     every call fails at once until one returns.
     """
 
+    @renamed_keywords
     def __init__(
         self,
         backend: StorageBackend,
@@ -217,7 +219,7 @@ class PageStore:
         fingerprint: str,
         verify: VerifyMode = "full",
         checksum_workers: int = 1,
-        call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S,
+        backend_call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S,
         max_abandoned_calls: int = DEFAULT_MAX_ABANDONED,
         caller: BoundedCaller | None = None,
         owns_backend: bool = True,
@@ -240,11 +242,12 @@ class PageStore:
                 f"got {checksum_workers!r}",
                 value=checksum_workers,
             )
-        if call_timeout_s is not None and not call_timeout_s > 0:
+        if backend_call_timeout_s is not None and not backend_call_timeout_s > 0:
             raise InvalidFieldError(
                 "backend_call_timeout_s",
-                f"must be a positive number of seconds or None (unbounded), got {call_timeout_s!r}",
-                value=call_timeout_s,
+                "must be a positive number of seconds or None (unbounded), "
+                f"got {backend_call_timeout_s!r}",
+                value=backend_call_timeout_s,
             )
         if isinstance(max_abandoned_calls, bool) or not (
             isinstance(max_abandoned_calls, int) and max_abandoned_calls >= 1
@@ -256,11 +259,13 @@ class PageStore:
             )
         self.backend = backend
         self.pool = pool
-        self.call_timeout_s = call_timeout_s
+        self.backend_call_timeout_s = backend_call_timeout_s
         self.max_abandoned_calls = max_abandoned_calls
-        #: Every backend call goes through here, bounded by ``call_timeout_s`` (or another
+        #: Every backend call goes through here, bounded by ``backend_call_timeout_s`` (or another
         #: store's ``caller``, shared with it).
-        self._calls = caller or BoundedCaller("backend", call_timeout_s, max_abandoned_calls)
+        self._calls = caller or BoundedCaller(
+            "backend", backend_call_timeout_s, max_abandoned_calls
+        )
         #: a caller shared with another store is that store's to close
         self._owns_calls = caller is None
         self._owns_backend = owns_backend

@@ -16,6 +16,7 @@ from kvtier.core.errors import StorageError
 from kvtier.core.extents import Extent
 from kvtier.core.layout import Layout
 from kvtier.core.pagestore import BatchResult, PageStore
+from kvtier.core.renames import renamed_keywords
 from kvtier.storage.stats import call_counts, store_stats
 
 __all__ = ["ExistsView", "NoPages", "exists_across", "open_lookup"]
@@ -107,11 +108,12 @@ class ExistsView:
         return all([store.close(timeout) for store in reversed(self.stores)])
 
 
+@renamed_keywords
 def open_lookup(
     plan: ResolvedPlan,
     *,
     checksum_workers: int = 1,
-    call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S,
+    backend_call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S,
     max_abandoned_calls: int = DEFAULT_MAX_ABANDONED,
 ) -> ExistsView:
     """Open every storage tier of ``plan`` for ``exists`` only (see the module docstring).
@@ -131,7 +133,7 @@ def open_lookup(
                 open_page_store(
                     plan,
                     memory,
-                    call_timeout_s=call_timeout_s,
+                    backend_call_timeout_s=backend_call_timeout_s,
                     max_abandoned_calls=max_abandoned_calls,
                     tier=tier_plan.index,
                     eviction=eviction,

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from kvtier.core.bounded import DEFAULT_CALL_TIMEOUT_S, DEFAULT_MAX_ABANDONED
 from kvtier.core.capabilities import ResolvedPlan, open_page_store
 from kvtier.core.pagestore import PageMemory
+from kvtier.core.renames import renamed_keywords
 from kvtier.storage.cascade import DEFAULT_QUEUE_PAGES
 from kvtier.storage.chain import StorageChain
 from kvtier.storage.observed import ObservedEviction
@@ -17,12 +18,13 @@ from kvtier.storage.tiers import Tenants, Tier
 __all__ = ["open_store"]
 
 
+@renamed_keywords
 def open_store(
     plan: ResolvedPlan,
     pool: PageMemory,
     *,
     checksum_workers: int = 1,
-    call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S,
+    backend_call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S,
     max_abandoned_calls: int = DEFAULT_MAX_ABANDONED,
     queue_pages: int = DEFAULT_QUEUE_PAGES,
 ) -> StorageChain:
@@ -59,7 +61,7 @@ def open_store(
                 plan,
                 pool,
                 checksum_workers=checksum_workers,
-                call_timeout_s=call_timeout_s,
+                backend_call_timeout_s=backend_call_timeout_s,
                 max_abandoned_calls=max_abandoned_calls,
                 tier=tier_plan.index,
                 eviction=eviction,

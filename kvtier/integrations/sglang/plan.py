@@ -16,7 +16,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.storage import open_store
 from kvtier.core.capabilities import ResolvedPlan, check_backend, resolve
 from kvtier.core.config import EngineConfig, load_engine_config
 from kvtier.core.errors import InvalidFieldError, UnsupportedCombinationError
@@ -44,6 +43,7 @@ from kvtier.integrations.sglang.pools import (
 )
 from kvtier.integrations.sglang.settings import LABEL, OPTIONS_AT, SECTION, SGLangSection
 from kvtier.plugins.registry import Registry
+from kvtier.storage import open_store
 
 __all__ = ["SGLangSetup", "check_parallelism", "head_slices", "model_id", "rank_tag"]
 

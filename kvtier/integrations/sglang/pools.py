@@ -21,7 +21,6 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from kvtier.storage import StorageChain
 from kvtier.core.bounded import Outcome
 from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.errors import UnsupportedCombinationError
@@ -32,6 +31,7 @@ from kvtier.core.pagestore import BatchResult
 from kvtier.core.saveguard import SaveGuard
 from kvtier.core.storage import Counters
 from kvtier.integrations.sglang.pages import SGLangPages, SlotPages, StatePages
+from kvtier.storage import StorageChain
 
 __all__ = [
     "AttachedPool",
@@ -190,7 +190,7 @@ class AttachedPool(Generic[P]):
         """Whether a call to some tier may time out (``backend_call_timeout_s`` set) and
         then still use the pages it was given: then a get never fills SGLang's pages in
         place (it is staged) and a put of them is guarded (see ``docs/sglang.md``)."""
-        return any(tier.store.call_timeout_s is not None for tier in self.store.tiers)
+        return any(tier.store.backend_call_timeout_s is not None for tier in self.store.tiers)
 
     def transfer(self, op: str, names: list[str], ids: list[int]) -> list[bool]:
         """Get or put SGLang's in-place pages ``ids`` under this pool's keys ``names``.

@@ -19,7 +19,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
-from kvtier.storage.events import EventStream
 from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.envelope import Rejection
 from kvtier.core.errors import StorageError
@@ -27,6 +26,7 @@ from kvtier.core.storage import Counters
 from kvtier.integrations.kv_events import TierEventFeed
 from kvtier.integrations.vllm.messages import PageOp, Report
 from kvtier.integrations.vllm.settings import DOCS, VLLMSection
+from kvtier.storage.events import EventStream
 
 __all__ = ["NOT_PROOF", "Deleter", "RankWorker", "no_pages_yet", "proves_bad"]
 

@@ -140,7 +140,7 @@ class ChainKitEnv(KitEnv):
         try:
             plan = self.plan(attention, layout, verify=verify)
             pool: HostPool = build_host_pool(plan, num_pages=num_pages, pin_memory=False)
-            chain = open_store(plan, pool, call_timeout_s=bound_s)
+            chain = open_store(plan, pool, backend_call_timeout_s=bound_s)
         except PluginError as exc:
             raise AssertionError(f"chain {self.tiers} fails the kit: {exc}") from exc
         self._chains.append(chain)

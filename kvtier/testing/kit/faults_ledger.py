@@ -161,7 +161,7 @@ def bounded(kit: KitEnv, bound_s: float, *, num_pages: int) -> Harness:
         h.backend,
         h.pool,
         fingerprint=h.geometry.fingerprint,
-        call_timeout_s=bound_s,
+        backend_call_timeout_s=bound_s,
         owns_backend=False,
     )
     return dataclasses.replace(h, store=kit.adopt(store))

@@ -27,9 +27,9 @@ from kvtier.core.io import DIRECT_SPEC, KERNEL_SPEC
 from kvtier.core.keys import PageKeyer
 from kvtier.core.layout import Layout, layouts_for
 from kvtier.core.pagestore import PageStore, VerifyMode
-from kvtier.core.store import Store
 from kvtier.core.specs import BackendSpec, Feature, IOBackendSpec, Operation
 from kvtier.core.storage import StorageBackend
+from kvtier.core.store import Store
 
 if TYPE_CHECKING:
     from kvtier.plugins.registry import Registry
