@@ -625,3 +625,61 @@ def test_any_json_engine_config_loads_or_raises_config_error(data: dict[str, Any
         assert str(exc)
         return
     assert isinstance(config, EngineConfig)
+
+
+# --- fields the engine config shares with the engines' sections -----------------------------
+
+
+def _engine_models() -> list[type[BaseModel]]:
+    from kvtier.integrations.sglang.settings import SGLangSection
+    from kvtier.integrations.vllm.settings import VLLMSection
+
+    return [EngineConfig, VLLMSection, SGLangSection]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("model", "", "kvtier.model: String should have at least 1 character, got ''"),
+        ("tiers", [{"backend": " "}], "kvtier.tiers[0].backend: must be a non-empty name"),
+        (
+            "tenants",
+            {"a": {"quota_bytes": 0}},
+            "kvtier.tenants.a.quota_bytes: Input should be greater than 0, got 0",
+        ),
+    ],
+)
+def test_shared_fields_are_checked_alike_by_the_config_and_both_engines(
+    field: str, value: Any, words: str
+) -> None:
+    for model in _engine_models():
+        data = {field: value} if field == "tiers" else {"backend": "file", field: value}
+        with pytest.raises(InvalidFieldError) as info:
+            validate_model(model, data, where="kvtier", label="kvtier")
+        assert str(info.value).startswith(words), model.__name__
+        fields = model.model_fields
+        assert fields["tiers"].get_default(call_default_factory=True) == ()
+        assert fields["tenants"].get_default(call_default_factory=True) == {}
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        (0, "greater than or equal to 1, got 0"),
+        (65, "less than or equal to 64, got 65"),
+        (True, "a valid integer, got True"),
+        ("2", "a valid integer, got '2'"),
+    ],
+)
+def test_both_engines_check_checksum_workers_alike(value: Any, words: str) -> None:
+    sections = _engine_models()[1:]
+    for section in sections:
+        with pytest.raises(
+            InvalidFieldError, match=f"^kvtier.checksum_workers: Input should be {words}"
+        ):
+            validate_model(
+                section, {"backend": "file", "checksum_workers": value}, where="kvtier", label="x"
+            )
+    # each engine keeps its own default: vLLM's cores run the model, SGLang's have room
+    defaults = [validate_model(s, {"backend": "file"}, where="kvtier", label="x") for s in sections]
+    assert [d.checksum_workers for d in defaults] == [1, 4]  # type: ignore[attr-defined]

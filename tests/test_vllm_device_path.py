@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvtier.core.device_pool import BufferDevicePool, MHADevicePool, layer_buffers
 from kvtier.core.errors import UnsupportedCombinationError
 from kvtier.integrations.vllm.device_worker import DeviceWorkerSide
 from kvtier.integrations.vllm.messages import PageOp
@@ -161,6 +162,32 @@ def test_the_pool_is_views_of_vllms_memory(layout: str) -> None:
     assert torch.equal(k[slot].view(torch.int16), want_k.view(torch.int16))
     k[slot].fill_(1.5)  # a load writes into vLLM's block itself
     assert bool((want_k == 1.5).all())
+
+
+def test_the_pool_is_cores_device_pool_over_vllms_views() -> None:
+    caches = _caches("nhd", "cpu")
+    plan = _plan(Path("/nonexistent"))
+    pool = VLLMPagedPool(
+        [(name, caches[name]) for name in NAMES], num_blocks=BLOCKS, geometry=plan.geometry
+    )
+    assert isinstance(pool, BufferDevicePool) and isinstance(pool, MHADevicePool)
+    assert pool.device == torch.device("cpu") and pool.geometry == plan.geometry
+    assert [b.data_ptr() for b in layer_buffers(pool, 0)] == [
+        pool.k_buffer(0).data_ptr(),
+        pool.v_buffer(0).data_ptr(),
+    ]
+    with pytest.raises(TypeError, match="MLA pools"):
+        pool.latent_buffer(0)
+
+
+def test_a_kv_cache_of_another_layer_count_is_refused_on_either_path() -> None:
+    caches = _caches("nhd", "cpu")
+    plan = _plan(Path("/nonexistent"))
+    layers = [(name, caches[name]) for name in NAMES][:-1]
+    with pytest.raises(UnsupportedCombinationError, match="attention layers") as info:
+        VLLMPagedPool(layers, num_blocks=BLOCKS, geometry=plan.geometry)
+    assert info.value.value == len(layers)
+    assert any("token-major" in way for way in info.value.supported)
 
 
 # --- round trips, as vLLM drives the worker ---------------------------------------------------

@@ -30,7 +30,11 @@ __all__ = [
     "AUTO",
     "DEFAULT_BACKEND",
     "GEOMETRY_DEFAULTS",
+    "ChecksumWorkers",
     "EngineConfig",
+    "ModelId",
+    "TenantLimits",
+    "TierChain",
     "load_engine_config",
 ]
 
@@ -51,6 +55,21 @@ _GEOMETRY_FIELDS: dict[AttentionKind, tuple[str, ...]] = {
 
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
 NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
+
+# Fields the engine config shares with each engine's ``kvtier`` section
+# (:mod:`kvtier.integrations.section`), declared once here: the type, its checks and,
+# where every model agrees, the default. A model names the field with one of these and
+# adds the description its operators read (and its own default where models differ).
+
+#: ``model``: the model id in the page-key namespace.
+ModelId = Annotated[str, Field(min_length=1)]
+#: ``tiers``: a chain of storage tiers, fastest first, instead of ``backend`` and
+#: ``extra_config``; none by default.
+TierChain = Annotated[tuple[TierConfig, ...], Field(default_factory=tuple)]
+#: ``tenants``: per-tenant limits by tenant name; none by default.
+TenantLimits = Annotated[dict[str, TenantConfig], Field(default_factory=dict)]
+#: ``checksum_workers``: threads that checksum the pages of one batch.
+ChecksumWorkers = Annotated[int, Field(strict=True, ge=1, le=64)]
 
 
 def _attention_fields_check(config: EngineConfig) -> None:
@@ -113,9 +132,7 @@ class EngineConfig(BaseModel):
         description="Transfers the engine will use: backup_all, load_all, load_layer, "
         "backup_layer.",
     )
-    model: str = Field(
-        "default", min_length=1, description="Model id, part of the page-key namespace."
-    )
+    model: ModelId = Field("default", description="Model id, part of the page-key namespace.")
     tenant: str | None = Field(
         None, description="Tenant salt for the key namespace, so tenants never share pages."
     )
@@ -138,13 +155,11 @@ class EngineConfig(BaseModel):
         "`@file.toml` or a mapping.",
     )
 
-    tiers: tuple[TierConfig, ...] = Field(
-        (),
+    tiers: TierChain = Field(
         description="A chain of storage tiers, fastest first (see docs/tiers.md), instead "
         "of `backend` and `extra_config` (a chain of one).",
     )
-    tenants: dict[str, TenantConfig] = Field(
-        default_factory=dict,
+    tenants: TenantLimits = Field(
         description="Per-tenant limits by tenant name: `quota_bytes` in each tier.",
     )
 

@@ -1,4 +1,5 @@
-"""The device pool (L1) protocol an engine implements, and a plain torch implementation.
+"""The device pool (L1) protocol an engine implements, a pool over buffers that exist, and
+a plain torch implementation.
 
 An engine's KV pool is per layer and indexed by token slot, as in SGLang's and vLLM's
 pools: MHA exposes ``k_buffer(layer)`` and ``v_buffer(layer)`` shaped
@@ -9,6 +10,7 @@ contiguous (stride 1). IO backends copy raw bytes, so any supported dtype moves 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -17,6 +19,7 @@ from kvtier.core.errors import InvalidFieldError, TransferError
 from kvtier.core.geometry import AttentionKind, KVGeometry
 
 __all__ = [
+    "BufferDevicePool",
     "DevicePool",
     "MHADevicePool",
     "MLADevicePool",
@@ -93,29 +96,26 @@ def layer_buffers(pool: DevicePool, layer: int) -> tuple[torch.Tensor, ...]:
     return buffers
 
 
-class TorchDevicePool:
-    """A device pool of plain torch tensors, one ``[layers, num_slots, heads, dim]`` per kv.
+class BufferDevicePool:
+    """A device pool over per-layer buffers that already exist: ``buffers[kv][layer]``,
+    (K, V) for MHA or (latent,) for MLA, each ``[num_slots, heads, dim]``.
 
-    Runs on any torch device; tests, benchmarks and the CLI use it. The per-layer buffers
-    are views of one tensor, which lets IO backends move all layers in one copy.
+    It answers the protocols for any pool whose memory someone else holds:
+    :class:`TorchDevicePool` allocates its own, an engine adapter hands in views of its
+    engine's KV cache (vLLM's paged pool). :func:`layer_buffers` checks the buffers.
     """
 
     def __init__(
-        self, geometry: KVGeometry, num_slots: int, device: torch.device | str = "cpu"
+        self,
+        geometry: KVGeometry,
+        num_slots: int,
+        device: torch.device | str,
+        buffers: Sequence[Sequence[torch.Tensor]],
     ) -> None:
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
-            raise InvalidFieldError(
-                "num_slots", f"must be a positive integer, got {num_slots!r}", value=num_slots
-            )
         self._geometry = geometry
         self._num_slots = num_slots
         self._device = torch.device(device)
-        g = geometry
-        shape = (g.num_layers, num_slots, g.num_kv_heads, g.head_dim)
-        #: One stacked tensor per kv: (K, V) for MHA, (latent,) for MLA.
-        self.kv_tensors: tuple[torch.Tensor, ...] = tuple(
-            torch.zeros(shape, dtype=g.dtype, device=self._device) for _ in range(g.kv_count)
-        )
+        self._buffers = tuple(tuple(per_layer) for per_layer in buffers)
 
     @property
     def geometry(self) -> KVGeometry:
@@ -137,19 +137,42 @@ class TorchDevicePool:
             )
 
     def k_buffer(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s keys (MHA)."""
+        """Layer ``layer``'s keys (MHA), ``[num_slots, num_kv_heads, head_dim]``."""
         self._kind(AttentionKind.MHA, "k_buffer")
-        return self.kv_tensors[0][layer]
+        return self._buffers[0][layer]
 
     def v_buffer(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s values (MHA)."""
+        """Layer ``layer``'s values (MHA), ``[num_slots, num_kv_heads, head_dim]``."""
         self._kind(AttentionKind.MHA, "v_buffer")
-        return self.kv_tensors[1][layer]
+        return self._buffers[1][layer]
 
     def latent_buffer(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s latent vectors (MLA)."""
+        """Layer ``layer``'s latent vectors (MLA), ``[num_slots, 1, latent]``."""
         self._kind(AttentionKind.MLA, "latent_buffer")
-        return self.kv_tensors[0][layer]
+        return self._buffers[0][layer]
+
+
+class TorchDevicePool(BufferDevicePool):
+    """A device pool of plain torch tensors, one ``[layers, num_slots, heads, dim]`` per kv.
+
+    Runs on any torch device; tests, benchmarks and the CLI use it. The per-layer buffers
+    are views of one tensor, which lets IO backends move all layers in one copy.
+    """
+
+    def __init__(
+        self, geometry: KVGeometry, num_slots: int, device: torch.device | str = "cpu"
+    ) -> None:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
+            raise InvalidFieldError(
+                "num_slots", f"must be a positive integer, got {num_slots!r}", value=num_slots
+            )
+        g = geometry
+        shape = (g.num_layers, num_slots, g.num_kv_heads, g.head_dim)
+        #: One stacked tensor per kv: (K, V) for MHA, (latent,) for MLA.
+        self.kv_tensors: tuple[torch.Tensor, ...] = tuple(
+            torch.zeros(shape, dtype=g.dtype, device=device) for _ in range(g.kv_count)
+        )
+        super().__init__(g, num_slots, device, [t.unbind(0) for t in self.kv_tensors])
 
     def fill_random_(self, generator: torch.Generator | None = None) -> TorchDevicePool:
         """Fill every buffer with random bytes (any bit pattern, NaNs included); compare raw."""

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvtier.core.bounded import DEFAULT_CALL_TIMEOUT_S, DEFAULT_MAX_ABANDONED
+from kvtier.core.config import ModelId
 from kvtier.core.errors import (
     InvalidFieldError,
     MissingFieldError,
@@ -53,8 +54,8 @@ class EngineSection(BaseModel):
     tenant: str | None = Field(
         None, description="Tenant salt for the key namespace, so tenants never share pages."
     )
-    model: str | None = Field(
-        None, min_length=1, description="Model id for the key namespace; default: the engine's."
+    model: ModelId | None = Field(
+        None, description="Model id for the key namespace; default: the engine's."
     )
     backend_call_timeout_s: float | None = Field(
         DEFAULT_CALL_TIMEOUT_S,
@@ -75,7 +76,7 @@ class EngineSection(BaseModel):
         """The keyword arguments of ``open_page_store`` this section sets: the bounds on
         backend calls, and the checksum threads where the engine's section has them."""
         return {
-            "call_timeout_s": self.backend_call_timeout_s,
+            "backend_call_timeout_s": self.backend_call_timeout_s,
             "max_abandoned_calls": self.max_abandoned_calls,
             "checksum_workers": int(getattr(self, "checksum_workers", 1)),
         }

@@ -2,7 +2,7 @@
 
 SGLang publishes KV events (``sglang.srt.disaggregation.kv_events``) for its GPU cache (L1)
 and its host pool (L2); its storage tier (L3) has none. kvtier's storage chain emits an
-:class:`~kvtier.cache.events.Event` for every page entering or leaving one of its tiers;
+:class:`~kvtier.storage.events.Event` for every page entering or leaving one of its tiers;
 :class:`KVEventLog` keeps those of SGLang's KV pool and hands them out as SGLang's own
 event classes, one medium per tier:
 
@@ -36,16 +36,17 @@ import re
 import threading
 import time
 import types
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.cache.events import Event, EventKind, Subscription
 from kvtier.core.errors import StorageError
 from kvtier.core.specs import Feature
 from kvtier.core.storage import Counters
+from kvtier.integrations.kv_events import BoundedLog, holds
 from kvtier.integrations.sglang.pools import AttachedPool
 from kvtier.integrations.sglang.settings import DOCS
+from kvtier.storage.events import Event, Subscription
 
 __all__ = [
     "PARENTS_KEPT",
@@ -112,9 +113,12 @@ class KVEventLog:
         self.page_size = page_size
         self.capacity = capacity
         self.counters = counters
-        self._lock = threading.Lock()
         #: (stored, medium, block hash) of each page event, oldest first.
-        self._pending: deque[tuple[bool, str, int]] = deque(maxlen=max(1, capacity))
+        self._pending: BoundedLog[tuple[bool, str, int]] = BoundedLog(
+            capacity, counters, "kv_events_dropped"
+        )
+        #: Guards ``_parents`` (learned on SGLang's threads, read by :meth:`take`).
+        self._lock = threading.Lock()
         self._parents: OrderedDict[int, int] = OrderedDict()
         self._subscriptions: list[Subscription] = []
 
@@ -137,17 +141,10 @@ class KVEventLog:
             if block is None or not 0 <= event.tier < len(media):
                 unmapped += 1
                 continue
-            stored = event.kind in (EventKind.STORED, EventKind.PROMOTED)
-            rows.append((stored, media[event.tier], block))
+            rows.append((holds(event.kind), media[event.tier], block))
         if unmapped:
             self.counters.add("kv_events_unmapped", unmapped)
-        if not rows:
-            return
-        with self._lock:
-            over = len(self._pending) + len(rows) - self.capacity
-            self._pending.extend(rows)
-        if over > 0:
-            self.counters.add("kv_events_dropped", over)
+        self._pending.extend(rows)
 
     def learn(self, page_hashes: Sequence[str], prefix_keys: Sequence[str] | None) -> None:
         """Remember each page's parent from one of SGLang's backups: ``page_hashes`` in
@@ -166,9 +163,8 @@ class KVEventLog:
     def take(self) -> list[Any]:
         """The events since the last call, oldest first, as SGLang's ``BlockStored`` and
         ``BlockRemoved`` (consecutive ones coalesced as SGLang's recorder coalesces)."""
+        rows = self._pending.take()
         with self._lock:
-            rows = list(self._pending)
-            self._pending.clear()
             parents = {block: self._parents.get(block) for stored, _, block in rows if stored}
         if not rows:
             return []

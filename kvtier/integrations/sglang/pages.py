@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -226,6 +226,60 @@ def flat_page(tensor: Any, pages: SGLangPages, *, writable: bool) -> torch.Tenso
     return tensor.contiguous()
 
 
+def _whole_run(tensor: torch.Tensor) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of a contiguous tensor: one run."""
+    return [(tensor.data_ptr(), tensor.numel() * tensor.element_size())]
+
+
+class _Registered:
+    """Flat page tensors registered as pages for the calls that move them, ids counting
+    up from ``first``: each with a 4096-aligned envelope slot (in a slab of the
+    registration, unless the caller names one) and its payload runs, the tensor kept
+    alive until :meth:`drop`."""
+
+    def __init__(self, first: int) -> None:
+        self._pages: dict[int, tuple[Extent, ...]] = {}
+        self._keep: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._ids = itertools.count(first)
+        self._lock = threading.Lock()
+
+    def add(
+        self,
+        tensors: Sequence[torch.Tensor],
+        runs: Callable[[torch.Tensor], list[tuple[int, int]]] = _whole_run,
+        slot: Callable[[torch.Tensor], int | None] = lambda tensor: None,
+    ) -> list[int]:
+        """Register ``tensors``, ``runs`` naming each one's payload and ``slot`` the
+        address of an envelope slot it already has (None: a new one); returns their ids."""
+        slab = aligned_empty(len(tensors) * ENVELOPE_BYTES)[1]
+        ids = []
+        with self._lock:
+            for i, tensor in enumerate(tensors):
+                page = next(self._ids)
+                at = slot(tensor)
+                start = slab.data_ptr() + i * ENVELOPE_BYTES if at is None else at
+                payload = [_extent_at(a, n) for a, n in runs(tensor)]
+                self._pages[page] = (_extent_at(start, ENVELOPE_BYTES), *payload)
+                self._keep[page] = (slab, tensor)
+                ids.append(page)
+        return ids
+
+    def get(self, page: int) -> tuple[Extent, ...] | None:
+        """``(envelope slot, *payload)`` of a registered page, else None."""
+        return self._pages.get(page)
+
+    def drop(self, ids: Sequence[int]) -> None:
+        """Forget pages once no call uses them any more (their call returned)."""
+        with self._lock:
+            for page in ids:
+                self._pages.pop(page, None)
+                self._keep.pop(page, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._pages)
+
+
 class _InPlacePages:
     """What both in-place views of an SGLang pool share: the envelope slab, page ids and
     scratch pages.
@@ -249,9 +303,7 @@ class _InPlacePages:
         self._headers = aligned_empty(self.num_pages * ENVELOPE_BYTES)[1]
         self._header_cache: dict[int, Extent] = {}
         self._extent_cache: dict[int, tuple[Extent, ...]] = {}
-        self._scratch: dict[int, tuple[Extent, ...]] = {}
-        self._scratch_keep: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._scratch_ids = itertools.count(self.num_pages)
+        self._scratch = _Registered(self.num_pages)
         #: kvtier's own flat pages for staged gets (one slab, allocated on first use and
         #: registered with backends that need registered memory), and its free slots.
         self._slab: torch.Tensor | None = None
@@ -275,6 +327,21 @@ class _InPlacePages:
         raise NotImplementedError
 
     def extents(self, page: int) -> list[Extent]:
+        """The page's payload regions in the pool, in flat-data-page order (a scratch
+        page's own), checked once and cached, since the pool never moves."""
+        scratch = self._scratch_extents(page)
+        if scratch is not None:
+            return scratch
+        cached = self._extent_cache.get(page)
+        if cached is None:
+            self._check_page(page)
+            runs = self._page_runs(page)
+            cached = self._extent_cache[page] = tuple(_extent_at(a, n) for a, n in runs)
+        return list(cached)
+
+    def _page_runs(self, page: int) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of page ``page``'s payload in the pool (``page`` is in
+        range), checked to lie in the pool's memory and to make a whole page."""
         raise NotImplementedError
 
     def header_extent(self, page: int) -> Extent:
@@ -301,7 +368,7 @@ class _InPlacePages:
 
     def scratch_runs(self, tensor: torch.Tensor) -> list[tuple[int, int]]:
         """``(address, bytes)`` of what this view stores of a flat page tensor."""
-        return [(tensor.data_ptr(), tensor.numel() * tensor.element_size())]
+        return _whole_run(tensor)
 
     def _scratch_extents(self, page: int) -> list[Extent] | None:
         scratch = self._scratch.get(page)
@@ -311,31 +378,15 @@ class _InPlacePages:
         """Register flat page tensors as scratch pages (kept alive until
         :meth:`drop_scratch`); returns their ids. A tensor of :meth:`take_spare` keeps
         the envelope slot in front of it in the spare slab; others get a new one."""
-        slab = aligned_empty(len(tensors) * ENVELOPE_BYTES)[1]
-        ids = []
-        with self._lock:
-            for i, tensor in enumerate(tensors):
-                page = next(self._scratch_ids)
-                at = self._spare_slot(tensor)
-                start = slab.data_ptr() + i * ENVELOPE_BYTES if at is None else at
-                header = _extent_at(start, ENVELOPE_BYTES)
-                runs = [_extent_at(a, n) for a, n in self.scratch_runs(tensor)]
-                self._scratch[page] = (header, *runs)
-                self._scratch_keep[page] = (slab, tensor)
-                ids.append(page)
-        return ids
+        return self._scratch.add(tensors, self.scratch_runs, self._spare_slot)
 
     def drop_scratch(self, ids: Sequence[int]) -> None:
         """Forget scratch pages once no call uses them any more (the call returned)."""
-        with self._lock:
-            for page in ids:
-                self._scratch.pop(page, None)
-                self._scratch_keep.pop(page, None)
+        self._scratch.drop(ids)
 
     def scratch_held(self) -> int:
         """Scratch pages registered now (in a call, or held for a late one)."""
-        with self._lock:
-            return len(self._scratch)
+        return len(self._scratch)
 
     def _stride(self) -> int:
         """Bytes of one spare slot: an envelope slot, then the page (4096-aligned)."""
@@ -442,28 +493,20 @@ class SGLangPages(_InPlacePages):
             self.spare_region(),
         ]
 
-    def extents(self, page: int) -> list[Extent]:
-        """The page's payload regions inside SGLang's kv_buffer, in flat-data-page order."""
-        scratch = self._scratch_extents(page)
-        if scratch is not None:
-            return scratch
-        cached = self._extent_cache.get(page)
-        if cached is None:
-            self._check_page(page)
-            runs = _runs(self.page_view(page))
-            total = sum(length for _, length in runs)
-            outside = [a for a, n in runs if a < self._low or a + n > self._high]
-            if outside or total != self.geometry.bytes_per_page:
-                raise TransferError(
-                    f"SGLang host page {page}{self.slice_note} is {total} bytes in {len(runs)} "
-                    f"runs{' partly outside kv_buffer' if outside else ''}; the pool's geometry "
-                    f"({self.geometry.describe()}) says {self.geometry.bytes_per_page}: "
-                    "this host pool is not one kvtier understands",
-                    value=page,
-                )
-            cached = tuple(_extent_at(address, length) for address, length in runs)
-            self._extent_cache[page] = cached
-        return list(cached)
+    def _page_runs(self, page: int) -> list[tuple[int, int]]:
+        """The contiguous runs of the page's view inside SGLang's kv_buffer."""
+        runs = _runs(self.page_view(page))
+        total = sum(length for _, length in runs)
+        outside = [a for a, n in runs if a < self._low or a + n > self._high]
+        if outside or total != self.geometry.bytes_per_page:
+            raise TransferError(
+                f"SGLang host page {page}{self.slice_note} is {total} bytes in {len(runs)} "
+                f"runs{' partly outside kv_buffer' if outside else ''}; the pool's geometry "
+                f"({self.geometry.describe()}) says {self.geometry.bytes_per_page}: "
+                "this host pool is not one kvtier understands",
+                value=page,
+            )
+        return runs
 
 
 class HeadSlicePages(SGLangPages):
@@ -541,33 +584,27 @@ class SlotPages(_InPlacePages):
             self.spare_region(),
         ]
 
-    def extents(self, page: int) -> list[Extent]:
-        scratch = self._scratch_extents(page)
-        if scratch is not None:
-            return scratch
-        cached = self._extent_cache.get(page)
-        if cached is None:
-            self._check_page(page)
-            first = page * self.page_size
-            ptrs, sizes = self.host_pool.get_page_buffer_meta(
-                torch.arange(first, first + self.page_size, dtype=torch.int64)
+    def _page_runs(self, page: int) -> list[tuple[int, int]]:
+        """The runs ``get_page_buffer_meta`` names for the page's slots, inside the
+        pool's buffers."""
+        first = page * self.page_size
+        ptrs, sizes = self.host_pool.get_page_buffer_meta(
+            torch.arange(first, first + self.page_size, dtype=torch.int64)
+        )
+        runs = [(int(a), int(n)) for a, n in zip(ptrs, sizes, strict=True)]
+        inside = all(
+            any(lo <= a and a + n <= lo + size for lo, size in self._buffers) for a, n in runs
+        )
+        total = sum(n for _, n in runs)
+        if not inside or total != self.page_bytes:
+            raise TransferError(
+                f"SGLang state page {page} is {total} bytes in {len(runs)} runs"
+                f"{'' if inside else ' partly outside the pool buffers'}; its flat data "
+                f"page is {self.page_bytes} bytes: this state pool is not one kvtier "
+                "can serve in place",
+                value=page,
             )
-            runs = [(int(a), int(n)) for a, n in zip(ptrs, sizes, strict=True)]
-            inside = all(
-                any(lo <= a and a + n <= lo + size for lo, size in self._buffers) for a, n in runs
-            )
-            total = sum(n for _, n in runs)
-            if not inside or total != self.page_bytes:
-                raise TransferError(
-                    f"SGLang state page {page} is {total} bytes in {len(runs)} runs"
-                    f"{'' if inside else ' partly outside the pool buffers'}; its flat data "
-                    f"page is {self.page_bytes} bytes: this state pool is not one kvtier "
-                    "can serve in place",
-                    value=page,
-                )
-            cached = tuple(_extent_at(a, n) for a, n in runs)
-            self._extent_cache[page] = cached
-        return list(cached)
+        return runs
 
 
 def in_place_refusal(pool: Any, page_bytes: int) -> str | None:
@@ -595,17 +632,14 @@ class StatePages:
         self.host_pool = pool
         self.page_bytes = page_bytes
         self.page_size = int(pool.page_size)
-        self._pages: dict[int, tuple[Extent, Extent]] = {}
-        self._keep: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._ids = itertools.count()
-        self._lock = threading.Lock()
+        self._pages = _Registered(0)
 
     @property
     def layout(self) -> Layout:
         """A state page is one contiguous run: kvtier files it as ``page_first``."""
         return Layout.PAGE_FIRST
 
-    def _page(self, page: int) -> tuple[Extent, Extent]:
+    def _page(self, page: int) -> tuple[Extent, ...]:
         found = self._pages.get(page)
         if found is None:
             raise PageError(f"state page {page} is not part of a transfer in flight", value=page)
@@ -615,35 +649,29 @@ class StatePages:
         return self._page(page)[0]
 
     def extents(self, page: int) -> list[Extent]:
-        return [self._page(page)[1]]
+        return list(self._page(page)[1:])
 
     def page_buffers(self, page: int) -> list[Extent]:
         return list(self._page(page))
 
     def add(self, tensors: Sequence[torch.Tensor]) -> list[int]:
-        """Register contiguous flat tensors (``page_bytes`` each) as pages; returns ids."""
-        slab = aligned_empty(len(tensors) * ENVELOPE_BYTES)[1]
-        ids = []
-        with self._lock:
-            for i, tensor in enumerate(tensors):
-                length = tensor.numel() * tensor.element_size()
-                if length != self.page_bytes or not tensor.is_contiguous():
-                    raise TransferError(
-                        f"SGLang's {type(self.host_pool).__name__} gave a state page of "
-                        f"{length} bytes{'' if tensor.is_contiguous() else ' (strided)'}; "
-                        f"it registered pages of {self.page_bytes} contiguous bytes",
-                        value=length,
-                    )
-                page = next(self._ids)
-                header = _extent_at(slab.data_ptr() + i * ENVELOPE_BYTES, ENVELOPE_BYTES)
-                self._pages[page] = (header, _extent_at(tensor.data_ptr(), length))
-                self._keep[page] = (slab, tensor)
-                ids.append(page)
-        return ids
+        """Register contiguous flat tensors (``page_bytes`` each) as pages; returns ids.
+        A tensor of another size, or a strided one, is refused before any is registered."""
+        for tensor in tensors:
+            length = tensor.numel() * tensor.element_size()
+            if length != self.page_bytes or not tensor.is_contiguous():
+                raise TransferError(
+                    f"SGLang's {type(self.host_pool).__name__} gave a state page of "
+                    f"{length} bytes{'' if tensor.is_contiguous() else ' (strided)'}; "
+                    f"it registered pages of {self.page_bytes} contiguous bytes",
+                    value=length,
+                )
+        return self._pages.add(tensors)
 
     def drop(self, ids: Sequence[int]) -> None:
         """Forget the pages of a transfer that returned."""
-        with self._lock:
-            for page in ids:
-                self._pages.pop(page, None)
-                self._keep.pop(page, None)
+        self._pages.drop(ids)
+
+    def held(self) -> int:
+        """Pages registered now (in a transfer, or held for a late call)."""
+        return len(self._pages)

@@ -12,9 +12,9 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from kvtier.core.config import ChecksumWorkers, ModelId, TenantLimits, TierChain
 from kvtier.core.errors import InvalidFieldError, MissingFieldError
 from kvtier.core.geometry import dtype_from_name, dtype_name
-from kvtier.core.tiers import TenantConfig, TierConfig
 from kvtier.core.validation import validate_model
 from kvtier.integrations.section import (
     OPTIONS_AT,
@@ -38,9 +38,8 @@ _ENDPOINT = re.compile(r"(tcp|ipc|inproc)://\S+")
 class SGLangSection(EngineSection):
     """The ``kvtier`` section of SGLang's ``--hicache-storage-backend-extra-config``."""
 
-    model: str | None = Field(
+    model: ModelId | None = Field(
         None,
-        min_length=1,
         description="Model id for the key namespace, declared by the operator: it replaces "
         "SGLang's model name and the weights' identity (quantization, dtypes, overrides and "
         "load format still count; see docs/sglang.md, what keys a page).",
@@ -50,22 +49,17 @@ class SGLangSection(EngineSection):
         description="The KV dtype, only for host pools that store KV as raw bytes "
         "(fp8 KV kept as uint8): 'float8_e4m3fn' or 'float8_e5m2'.",
     )
-    checksum_workers: int = Field(
+    checksum_workers: ChecksumWorkers = Field(
         4,
-        strict=True,
-        ge=1,
-        le=64,
         description="Threads that checksum the pages of one batch in parallel (a SGLang "
         "host has cores to spare, and prefetch latency is on the request's path).",
     )
-    tiers: tuple[TierConfig, ...] = Field(
-        (),
+    tiers: TierChain = Field(
         description="A chain of storage tiers behind SGLang's one storage backend, fastest "
         "first (docs/tiers.md), instead of `backend` and `extra_config` (`backend` then "
         "reads as the first tier's).",
     )
-    tenants: dict[str, TenantConfig] = Field(
-        default_factory=dict,
+    tenants: TenantLimits = Field(
         description="Per-tenant `quota_bytes` in each tier. SGLang hands storage no tenant "
         "per request: every page of this server is `tenant`'s, so `tenant` must be one of "
         "these names.",

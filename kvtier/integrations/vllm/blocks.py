@@ -35,7 +35,14 @@ from kvtier.core.geometry import KVGeometry
 from kvtier.core.host_pool import aligned_empty
 from kvtier.core.layout import Layout
 
-__all__ = ["SUPPORTED", "VLLMBlocks", "layer_positions", "order_layers"]
+__all__ = [
+    "SUPPORTED",
+    "VLLMBlocks",
+    "check_layer_count",
+    "layer_positions",
+    "order_layers",
+    "refuse",
+]
 
 #: What this adapter stores, as start-up errors list it.
 SUPPORTED = [
@@ -46,13 +53,29 @@ SUPPORTED = [
 ]
 
 
-def _refuse(what: str, value: object) -> UnsupportedCombinationError:
-    return UnsupportedCombinationError(
-        f"vLLM KV cache: {what}; kvtier stores blocks that are one contiguous run per layer "
-        "in host memory",
-        value=value,
-        supported=SUPPORTED,
-    )
+#: Why the CPU strategy refuses a KV cache, as its errors end.
+_IN_PLACE = "kvtier stores blocks that are one contiguous run per layer in host memory"
+
+
+def refuse(
+    what: str, value: object, supported: Sequence[str] = SUPPORTED
+) -> UnsupportedCombinationError:
+    """The start-up error for a vLLM setting or KV cache kvtier cannot store: ``what`` is
+    wrong (the whole message), the offending ``value``, and what would work."""
+    return UnsupportedCombinationError(what, value=value, supported=list(supported))
+
+
+def check_layer_count(
+    layers: Sequence[tuple[str, torch.Tensor]], geometry: KVGeometry, supported: Sequence[str]
+) -> None:
+    """Refuse KV cache tensors of another layer count than the model's geometry."""
+    if len(layers) != geometry.num_layers:
+        raise refuse(
+            f"vLLM KV cache: vLLM registered {len(layers)} KV cache tensors for a model of "
+            f"{geometry.num_layers} attention layers",
+            len(layers),
+            supported,
+        )
 
 
 def order_layers(
@@ -93,34 +116,31 @@ class VLLMBlocks:
         layout: Layout,
         staging_pages: int = 0,
     ) -> None:
-        if len(layers) != geometry.num_layers:
-            raise _refuse(
-                f"vLLM registered {len(layers)} KV cache tensors for a model of "
-                f"{geometry.num_layers} attention layers",
-                len(layers),
-            )
+        check_layer_count(layers, geometry, SUPPORTED)
         per_layer = geometry.bytes_per_page // geometry.num_layers
         for name, tensor in layers:
             if tensor.device.type != "cpu":
-                raise _refuse(
-                    f"layer {name!r} keeps its KV cache on {tensor.device}, but vLLM's device is "
-                    "the CPU; the CPU strategy stores blocks in host memory (accelerator "
-                    "engines take kvtier's device strategy)",
+                raise refuse(
+                    f"vLLM KV cache: layer {name!r} keeps its KV cache on {tensor.device}, but "
+                    "vLLM's device is the CPU; the CPU strategy stores blocks in host memory "
+                    f"(accelerator engines take kvtier's device strategy); {_IN_PLACE}",
                     str(tensor.device),
                 )
             block = tensor[0] if tensor.dim() > 1 else None
             if block is None or tensor.shape[0] != num_blocks or not block.is_contiguous():
-                raise _refuse(
-                    f"layer {name!r} has shape {tuple(tensor.shape)} and strides "
+                raise refuse(
+                    f"vLLM KV cache: layer {name!r} has shape {tuple(tensor.shape)} and strides "
                     f"{tuple(tensor.stride())}, so a block is not one contiguous run "
-                    f"(expected the block axis first, {num_blocks} blocks, each contiguous)",
+                    f"(expected the block axis first, {num_blocks} blocks, each contiguous); "
+                    f"{_IN_PLACE}",
                     tuple(tensor.shape),
                 )
             nbytes = block.numel() * block.element_size()
             if nbytes != per_layer:
-                raise _refuse(
-                    f"a block of layer {name!r} holds {nbytes} bytes, but "
-                    f"{geometry.describe()} takes {per_layer} bytes per block and layer",
+                raise refuse(
+                    f"vLLM KV cache: a block of layer {name!r} holds {nbytes} bytes, but "
+                    f"{geometry.describe()} takes {per_layer} bytes per block and layer; "
+                    f"{_IN_PLACE}",
                     nbytes,
                 )
         self.geometry = geometry

@@ -39,11 +39,11 @@ import torch
 from kvtier.cache.handles import BackupHandle, PrefetchHandle
 from kvtier.cache.tiered import TieredCache
 from kvtier.core.capabilities import ResolvedPlan
-from kvtier.core.errors import KvtierError, UnsupportedCombinationError
+from kvtier.core.errors import KvtierError
 from kvtier.core.geometry import AttentionKind
 from kvtier.core.metrics import zeroed
 from kvtier.core.specs import Operation
-from kvtier.integrations.vllm.blocks import order_layers
+from kvtier.integrations.vllm.blocks import order_layers, refuse
 from kvtier.integrations.vllm.messages import PageOp, Report
 from kvtier.integrations.vllm.paged import (
     DEVICE_SUPPORTED,
@@ -111,13 +111,13 @@ class DeviceWorkerSide(RankWorker):
 
     def __init__(self, plan: ResolvedPlan, settings: VLLMSection, *, groups: int = 1) -> None:
         if plan.geometry.attention is not AttentionKind.MHA or groups > 1:
-            raise UnsupportedCombinationError(
+            raise refuse(
                 "vLLM KV cache: the accelerator path stores one KV cache group of MHA/GQA "
                 f"attention, and this model has {groups} group(s) of "
                 f"{plan.geometry.attention.value.upper()}; MLA and hybrid models are served "
                 "on vLLM's CPU engine only",
-                value=plan.geometry.attention.value,
-                supported=DEVICE_SUPPORTED,
+                plan.geometry.attention.value,
+                DEVICE_SUPPORTED,
             )
         super().__init__(plan, settings, groups=groups)
         self.cache: TieredCache | None = None
@@ -143,18 +143,18 @@ class DeviceWorkerSide(RankWorker):
         """
         layers = order_layers(kv_caches, layer_index)
         if strategy_of([tensor for _, tensor in layers]) == "host":
-            raise UnsupportedCombinationError(
+            raise refuse(
                 "vLLM KV cache: the engine runs on an accelerator, but its KV caches are "
                 "host-memory blocks in the CPU backend's layout [num_blocks, num_kv_heads, "
                 "block_size, 2 * head_size] (LBHNC); the worker strategy follows vLLM's device",
-                value=str(layers[0][1].device) if layers else None,
-                supported=DEVICE_SUPPORTED,
+                str(layers[0][1].device) if layers else None,
+                DEVICE_SUPPORTED,
             )
         pool = VLLMPagedPool(layers, num_blocks=num_blocks, geometry=self.plan.geometry)
         bounds = self.settings.page_store_options()
         options = {
             **CACHE_OPTIONS,
-            "backend_call_timeout_s": bounds["call_timeout_s"],
+            "backend_call_timeout_s": bounds["backend_call_timeout_s"],
             "max_abandoned_calls": bounds["max_abandoned_calls"],
         }
         cache = TieredCache.open(self.plan, pool, options=options)  # the connector's plan

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvtier.core.capabilities import TierPlan
 from kvtier.core.storage import Counters
-from kvtier.integrations.kv_events import tier_locality
+from kvtier.integrations.kv_events import BoundedLog, tier_locality
 
 __all__ = [
     "UNSPECIFIED",
@@ -173,7 +173,9 @@ class KVEventLog:
         self._details: OrderedDict[str, BlockInfo] = OrderedDict()
         self._hashes: OrderedDict[str, tuple[Any, int]] = OrderedDict()
         #: (held, tier, group, info) of each change, oldest first
-        self._pending: list[tuple[bool, int, int, BlockInfo]] = []
+        self._pending: BoundedLog[tuple[bool, int, int, BlockInfo]] = BoundedLog(
+            self.capacity, counters, "vllm_events_dropped"
+        )
 
     def describe(self, key: str, group: int, info: BlockInfo) -> None:
         """Remember what vLLM's ``BlockStored`` says of the page ``key`` (group ``group``)."""
@@ -200,16 +202,12 @@ class KVEventLog:
         info = self._details.get(key) if held else None
         if info is None or info.block_hash != block_hash:
             info = BlockInfo(block_hash, None)
-        self._pending.append((held, tier, group, info))
-        over = len(self._pending) - self.capacity
-        if over > 0:
-            del self._pending[:over]
-            self.counters.add("vllm_events_dropped", over)
+        self._pending.extend([(held, tier, group, info)])
 
     def take(self) -> list[tuple[str, dict[str, Any]]]:
         """The events since the last call, oldest first: ``("BlockStored", fields)`` or
         ``("BlockRemoved", fields)``, ``fields`` the keyword arguments of vLLM's class."""
-        rows, self._pending = self._pending, []
+        rows = self._pending.take()
         out: list[tuple[str, dict[str, Any]]] = []
         for held, tier, group, info in rows:
             medium = self.media[tier]

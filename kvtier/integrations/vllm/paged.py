@@ -22,9 +22,10 @@ from typing import Literal
 
 import torch
 
-from kvtier.core.errors import UnsupportedCombinationError
+from kvtier.core.device_pool import BufferDevicePool
 from kvtier.core.geometry import KVGeometry
 from kvtier.integrations.vllm.blocks import SUPPORTED as HOST_SUPPORTED
+from kvtier.integrations.vllm.blocks import check_layer_count, refuse
 
 __all__ = ["DEVICE_SUPPORTED", "Strategy", "VLLMPagedPool", "block_slots", "strategy_of"]
 
@@ -40,12 +41,8 @@ DEVICE_SUPPORTED = [
 Strategy = Literal["host", "device"]
 
 
-def _refuse(what: str, value: object) -> UnsupportedCombinationError:
-    return UnsupportedCombinationError(
-        f"vLLM KV cache: {what}",
-        value=value,
-        supported=[*HOST_SUPPORTED, *DEVICE_SUPPORTED],
-    )
+#: What a refused KV cache lists: the CPU strategy's layouts and the device path's.
+_EITHER = [*HOST_SUPPORTED, *DEVICE_SUPPORTED]
 
 
 def _host_blocks(tensor: torch.Tensor) -> bool:
@@ -65,12 +62,13 @@ def _slot_major(x: torch.Tensor, name: str, what: str) -> torch.Tensor:
     blocks, tokens, heads, width = x.shape
     s_block, s_token, s_head, s_last = x.stride()
     if s_last != 1 or (blocks > 1 and s_block != tokens * s_token):
-        raise _refuse(
-            f"layer {name!r} ({what}) has a token stride of {s_token} and a block stride of "
-            f"{s_block} elements, so its tokens are not evenly spaced across blocks (a "
-            "head-major LBHNC / HND or block-outermost layout): no [num_slots, heads, dim] "
-            "view exists without a copy; run vLLM with VLLM_KV_CACHE_LAYOUT=NHD",
+        raise refuse(
+            f"vLLM KV cache: layer {name!r} ({what}) has a token stride of {s_token} and a "
+            f"block stride of {s_block} elements, so its tokens are not evenly spaced across "
+            "blocks (a head-major LBHNC / HND or block-outermost layout): no [num_slots, "
+            "heads, dim] view exists without a copy; run vLLM with VLLM_KV_CACHE_LAYOUT=NHD",
             tuple(x.stride()),
+            _EITHER,
         )
     return x.as_strided((blocks * tokens, heads, width), (s_token, s_head, 1), x.storage_offset())
 
@@ -84,14 +82,16 @@ def _kv_views(tensor: torch.Tensor, name: str, head_dim: int) -> tuple[torch.Ten
     if tensor.dim() == 4 and shape[3] == 2 * head_dim:
         both = _slot_major(tensor.permute(0, 2, 1, 3), name, "[B, H, N, 2 * D]")
         return both[..., :head_dim], both[..., head_dim:]
-    raise _refuse(
-        f"layer {name!r} has shape {shape}; expected [num_blocks, num_kv_heads, block_size, "
-        f"{2 * head_dim}] (vLLM 0.32) or [2, num_blocks, block_size, num_kv_heads, {head_dim}]",
+    raise refuse(
+        f"vLLM KV cache: layer {name!r} has shape {shape}; expected [num_blocks, "
+        f"num_kv_heads, block_size, {2 * head_dim}] (vLLM 0.32) or [2, num_blocks, "
+        f"block_size, num_kv_heads, {head_dim}]",
         shape,
+        _EITHER,
     )
 
 
-class VLLMPagedPool:
+class VLLMPagedPool(BufferDevicePool):
     """kvtier's MHA device pool over vLLM's per-layer KV tensors (views, no copy).
 
     Token slot ``block * block_size + offset`` is vLLM's block ``block``, token
@@ -105,61 +105,39 @@ class VLLMPagedPool:
         num_blocks: int,
         geometry: KVGeometry,
     ) -> None:
-        if len(layers) != geometry.num_layers:
-            raise _refuse(
-                f"vLLM registered {len(layers)} KV cache tensors for a model of "
-                f"{geometry.num_layers} attention layers",
-                len(layers),
-            )
+        check_layer_count(layers, geometry, _EITHER)
         g = geometry
         wanted = (num_blocks * g.page_size, g.num_kv_heads, g.head_dim)
-        self._k: list[torch.Tensor] = []
-        self._v: list[torch.Tensor] = []
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
         device = layers[0][1].device if layers else torch.device("cpu")
         for name, tensor in layers:
             if tensor.device != device:
-                raise _refuse(
-                    f"layer {name!r} is on {tensor.device} but layer {layers[0][0]!r} on "
-                    f"{device}; one device pool holds one device's KV",
+                raise refuse(
+                    f"vLLM KV cache: layer {name!r} is on {tensor.device} but layer "
+                    f"{layers[0][0]!r} on {device}; one device pool holds one device's KV",
                     str(tensor.device),
+                    _EITHER,
                 )
             if tensor.dtype != g.dtype:
-                raise _refuse(
-                    f"layer {name!r} holds {tensor.dtype}, but {g.describe()} is {g.dtype}",
+                raise refuse(
+                    f"vLLM KV cache: layer {name!r} holds {tensor.dtype}, but {g.describe()} "
+                    f"is {g.dtype}",
                     str(tensor.dtype),
+                    _EITHER,
                 )
             k, v = _kv_views(tensor, name, g.head_dim)
             if tuple(k.shape) != wanted:
-                raise _refuse(
-                    f"layer {name!r} gives K/V buffers {tuple(k.shape)}; {num_blocks} blocks "
-                    f"of {g.describe()} take {wanted} ([num_slots, num_kv_heads, head_dim])",
+                raise refuse(
+                    f"vLLM KV cache: layer {name!r} gives K/V buffers {tuple(k.shape)}; "
+                    f"{num_blocks} blocks of {g.describe()} take {wanted} ([num_slots, "
+                    "num_kv_heads, head_dim])",
                     tuple(k.shape),
+                    _EITHER,
                 )
-            self._k.append(k)
-            self._v.append(v)
-        self._geometry = g
-        self._num_slots = wanted[0]
-        self._device = device
-
-    @property
-    def geometry(self) -> KVGeometry:
-        return self._geometry
-
-    @property
-    def num_slots(self) -> int:
-        return self._num_slots
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    def k_buffer(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s keys, ``[num_slots, num_kv_heads, head_dim]`` (a view)."""
-        return self._k[layer]
-
-    def v_buffer(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s values, ``[num_slots, num_kv_heads, head_dim]`` (a view)."""
-        return self._v[layer]
+            keys.append(k)
+            values.append(v)
+        super().__init__(g, wanted[0], device, (keys, values))
 
 
 def block_slots(blocks: Sequence[int], block_size: int) -> torch.Tensor:

