@@ -1,14 +1,15 @@
 """Build hook: compile kvtier's C extensions into the wheel.
 
 Two modules, each compiled from every C file in its own source directory (one file a
-job, sharing that directory's header) plus the code they share, one copy of each file in
-``kvtier/_csrc/`` (BLAKE2b and the xxHash binding, ``kvhash.h``; the Python glue,
-``glue.h``; the envelope's layout, ``envelope_layout.h``):
+job) plus the code they share, one copy of each file in ``kvtier/_csrc/``: the envelope
+(writing one and the verdict on one, ``envelope.c``/``envelope.h``; its layout,
+``envelope_layout.h``, the values of ``kvtier.core.envelope_layout``), BLAKE2b and the
+xxHash binding (``kvhash.h``), the Python glue (``glue.h``):
 
 - ``kvtier.backends.filestore._pageio`` (``_pageio_src/``): the file backends' per-page
-  loop (open, move, checksum, envelope, publish);
-- ``kvtier.core._envelope`` (``kvtier/core/_envelope_src/``): the core's envelope writer
-  and verifier, which ``PageStore`` uses for every backend without a loop of its own.
+  loop (open, move, checksum and envelope, publish);
+- ``kvtier.core._envelope`` (``kvtier/core/_envelope_src/``): the core's batch calls to
+  the envelope code, which ``PageStore`` uses for every backend without a loop of its own.
 
 Needs a C compiler (``cc``, or ``$CC``) and Python's headers; nothing else (xxHash is
 bound at import from the ``xxhash`` package). Where either is missing the wheel is built
@@ -28,7 +29,7 @@ from typing import Any, NamedTuple
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
-#: The C files every extension compiles in (one copy each) and the header they share.
+#: The C files every extension compiles in (one copy each) and the headers they share.
 SHARED = Path("kvtier/_csrc")
 
 

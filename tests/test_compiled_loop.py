@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+import kvtier
 from kvtier.backends.file import FileConfig
 from kvtier.backends.file.backend import FileBackend
 from kvtier.backends.filestore import compiled, slices
@@ -889,13 +890,16 @@ def test_open_pages_opens_what_the_ring_reads_and_counts_the_rest(
 
 
 def test_the_built_loop_is_not_older_than_its_source() -> None:
-    # every C file and the header they share (hatch_build.py compiles them all into one)
+    # its own C files and header, and the shared ones (the envelope, hashing, glue in
+    # kvtier/_csrc/): hatch_build.py compiles them all into one
     home = Path(compiled.__file__).with_name("_pageio_src")
     built = Path(compiled._pageio.__file__)
     if built.parent != home.parent:  # an installed wheel: built from its own source
         pytest.skip(f"the loop was installed from a wheel ({built})")
-    sources = sorted(home.glob("*.[ch]"))
-    assert {"module.c", "pageio.h", "publish.c"} <= {source.name for source in sources}
+    shared = Path(kvtier.__file__).with_name("_csrc")
+    sources = sorted(home.glob("*.[ch]")) + sorted(shared.glob("*.[ch]"))
+    names = {source.name for source in sources}
+    assert {"module.c", "pageio.h", "publish.c", "envelope.c", "envelope_layout.h"} <= names
     newer = [source.name for source in sources if source.stat().st_mtime > built.stat().st_mtime]
     assert not newer, (
         f"{built.name} is older than {', '.join(newer)}: rebuild it with "
@@ -976,12 +980,12 @@ def test_o_direct_pages_round_trip_and_recycle(tmp_path: Path) -> None:
 
 
 def test_the_compiled_envelope_layout_is_the_python_one() -> None:
-    from kvtier.core import envelope
+    # (every layout value: tests/test_envelope_layout.py)
+    from kvtier.core import envelope, envelope_layout
 
     pageio = compiled._pageio
     assert round(WRITER_WAIT * 1e9) == pageio.WRITER_WAIT_NS  # both loops wait as long
-    assert pageio.STATIC_BYTES == envelope.STATIC_BYTES
-    assert pageio.BODY_BYTES == envelope.BODY_BYTES
+    assert envelope_layout.disagreement(pageio) is None
     assert envelope.HEADER.size == pageio.HEADER_BYTES
 
 
@@ -1330,19 +1334,25 @@ for line in sys.stdin:
 """
 
 
-@pytest.fixture(scope="module")
-def swapper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., dict[str, Any]]]:
-    """A writer's process with :data:`_SWAP_SHIM` preloaded; call it with a case."""
+def _shim(here: Path, code: str) -> Path:
+    """Build ``code`` into a shared object under ``here``, to be preloaded (LD_PRELOAD)."""
     if not compiled.available():
         pytest.skip(f"the compiled loop is not built: {compiled.MISSING}")
-    here = tmp_path_factory.mktemp("swapper")
     source, shim = here / "shim.c", here / "shim.so"
-    source.write_text(_SWAP_SHIM)
+    source.write_text(code)
     cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
     build = [*cc, "-shared", "-fPIC", "-o", str(shim), str(source), "-ldl"]
     built = subprocess.run(build, capture_output=True, text=True)
     if built.returncode:  # (the compiler that builds the compiled loop)
         require("compiled", f"cc cannot build the test's shim: {built.stderr.strip()}")
+    return shim
+
+
+@pytest.fixture(scope="module")
+def swapper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., dict[str, Any]]]:
+    """A writer's process with :data:`_SWAP_SHIM` preloaded; call it with a case."""
+    here = tmp_path_factory.mktemp("swapper")
+    shim = _shim(here, _SWAP_SHIM)
     env = dict(os.environ, LD_PRELOAD=str(shim))
     with subprocess.Popen(
         [sys.executable, "-c", _SWAPPER],
@@ -1425,6 +1435,83 @@ def test_another_writers_page_moved_over_ours_after_the_compiled_move_is_no_fail
     assert done["swapped"], "the shim did not replace the page"
     assert done["temp_taken"] == 0
     assert (done["put"], done["get"], done["page"]) == (True, True, "old")
+
+
+#: Preloaded, refuses every exchange onto a name ending in ``/$BUSY_NAME`` with EBUSY, as
+#: for a mount point: both the compiled loop's renameat2 and the Python steps' reach it.
+_BUSY_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+int
+renameat2(int from_dir, const char *from, int to_dir, const char *to, unsigned int flags)
+{
+    const char *name = getenv("BUSY_NAME");
+    size_t n = name ? strlen(name) : 0, t = strlen(to);
+    if (n && t > n && to[t - n - 1] == '/' && strcmp(to + t - n, name) == 0) {
+        errno = EBUSY;
+        return -1;
+    }
+    int (*forward)(int, const char *, int, const char *, unsigned int) =
+        dlsym(RTLD_NEXT, "renameat2");
+    return forward(from_dir, from, to_dir, to, flags);
+}
+"""
+
+_BUSY_WRITER = """
+import json, os, sys
+from pathlib import Path
+
+from kvtier.backends.file import FileConfig
+from kvtier.backends.file.backend import FileBackend
+from kvtier.backends.filestore import paths
+from kvtier.core.geometry import KVGeometry
+from kvtier.core.host_pool import HostPool
+from kvtier.core.keys import Namespace, PageKeyer
+from kvtier.core.pagestore import PageStore
+
+geometry = KVGeometry.mha(num_layers=2, num_kv_heads=2, head_dim=64, page_size=4)
+key = PageKeyer(Namespace("busy", geometry.fingerprint), geometry.page_size).keys([1, 2, 3, 4])[0]
+pool = HostPool(geometry, "page_first", num_pages=1, pin_memory=False)
+backend = FileBackend(FileConfig(root=sys.argv[1], min_free_bytes=0, io_threads=1))
+store = PageStore(backend, pool, fingerprint=geometry.fingerprint)
+final = Path(paths.page_path_str(os.fspath(backend.store), key))
+for directory in (final.parent.parent, final.parent, final):  # a directory at the page
+    directory.mkdir(mode=0o700, exist_ok=directory != final)
+os.environ["BUSY_NAME"] = final.name
+print(json.dumps({
+    "put": store.put([key], [0]),
+    "compiled": backend.checks_envelopes,
+    "left": sorted(p.name for p in final.parent.iterdir()),
+    "failed_io": backend.stats().get("put_failed_io", 0),
+}))
+"""
+
+
+def test_a_refused_exchange_in_the_compiled_loop_reports_false_and_publishes_nothing(
+    tmp_path: Path,
+) -> None:
+    # the compiled loop's counterpart of test_store_debris's refused exchange: its exchange
+    # over what holds the page's name fails (EBUSY, a mount point), so it leaves the page
+    # to the Python steps, whose exchange fails too: False, nothing published, no temp
+    shim = _shim(tmp_path, _BUSY_SHIM)
+    done = subprocess.run(
+        [sys.executable, "-c", _BUSY_WRITER, str(tmp_path / "root")],
+        env=dict(os.environ, LD_PRELOAD=str(shim)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["compiled"], "the put did not run the compiled loop"
+    assert result["put"] == [False] and result["failed_io"] == 1
+    assert len(result["left"]) == 1 and result["left"][0].endswith(fs_paths.PAGE_SUFFIX)
+    final = next((tmp_path / "root").rglob(f"*{fs_paths.PAGE_SUFFIX}"))
+    assert final.is_dir()  # still there, untouched
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "rename"])

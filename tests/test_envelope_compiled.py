@@ -378,7 +378,8 @@ def test_bad_arguments_are_errors() -> None:
 
 
 def test_the_built_module_is_not_older_than_its_sources() -> None:
-    # its own C files and header, and the shared ones (hatch_build.py compiles them all)
+    # its own C file, and the shared ones: the one envelope source, hashing, glue
+    # (hatch_build.py compiles them all)
     module = importlib.import_module("kvtier.core._envelope")
     built = Path(module.__file__ or "")
     home = Path(compiled_envelope.__file__).with_name("_envelope_src")
@@ -458,7 +459,9 @@ def _run_store(layout: Layout, *, seed: int, **store: Any) -> dict[str, Any]:
             extent.view[:] = rng.randbytes(extent.length)
     keys = PageKeyer(Namespace("m", GEOMETRY.fingerprint), 4).keys(list(range(4 * PAGES)))
     backend = DamagingBackend(seed)
-    ps = PageStore(backend, pool, fingerprint=GEOMETRY.fingerprint, call_timeout_s=None, **store)
+    ps = PageStore(
+        backend, pool, fingerprint=GEOMETRY.fingerprint, backend_call_timeout_s=None, **store
+    )
     pages = list(range(PAGES))
     put = ps.put(keys, pages)
     headers = [bytes(pool.header_extent(p).view) for p in pages]

@@ -5,6 +5,11 @@ symlinks in and out of the root, dangling or looping, FIFOs, sockets, foreign fi
 modes, empty or misplaced pages, stale temp files and directories) is removed or repaired,
 logged once and counted in ``stats()["debris_*"]``; no symlink is ever followed out of the
 root. The last test plants a seeded random mix of all of it next to valid pages.
+
+Each case runs every loop that writes and publishes pages: the backends' own (raw pages:
+the Python loop, the ring, the Python steps of the publish protocol) and, with envelopes
+as ``PageStore`` hands them over, the compiled loop (its C steps of the protocol,
+``_pageio_src/publish.c``, and the Python ones it leaves debris to).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,20 +33,92 @@ import pytest
 
 from kvtier.backends.file import FileConfig
 from kvtier.backends.file.backend import FileBackend
+from kvtier.backends.filestore import compiled
 from kvtier.backends.filestore import debris as fs_debris
 from kvtier.backends.filestore import paths as fs_paths
 from kvtier.backends.filestore import publish as fs_publish
+from kvtier.backends.filestore.base import FileStoreBackend
 from kvtier.backends.filestore.debris import KINDS
 from kvtier.backends.uring import URING_SPEC, UringConfig
+from kvtier.core.envelope import ENVELOPE_BYTES, MAGIC, EnvelopeFormat
 from kvtier.core.extents import Extent, extent_of_view
 from kvtier.core.storage import StorageBackend
 from kvtier.testing import require
 
-BACKENDS = ["file", "uring"]
+#: The backends' own loops (raw pages), and the compiled loop under each (enveloped pages).
+BACKENDS = ["file", "uring", "file-compiled", "uring-compiled"]
 
 
 def _require_uring() -> None:
     require("uring", URING_SPEC.unavailable_reason())
+
+
+class Enveloped(StorageBackend):
+    """A file backend driven as ``PageStore`` drives it: each page behind a header slot, its
+    envelope written and checked in the compiled loop (which then publishes it in C), or
+    in Python for a page the backend leaves to its own loop (``before_write``,
+    ``on_filled``).
+
+    ``put``/``get`` take and fill the bare payloads, as on the backend itself; a page is
+    read back only when its envelope checks out. The rest is the backend's.
+    """
+
+    def __init__(self, backend: FileStoreBackend[Any]) -> None:
+        assert backend.checks_envelopes
+        self.backend = backend
+        self._format = EnvelopeFormat("debris", "page_first")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.backend, name)
+
+    @staticmethod
+    def _slotted(pages: Sequence[Sequence[Extent]]) -> list[list[Extent]]:
+        """Each payload behind a fresh header slot."""
+        return [[extent_of_view(memoryview(bytearray(ENVELOPE_BYTES))), *page] for page in pages]
+
+    def put(self, keys: Sequence[str], pages: Sequence[Sequence[Extent]]) -> list[bool]:
+        slotted = self._slotted(pages)
+
+        def write(i: int) -> None:  # a page the compiled loop leaves to the backend's own
+            slot, *payload = slotted[i]
+            self._format.write(slot.view, keys[i], [extent.view for extent in payload])
+
+        envelope = self._format.batch(keys)
+        return self.backend.put_with(keys, slotted, write, envelope=envelope)
+
+    def get(self, keys: Sequence[str], pages: Sequence[Sequence[Extent]]) -> list[bool]:
+        slotted = self._slotted(pages)
+        envelope = self._format.batch(keys)
+        valid = envelope.valid  # what the compiled loop found valid, and what Python does
+
+        def check(i: int) -> None:
+            slot, *payload = slotted[i]
+            if self._format.verify(slot.view, keys[i], [e.view for e in payload]) is None:
+                valid.append(i)
+
+        got = self.backend.get_with(keys, slotted, check, envelope=envelope)
+        return [ok and i in valid for i, ok in enumerate(got)]
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return self.backend.exists(keys)
+
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        return self.backend.delete(keys)
+
+    def clear(self) -> None:
+        self.backend.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return self.backend.stats()
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def stored(path: Path) -> bytes:
+    """The payload a page file holds: its bytes after the envelope slot, if it has one."""
+    data = path.read_bytes()
+    return data[ENVELOPE_BYTES:] if data.startswith(MAGIC) else data
 
 
 Opener = Callable[..., StorageBackend]
@@ -50,11 +127,14 @@ Opener = Callable[..., StorageBackend]
 def _opener(kind: str, root: Path) -> Opener:
     def build(**options: Any) -> StorageBackend:
         options.setdefault("min_free_bytes", 0)
-        if kind == "file":
-            return FileBackend(FileConfig(root=root, **options))
-        from kvtier.backends.uring.backend import UringBackend
+        backend: FileStoreBackend[Any]
+        if kind.startswith("file"):
+            backend = FileBackend(FileConfig(root=root, **options))
+        else:
+            from kvtier.backends.uring.backend import UringBackend
 
-        return UringBackend(UringConfig(root=root, **options))
+            backend = UringBackend(UringConfig(root=root, **options))
+        return Enveloped(backend) if kind.endswith("-compiled") else backend
 
     return build
 
@@ -62,8 +142,10 @@ def _opener(kind: str, root: Path) -> Opener:
 @pytest.fixture(params=BACKENDS)
 def backend_kind(request: pytest.FixtureRequest) -> str:
     kind: str = request.param
-    if kind == "uring":
+    if kind.startswith("uring"):
         _require_uring()
+    if kind.endswith("-compiled"):
+        require("compiled", None if compiled.available() else compiled.MISSING)
     return kind
 
 
@@ -269,7 +351,7 @@ def test_a_get_never_reads_through_a_symlink(
     final.unlink()
     final.symlink_to(outside["sentinel"])  # a symlink under a page's name, met by a put...
     assert backend.put(["link"], [page(b"q" * 8192)]) == [True]
-    assert final.read_bytes() == b"q" * 8192
+    assert stored(final) == b"q" * 8192
     final.unlink()
     final.symlink_to(outside["sentinel"])  # ... and by a delete
     assert backend.delete(["link"]) == [False]
@@ -326,7 +408,7 @@ def test_a_symlinked_shard_directory_is_removed_not_written_through(
     backend = open_store()
     assert not final.parent.parent.is_symlink()
     assert backend.put(["escape"], [page(b"e" * 1000)]) == [True]
-    assert final.read_bytes() == b"e" * 1000
+    assert stored(final) == b"e" * 1000
     assert debris_counts(backend) == expect(symlinks=1)
 
 
@@ -626,7 +708,10 @@ def test_a_store_full_of_random_debris_opens_and_serves_every_valid_page(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     rng = random.Random(seed)
-    writer = _opener(rng.choice(BACKENDS) if backend_kind == "uring" else "file", root)()
+    enveloped = backend_kind.endswith("-compiled")  # the writer and reader write alike
+    family = [kind for kind in BACKENDS if kind.endswith("-compiled") == enveloped]
+    writer_kind = rng.choice(family) if backend_kind.startswith("uring") else family[0]
+    writer = _opener(writer_kind, root)()
     planter = Planter(rng, root, outside)
     for i in range(rng.randrange(8, 20)):
         data = rng.randbytes(rng.randrange(200, 12_000))
@@ -664,12 +749,12 @@ def test_a_store_full_of_random_debris_opens_and_serves_every_valid_page(
         assert backend.get(new_keys, outs) == [True] * len(new_keys)
         assert [joined(o) for o in outs] == [fresh[k] for k in new_keys]
         assert debris_counts(backend) == expect(**planter.expected)  # nothing new met
-        assert_clean(store_of(root))
     finally:
         backend.close()
+    assert_clean(store_of(root))  # (once closed: the compiled loop keeps a spare till then)
 
-    other_kind = "file" if backend_kind == "uring" or URING_SPEC.unavailable_reason() else "uring"
-    other = _opener(other_kind, root)()
+    use_file = backend_kind.startswith("uring") or URING_SPEC.unavailable_reason()
+    other = _opener(family[0] if use_file else family[1], root)()
     try:  # a second opening finds a clean store, readable by the other backend too
         assert debris_counts(other) == expect()
         everything = {**planter.valid, **fresh}

@@ -6,12 +6,13 @@
  *               page names)
  *   xxh.c       the xxHash functions, bound at import to a loaded copy of the library
  *
- * Users: kvtier.core._envelope (kvtier/core/_envelope_src/: the core's envelope writer
- * and verifier) and kvtier.backends.filestore._pageio (_pageio_src/: the file backends'
+ * Users: kvtier.core._envelope (kvtier/core/_envelope_src/: the core's batch calls to the
+ * envelope code) and kvtier.backends.filestore._pageio (_pageio_src/: the file backends'
  * page loop). Each module is linked with -fvisibility=hidden, so each has its own copy of
  * these symbols (and of the bound xxHash table): binding one module binds only that one.
- * Nothing here needs Python's headers. (The directory also holds the envelope's layout,
- * envelope_layout.h, and the Python glue both modules share, glue.h and glue.c.)
+ * Nothing here needs Python's headers. (The directory also holds the envelope both modules
+ * write and check, envelope.c and envelope.h, its layout, envelope_layout.h, and the
+ * Python glue they share, glue.h and glue.c.)
  */
 #ifndef KVTIER_KVHASH_H
 #define KVTIER_KVHASH_H

@@ -4,14 +4,16 @@
 without a compiled loop of its own (memory, mooncake, segment, third-party plugins) that
 per-page work is the core's cost per page: in Python, 6-7 µs a 16 KiB page over a backend
 that moves nothing, twice what a raw ``preadv`` of the page costs. ``_envelope`` (built
-by ``hatch_build.py`` from ``_envelope_src/`` and the hashing code shared with the file
-backends' loop, ``kvtier/_csrc/``) does a whole batch in one call with the GIL released:
+by ``hatch_build.py`` from ``_envelope_src/`` and the code shared with the file backends'
+loop, ``kvtier/_csrc/``: the one C envelope writer and verifier, and the hashing) does a
+whole batch in one call with the GIL released:
 key digests (BLAKE2b-128), payload xxh3-128 streamed over the regions in place, header
 xxh3-64, and one verdict per page, the very one :func:`~kvtier.core.envelope.verify_envelope`
 decides. It binds xxHash at import, from the ``xxhash`` package (SIMD dispatch) or the
 system's libxxhash (0.8 or later).
 
-Where the module was not built (no C compiler) or does not load, :data:`MISSING` says
+Where the module was not built (no C compiler), does not load, or was built for another
+envelope layout than :mod:`kvtier.core.envelope_layout` declares, :data:`MISSING` says
 why and :func:`available` is False: the caller runs :class:`~kvtier.core.envelope.EnvelopeFormat`
 instead, with the same bytes and the same verdicts. Nothing here imports from outside
 ``kvtier.core``.
@@ -24,13 +26,8 @@ import importlib.util
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.core.envelope import (
-    BODY_BYTES,
-    HEADER,
-    STATIC_BYTES,
-    ChecksumAlgorithm,
-    Rejection,
-)
+from kvtier.core.envelope import ChecksumAlgorithm, Rejection
+from kvtier.core.envelope_layout import disagreement
 from kvtier.core.extents import Extent
 
 __all__ = [
@@ -62,9 +59,9 @@ def _xxhash_libraries() -> list[str]:
 
 def _agrees(module: Any) -> str | None:
     """Why the built module does not speak this envelope format, or None if it does."""
-    sizes = (module.STATIC_BYTES, module.BODY_BYTES, module.HEADER_BYTES)
-    if sizes != (STATIC_BYTES, BODY_BYTES, HEADER.size):
-        return f"built for another envelope layout (static, body, header bytes {sizes})"
+    layout = disagreement(module)  # every offset and size of kvtier.core.envelope_layout
+    if layout is not None:
+        return layout
     if {int(a) for a in ChecksumAlgorithm} != {module.CHECKSUM_XXH3_128}:
         return "built for another set of payload checksums"
     codes = [getattr(module, r.name, None) for r in Rejection]

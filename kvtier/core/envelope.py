@@ -1,7 +1,9 @@
 """The stored page format: a fixed-size envelope header in front of every page's payload.
 
 The envelope is a little-endian binary header at the start of a :data:`ENVELOPE_BYTES`
-slot; the rest of the slot is zero. ``docs/integrity.md`` describes it byte by byte.
+slot; the rest of the slot is zero. ``docs/integrity.md`` describes it byte by byte;
+:mod:`kvtier.core.envelope_layout` declares its fields, the one layout this module and the
+compiled code (``kvtier/_csrc/envelope.c``) both follow.
 The payload checksum streams over the page's extents in place (no concatenation); the
 header carries its own checksum, so a flipped bit in the header is caught too.
 """
@@ -10,12 +12,20 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import xxhash
 
+from kvtier.core.envelope_layout import (
+    BODY_BYTES,
+    CHECKSUM_XXH3_128,
+    FORMAT_VERSION,
+    MAGIC,
+    STATIC_BYTES,
+    fields_struct,
+    place,
+)
 from kvtier.core.errors import InvalidFieldError
 from kvtier.core.extents import Extent
 from kvtier.core.layout import ALIGNMENT, Layout
@@ -44,19 +54,20 @@ __all__ = [
 #: the host pool.
 ENVELOPE_BYTES = ALIGNMENT
 
-#: First 8 bytes of every envelope.
-MAGIC = b"KVTIERPG"
-#: The version of the format this module writes and reads.
-FORMAT_VERSION = 1
 
 #: magic, version, header length, flags, fingerprint, layout code, checksum id, reserved,
-#: key digest, payload length, payload checksum. The header checksum (u64) follows.
-_BODY = struct.Struct("<8sHHI32sBBHI16sQ16s")
-_HEADER_SUM = struct.Struct("<Q")
-#: The whole header: body plus its xxh3_64 checksum (104 bytes).
-HEADER = struct.Struct(_BODY.format + "Q")
-_FINGERPRINT_BYTES = 32
-_PREFIX = struct.Struct("<8sHH")
+#: key digest, payload length, payload checksum: what the header checksum covers.
+_BODY = fields_struct(end="header_checksum")
+_HEADER_SUM = fields_struct("header_checksum")
+#: The whole header: body plus its xxh3_64 checksum.
+HEADER = fields_struct()
+_PREFIX = fields_struct(end="flags")  # magic, version, header length
+_LENGTH = fields_struct("payload_length", "payload_checksum")
+_FINGERPRINT_BYTES = place("fingerprint")[1]
+#: Where the payload length starts (the key digest ends); where the payload checksum is.
+_LENGTH_AT = place("payload_length")[0]
+_CHECKSUM_AT, _CHECKSUM_BYTES = place("payload_checksum")
+_CHECKSUM = slice(_CHECKSUM_AT, _CHECKSUM_AT + _CHECKSUM_BYTES)
 _ZEROS = memoryview(bytes(ENVELOPE_BYTES))
 
 _LAYOUT_CODES: dict[Layout, int] = {
@@ -70,7 +81,7 @@ _LAYOUT_CODES: dict[Layout, int] = {
 class ChecksumAlgorithm(enum.IntEnum):
     """The payload checksum, by the id stored in the header."""
 
-    XXH3_128 = 1
+    XXH3_128 = CHECKSUM_XXH3_128
 
 
 #: The algorithm :func:`write_envelope` uses (chosen by measurement, docs/integrity.md).
@@ -164,8 +175,7 @@ def write_envelope(
         _fingerprint_field(fingerprint),
         layout_code(layout),
         int(DEFAULT_CHECKSUM),
-        0,
-        0,
+        b"",
         key_digest(key),
         length,
         digest,
@@ -202,7 +212,7 @@ def verify_envelope(
     (stored_sum,) = _HEADER_SUM.unpack_from(view, _BODY.size)
     if xxhash.xxh3_64_intdigest(body) != stored_sum:
         return Rejection.CORRUPT_HEADER
-    (_, _, _, _, fp, code, algo, _, _, digest, length, checksum) = _BODY.unpack(body)
+    (_, _, _, _, fp, code, algo, _, digest, length, checksum) = _BODY.unpack(body)
     if fp != _fingerprint_field(fingerprint):
         return Rejection.WRONG_GEOMETRY
     if code != layout_code(layout):
@@ -221,15 +231,6 @@ def verify_envelope(
         if actual != checksum:
             return Rejection.CORRUPT_CHECKSUM
     return None
-
-
-#: The body's fields before the key digest: the same in every page of one store.
-STATIC_BYTES = struct.calcsize("<8sHHI32sBBHI")
-_DIGEST_END = STATIC_BYTES + 16
-_LENGTH = struct.Struct("<Q")
-#: The header body: the static fields, key digest, payload length and payload checksum;
-#: its xxh3-64 follows.
-BODY_BYTES = _BODY.size
 
 
 @dataclass
@@ -272,11 +273,10 @@ class EnvelopeFormat:
             _fingerprint_field(fingerprint),
             layout_code(layout),
             int(DEFAULT_CHECKSUM),
+            b"",
+            b"",
             0,
-            0,
-            bytes(16),
-            0,
-            bytes(16),
+            b"",
         )[:STATIC_BYTES]
 
     def batch(self, keys: Sequence[str], *, full: bool = True) -> BatchEnvelope:
@@ -321,8 +321,8 @@ class EnvelopeFormat:
             expected += view.nbytes
         if (
             body[:STATIC_BYTES] != self._static
-            or body[STATIC_BYTES:_DIGEST_END] != key_digest(key)
-            or _LENGTH.unpack_from(body, _DIGEST_END)[0] != expected
+            or body[STATIC_BYTES:_LENGTH_AT] != key_digest(key)
+            or _LENGTH.unpack_from(body, _LENGTH_AT)[0] != expected
         ):  # something differs: let the general check say what
             return verify_envelope(
                 slot,
@@ -341,6 +341,6 @@ class EnvelopeFormat:
                 for view in payload:
                     h.update(view)
                 digest = h.digest()
-            if digest != body[_DIGEST_END + 8 :]:
+            if digest != body[_CHECKSUM]:
                 return Rejection.CORRUPT_CHECKSUM
         return None

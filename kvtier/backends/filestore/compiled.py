@@ -8,8 +8,10 @@ moves one I/O thread's slice of a batch with the GIL released: open,
 checksum while the bytes are in cache, the envelope check or write, close, and for a put
 the publish protocol of :mod:`~kvtier.backends.filestore.publish`. Python keeps the
 index, the counters and every rare case (debris, errors), which this module turns the
-codes into. Without the extension the backend runs its own loop: same files, same
-answers, more microseconds per page.
+codes into. The envelope code is the core's (``kvtier/_csrc/envelope.c``, compiled into
+both extensions). Without the extension, or with one built for another envelope layout
+than :mod:`kvtier.core.envelope_layout` declares, the backend runs its own loop: same
+files, same answers, more microseconds per page.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvtier.backends.filestore import publish as protocol
 from kvtier.backends.filestore.slices import copy_threads
 from kvtier.backends.filestore.store import NOT_A_PAGE, FileStore
 from kvtier.core.envelope import BatchEnvelope
+from kvtier.core.envelope_layout import disagreement
 from kvtier.core.storage import PageBuffers
 
 __all__ = [
@@ -56,9 +59,13 @@ else:
     # xxHash as the xxhash package carries it (SIMD dispatch), else the system's.
     import xxhash._xxhash
 
-    if not any(_pageio.bind(library) for library in (xxhash._xxhash.__file__, "libxxhash.so.0")):
-        _pageio = None
+    MISSING = disagreement(_pageio)  # built for another envelope layout: not used
+    if MISSING is None and not any(
+        _pageio.bind(library) for library in (xxhash._xxhash.__file__, "libxxhash.so.0")
+    ):
         MISSING = "no loaded xxHash library exports the XXH3 functions"
+    if MISSING is not None:
+        _pageio = None
 
 
 #: ``write_pages`` codes of a page it published itself.

@@ -1,14 +1,41 @@
-/* The module functions of kvtier.core._envelope: arguments in, verdicts out (with the
- * glue both modules share, kvtier/_csrc/glue.c).
+/* kvtier.core._envelope: the core's per-page envelope work in compiled code.
+ *
+ * PageStore writes every page's envelope on put and verifies it on get
+ * (kvtier/core/envelope.py, docs/integrity.md). For a backend without a compiled loop of
+ * its own (memory, mooncake, segment, third-party plugins) that work is the core's
+ * cost per page; here one call does it for a batch (or one checksum thread's slice of
+ * one) with the GIL released: the key digests (BLAKE2b-128), the payload xxh3-128
+ * streamed over the page's regions in place, the header's xxh3-64, and for a get one
+ * verdict per page that is exactly the one kvtier.core.envelope.verify_envelope decides.
+ *
+ * This file is the module's functions: arguments in, verdicts out. The envelope itself
+ * (writing one, the verdict on one: envelope.c, envelope.h, envelope_layout.h), the
+ * hashing (blake2b.c, xxh.c: kvhash.h) and the Python glue (glue.c, glue.h) are the
+ * one copy in kvtier/_csrc/ that the file backends' _pageio compiles too;
+ * hatch_build.py compiles them into the one module.
  *
  * Each batch function takes its arguments with the GIL held (the pages' buffers, the
- * keys, held for the call), then releases the GIL for the whole batch: key digests,
- * payload checksums, headers (see envelope.h for which file does what). */
+ * keys, held for the call), then releases the GIL for the whole batch. */
 #include "envelope.h"
+
+#include <string.h>
 
 #define MODULE "_envelope"
 
 /* --- argument handling ------------------------------------------------------------- */
+
+/* One page of a call: its regions (header slot first, then the payload), its key's
+ * UTF-8 bytes (the key object is held for the call) and, once computed, the key digest
+ * and the page's verdict. */
+typedef struct {
+    Py_buffer *regions;
+    Py_ssize_t count;
+    PyObject *key;
+    const char *text;
+    Py_ssize_t length;
+    unsigned char digest[KEY_DIGEST_BYTES];
+    int verdict;
+} EnvPage;
 
 /* A call's pages: the table, one array of every page's buffers, and how much of each
  * was filled in (so that a failure half-way releases exactly what was taken). */
@@ -130,11 +157,14 @@ run(PyObject *static_obj, PyObject *keys, PyObject *pages, int writing, int full
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t p = 0; p < batch->count; p++) {
         EnvPage *page = &batch->pages[p];
-        blake2b(page->digest, DIGEST_BYTES, (const unsigned char *)page->text, (size_t)page->length);
+        blake2b(page->digest, KEY_DIGEST_BYTES, (const unsigned char *)page->text,
+                (size_t)page->length);
         if (writing)
-            env_write(page, state, static_fields);
+            envelope_write(page->regions, page->count, page->digest, state, static_fields);
         else
-            page->verdict = env_verdict(page, state, static_fields, full);
+            page->verdict = envelope_verdict(page->regions, page->count, page->digest,
+                                             static_fields, state,
+                                             full ? PAYLOAD_HASH : PAYLOAD_UNCHECKED);
     }
     Py_END_ALLOW_THREADS
     XXH3_freeState(state);
@@ -209,9 +239,9 @@ key_digest(PyObject *self, PyObject *arg)
     }
     const char *text = PyUnicode_AsUTF8AndSize(arg, &length);
     if (text == NULL) return NULL;
-    unsigned char digest[DIGEST_BYTES];
-    blake2b(digest, DIGEST_BYTES, (const unsigned char *)text, (size_t)length);
-    return PyBytes_FromStringAndSize((const char *)digest, DIGEST_BYTES);
+    unsigned char digest[KEY_DIGEST_BYTES];
+    blake2b(digest, KEY_DIGEST_BYTES, (const unsigned char *)text, (size_t)length);
+    return PyBytes_FromStringAndSize((const char *)digest, KEY_DIGEST_BYTES);
 }
 
 PyDoc_STRVAR(module_doc,
@@ -236,9 +266,9 @@ PyInit__envelope(void)
         {"WRONG_GEOMETRY", WRONG_GEOMETRY}, {"LAYOUT_MISMATCH", LAYOUT_MISMATCH},
         {"WRONG_KEY", WRONG_KEY}, {"UNKNOWN_CHECKSUM", UNKNOWN_CHECKSUM},
         {"WRONG_LENGTH", WRONG_LENGTH}, {"CORRUPT_CHECKSUM", CORRUPT_CHECKSUM},
-        {"STATIC_BYTES", STATIC_BYTES}, {"BODY_BYTES", BODY_BYTES},
-        {"HEADER_BYTES", HEADER_BYTES}, {"CHECKSUM_XXH3_128", CHECKSUM_XXH3_128},
     };
-    return glue_module(MODULE, module_doc, methods, constants,
-                       sizeof constants / sizeof constants[0]);
+    PyObject *module = glue_module(MODULE, module_doc, methods, constants,
+                                   sizeof constants / sizeof constants[0]);
+    if (module != NULL && envelope_export(module) != 0) Py_CLEAR(module);
+    return module;
 }

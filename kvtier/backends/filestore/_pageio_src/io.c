@@ -109,7 +109,7 @@ read_regions(int fd, Page *page, XXH3_state_t *state, int nowait)
     if (state == NULL || page->direct || total <= 2 * (uint64_t)PIECE) {
         long moved = move_regions(fd, page, 0, nowait && !page->direct);
         if (moved != OK) return moved; /* WOULD_BLOCK: a thread waits for the disk */
-        if (state != NULL) hash_regions(state, page->buffers, 1, page->count);
+        if (state != NULL) envelope_hash_payload(state, page->buffers, page->count);
         return OK;
     }
     /* The header slot, then the payload in pieces of at most PIECE, each hashed at once
@@ -164,7 +164,7 @@ write_streamed(int fd, Page *page, XXH3_state_t *state, const unsigned char *sta
         if (wrote < 0) return wrote;
         offset += (off_t)want;
     }
-    fill_header(page, state, static_fields);
+    envelope_fill(page->buffers, page->count, page->key_digest, state, static_fields);
     struct iovec header = {page->buffers[0].buf, (size_t)page->buffers[0].len};
     long wrote = move_all(fd, &header, 1, 0, 1);
     return wrote < 0 ? wrote : (long)offset;

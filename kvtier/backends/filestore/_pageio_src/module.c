@@ -79,7 +79,7 @@ name_page(Page *page, const Names *names, PyObject *key, Py_ssize_t index)
         PyErr_SetString(PyExc_ValueError, "_pageio: a page's path is longer than PATH_MAX");
         return 0;
     }
-    blake2b(page->key_digest, 16, (const unsigned char *)text, (size_t)length);
+    blake2b(page->key_digest, KEY_DIGEST_BYTES, (const unsigned char *)text, (size_t)length);
     if (names->stem == NULL) {
         page->path = copy_text(name, (size_t)size);
         return page->path != NULL;
@@ -397,7 +397,7 @@ name(PyObject *self, PyObject *args)
     Page page = {0};
     int named = name_page(&page, &names, key, 0);
     Py_DECREF(encoded);
-    PyObject *out = named ? Py_BuildValue("(sy#)", page.path, page.key_digest, (Py_ssize_t)16) : NULL;
+    PyObject *out = named ? Py_BuildValue("(sy#)", page.path, page.key_digest, (Py_ssize_t)KEY_DIGEST_BYTES) : NULL;
     PyMem_Free(page.path);
     return out;
 }
@@ -425,11 +425,11 @@ PyInit__pageio(void)
         {"UNVERIFIED", UNVERIFIED}, {"UNPUBLISHED", UNPUBLISHED},
         {"REPLACED_DEBRIS", REPLACED_DEBRIS}, {"WOULD_BLOCK", WOULD_BLOCK},
         {"BUSY", BUSY}, {"REPLACED", REPLACED}, {"IN_PLACE", IN_PLACE},
-        {"NOT_RECYCLED", NOT_RECYCLED}, {"TEMP_TAKEN", TEMP_TAKEN},
-        {"STATIC_BYTES", STATIC_BYTES},
-        {"BODY_BYTES", BODY_BYTES}, {"HEADER_BYTES", HEADER_BYTES}, {"PIECE", PIECE},
+        {"NOT_RECYCLED", NOT_RECYCLED}, {"TEMP_TAKEN", TEMP_TAKEN}, {"PIECE", PIECE},
         {"MAX_KEY_LENGTH", MAX_KEY_LENGTH}, {"WRITER_WAIT_NS", WRITER_WAIT_NS},
     };
-    return glue_module(MODULE, module_doc, methods, constants,
-                       sizeof constants / sizeof constants[0]);
+    PyObject *module = glue_module(MODULE, module_doc, methods, constants,
+                                   sizeof constants / sizeof constants[0]);
+    if (module != NULL && envelope_export(module) != 0) Py_CLEAR(module);
+    return module;
 }

@@ -9,19 +9,19 @@
  *
  * This header is what the module's C files share; each file does one job:
  *   names.c     a page's file name and temp name, from its key
- *   envelope.c  the envelope header: checking it and writing it
  *   io.c        vectored I/O: moving a page's regions (whole, or in hashed pieces)
  *   read.c      reading one page under the readers' lock
  *   publish.c   writing one page and publishing it: the protocol described once in
  *               kvtier/backends/filestore/publish.py, and the spare files it recycles
  *   module.c    the module's functions: arguments in, codes out
  * and, shared with kvtier.core._envelope (one copy of each, in kvtier/_csrc/):
+ *   envelope.c  the envelope: writing a page's, and the verdict on one (envelope.h; its
+ *               layout in envelope_layout.h)
  *   blake2b.c   BLAKE2b (RFC 7693), for page names and the keys' envelope digests
  *   xxh.c       the xxHash functions, bound at import to a loaded copy of the library
  *               (both declared in kvhash.h)
  *   glue.c      the Python glue both modules need (binding xxHash, the static fields and
  *               regions arguments, lists of codes, the module object; glue.h)
- *   envelope_layout.h  the envelope header's layout
  * hatch_build.py compiles them all into the one extension module.
  */
 #ifndef KVTIER_PAGEIO_H
@@ -45,11 +45,10 @@
 #include <time.h>
 #include <unistd.h>
 
-/* xxHash (bound at import), BLAKE2b, the little-endian helpers and the envelope's
- * layout, shared with the core's envelope module: kvtier/_csrc/ (on the include path of
- * both builds). */
-#include "envelope_layout.h"
-#include "kvhash.h"
+/* The envelope (its layout, writing and checking one), xxHash (bound at import), BLAKE2b
+ * and the little-endian helpers, shared with the core's envelope module: kvtier/_csrc/
+ * (on the include path of both builds). */
+#include "envelope.h"
 
 /* --- sizes and limits ------------------------------------------------------------- */
 /* Large pages are hashed piece by piece as they land, while each piece is in cache. */
@@ -88,7 +87,7 @@ typedef struct {
     char *path;         /* owned copies (the GIL is released while they are used) */
     char *final;
     int direct;
-    unsigned char key_digest[16]; /* blake2b-128 of the key (envelopes only) */
+    unsigned char key_digest[KEY_DIGEST_BYTES]; /* blake2b-128 of the key (envelopes only) */
     int existing;       /* put: the index holds the key (its file may be overwritten) */
     int refused;        /* put: a file it would have written into was not ours alone */
     long result;
@@ -110,18 +109,6 @@ long page_name(char *out, const char *store, size_t store_length, const char *ke
  * first dir_length bytes) into out (capacity PATH_MAX); the length, or -1. */
 long temp_name(char *out, const char *page, size_t dir_length, const char *stem,
                unsigned long long seq);
-
-/* --- the envelope (envelope.c) ----------------------------------------------------- */
-
-/* Hash the regions from..to (exclusive) into state. */
-void hash_regions(XXH3_state_t *state, const Py_buffer *buffers, Py_ssize_t from, Py_ssize_t to);
-/* Whether the page's header slot holds this store's envelope for its key and payload;
- * with hashed (the payload's hash state) not NULL, its checksum must match too. */
-int header_valid(const Page *page, const unsigned char *static_fields, XXH3_state_t *hashed);
-/* Write the envelope into the page's header slot, from the payload's hash in state. */
-void fill_header(Page *page, XXH3_state_t *state, const unsigned char *static_fields);
-/* Hash the payload, then write the envelope (fill_header). */
-void write_header(Page *page, XXH3_state_t *state, const unsigned char *static_fields);
 
 /* --- vectored I/O (io.c) ------------------------------------------------------------ */
 

@@ -160,7 +160,7 @@ page_of_key(const char *path, const Page *page, int enveloped)
     if (!enveloped) return 0;
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     if (fd < 0) return 0;
-    unsigned char head[CHECKSUM_AT];
+    unsigned char head[PAYLOAD_CHECKSUM_AT];
     struct stat info;
     int same = fstat(fd, &info) == 0 && S_ISREG(info.st_mode) &&
                pread(fd, head, sizeof head, 0) == (ssize_t)sizeof head &&
@@ -236,7 +236,8 @@ put_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int
     }
     /* Step 1: write the page under a temp name, into the spare or a fresh file. */
     int streamed = static_fields != NULL && !page->direct && total > 2 * (uint64_t)PIECE;
-    if (static_fields != NULL && !streamed) write_header(page, state, static_fields);
+    if (static_fields != NULL && !streamed)
+        envelope_write(page->buffers, page->count, page->key_digest, state, static_fields);
     int fd;
     const char *at; /* where the bytes are written: the spare, or a fresh temp file */
     struct stat mine; /* the file written: only it may be published */

@@ -57,7 +57,9 @@ get_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int
         if (hashing) XXH3_128bits_reset(state);
         result = read_regions(fd, page, hashing ? state : NULL, nowait);
         if (result == OK && static_fields != NULL) {
-            if (!header_valid(page, static_fields, hashing ? state : NULL)) {
+            PayloadCheck payload = hashing ? PAYLOAD_HASHED : PAYLOAD_UNCHECKED;
+            if (envelope_verdict(page->buffers, page->count, page->key_digest, static_fields,
+                                 state, payload) != VALID) {
                 /* another page's bytes: was the file recycled before our lock was taken? */
                 struct stat now;
                 int moved = stat(page->path, &now) == 0 && now.st_ino != info.st_ino;
