@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import random
 import secrets
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -26,7 +26,7 @@ from kvtier.core.host_pool import HostPool
 from kvtier.core.io import DIRECT_SPEC, KERNEL_SPEC
 from kvtier.core.keys import PageKeyer
 from kvtier.core.layout import Layout, layouts_for
-from kvtier.core.pagestore import PageStore, VerifyMode
+from kvtier.core.pagestore import PageMemory, PageStore, VerifyMode
 from kvtier.core.specs import BackendSpec, Feature, IOBackendSpec, Operation
 from kvtier.core.storage import StorageBackend
 from kvtier.core.store import Store
@@ -104,6 +104,8 @@ class Harness:
     layout: Layout
     seed: int = 0
     _tokens: int = field(default=0, repr=False)
+    #: Closes a store this harness made with the env's stores (see :meth:`store_with`).
+    _adopt: Callable[[Store], Store] | None = field(default=None, repr=False)
 
     def keys(self, n: int) -> list[str]:
         """``n`` chained page keys of a fresh random token sequence (unique per call)."""
@@ -132,9 +134,28 @@ class Harness:
     def payloads(self, pages: Sequence[int]) -> list[bytes]:
         return [self.payload(page) for page in pages]
 
-    def store_with(self, backend: StorageBackend, verify: VerifyMode = "full") -> PageStore:
-        """Another PageStore over this pool (a wrapped backend, another verify mode)."""
-        return PageStore(backend, self.pool, fingerprint=self.geometry.fingerprint, verify=verify)
+    def store_with(
+        self,
+        backend: StorageBackend,
+        verify: VerifyMode = "full",
+        *,
+        pool: PageMemory | None = None,
+        fingerprint: str | None = None,
+    ) -> PageStore:
+        """Another PageStore over ``backend`` (this one's, or a wrapper of it): over this
+        pool or ``pool``, this geometry's fingerprint or ``fingerprint``, another verify
+        mode. It leaves the backend to the harness's own store, and closes (its threads)
+        with the env's stores."""
+        store = PageStore(
+            backend,
+            self.pool if pool is None else pool,
+            fingerprint=self.geometry.fingerprint if fingerprint is None else fingerprint,
+            verify=verify,
+            owns_backend=False,
+        )
+        if self._adopt is not None:
+            self._adopt(store)
+        return store
 
 
 class KitEnv:
@@ -212,7 +233,16 @@ class KitEnv:
         except PluginError as exc:  # a bug in the backend's plugin: it fails the kit
             raise AssertionError(f"backend {self.spec.name!r} fails the kit: {exc}") from exc
         self._opened.append(store)
-        return Harness(store.backend, pool, store, plan.keyer(), plan.geometry, plan.layout, seed)
+        return Harness(
+            store.backend,
+            pool,
+            store,
+            plan.keyer(),
+            plan.geometry,
+            plan.layout,
+            seed,
+            _adopt=self.adopt,
+        )
 
     def adopt(self, store: Store) -> Store:
         """Close ``store`` with the stores this env opened (a store a mixin put in front of

@@ -10,7 +10,6 @@ import pytest
 
 from kvtier.core.capabilities import build_host_pool
 from kvtier.core.layout import layouts_for
-from kvtier.core.pagestore import PageStore
 from kvtier.testing.faults import FaultyBackend
 from kvtier.testing.kit.harness import KitEnv
 
@@ -80,7 +79,7 @@ class IntegrityTests:
     def test_kit_foreign_geometry_is_rejected(self, kit: KitEnv) -> None:
         h = kit.open()
         keys, pages = h.keys(2), h.pool.allocate(2)
-        foreign = PageStore(h.backend, h.pool, fingerprint="0123456789abcdef")
+        foreign = h.store_with(h.backend, fingerprint="0123456789abcdef")
         assert foreign.put(keys, pages) == [True, True]
         assert h.store.get(keys, pages) == [False, False]
         assert h.store.stats()["invalid_wrong_geometry"] == 2
@@ -104,6 +103,6 @@ class IntegrityTests:
         keys, pages = h.keys(2), h.pool.allocate(2)
         assert h.store.put(keys, pages) == [True, True]
         other = build_host_pool(kit.plan(attention, declared[1]), num_pages=2, pin_memory=False)
-        store = PageStore(h.backend, other, fingerprint=h.geometry.fingerprint)
+        store = h.store_with(h.backend, pool=other)
         assert store.get(keys, other.allocate(2)) == [False, False]
         assert store.stats()["invalid"] == 2
