@@ -539,10 +539,8 @@ def test_the_policy_benchmark_replays_a_trace_beside_lru_the_oracle_and_opt(
         rows.append({"timestamp": r, "input_length": 512 * len(ids), "hash_ids": ids})
     trace.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     bench = _policy_benchmark()
-    out = {
-        line["policy"]: line
-        for line in bench.run(bench.load_trace(trace), [0.03], ["lru", "prefix"], reps=0)
-    }
+    lines = bench.run(bench.load_trace(trace), [0.03], ["lru", "prefix"], reps=0)
+    out = {line["policy"]: line for line in lines if line["baseline_name"] == "lru"}
     asks_after_the_first = 19 * 4 / (20 * 4 + 40 * 6)
     lru, prefix = out["lru"], out["prefix"]
     assert lru["capacity_blocks"] == 7 and lru["hit_ratio"] == 0
@@ -551,6 +549,21 @@ def test_the_policy_benchmark_replays_a_trace_beside_lru_the_oracle_and_opt(
     assert prefix["lru_hit_ratio"] == 0 and prefix["ns_per_access"] is None
     assert prefix["hit_ratio"] >= asks_after_the_first - 2 * 4 / 320  # all but two asks hit
     assert prefix["capacity_overflows"] == 0
+    # through a real chain tier (a memory backend evicting through the policy), the same
+    chained = {line["policy"]: line for line in lines if "in a chain tier" in line["case"]}
+    assert {row: line["hit_ratio"] for row, line in chained.items()} == {
+        "lru": lru["hit_ratio"],
+        "prefix": prefix["hit_ratio"],
+    }
+    assert chained["prefix"]["ours"] is None and chained["prefix"]["replay_us_per_access"] > 0
+    false = {line["policy"]: line for line in lines if "false parents" in line["case"]}
+    assert false["lru"]["hit_ratio"] == lru["hit_ratio"]  # LRU reads no parent
+    assert false["prefix"]["true_parents_hit_ratio"] == prefix["hit_ratio"]
+    assert false["prefix"]["merged_requests"] == bench.DEFAULT_MERGED
+    costed = bench.run(bench.load_trace(trace), [0.03], ["prefix"], reps=1)
+    (in_chain,) = [line for line in costed if "in a chain tier" in line["case"]]
+    assert in_chain["ours"] >= 0 and in_chain["baseline"] >= 0  # ns per access, both sides
+    assert in_chain["ours"] == in_chain["chain_ns_per_access"]
     start, end = bench.parse_slice("30:")
     half = bench.load_trace(trace, end, start)  # the second half alone
     assert len(half.requests) == 30 and half.distinct == 4 + 20 * 6

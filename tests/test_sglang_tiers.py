@@ -550,6 +550,37 @@ def test_publish_kv_events_hands_a_batch_to_any_sglang_publisher(attach: Any) ->
 # --- tenants --------------------------------------------------------------------------------
 
 
+def test_sglang_backups_tell_the_tiers_policy_each_pages_true_parent(
+    attach: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each page SGLang backs up is described to the tier's policy with the page before it
+    in SGLang's chain of hashes: a child node's first page with the last of its
+    ``prefix_keys``, a sequence's first page (or one whose prefix SGLang does not pass)
+    with none."""
+    from recording_policy import recorder, recording_registry
+
+    import kvtier.integrations.sglang.storage as sglang_storage
+
+    monkeypatch.setattr(sglang_storage, "default_registry", recording_registry)
+    pool = MHAHostPool(pages=64)
+    controller = attach(pool, _section([{"backend": "memory", "eviction": "recording"}]))
+    hashes, other = _hashes(5, pool.page_size), _hashes(2, pool.page_size, salt=7777)
+    indices, _ = _fill(pool, 7)
+    ps = pool.page_size
+    assert controller.backup(hashes[:3], indices[: 3 * ps]) == 3 * ps
+    assert controller.backup(hashes[3:], indices[3 * ps : 5 * ps], prefix_keys=hashes[:3]) == 2 * ps
+    assert controller.backup(other, indices[5 * ps :]) == 2 * ps
+    state = controller.storage._require()
+    names = state.keys([*hashes, *other])
+    told = recorder(_chain(controller))
+    assert [told.parent_of(name) for name in names] == [
+        None,
+        *names[:4],  # the child's first page follows the node's last one
+        None,  # another sequence's first page: not the page backed up before it
+        names[5],
+    ]
+
+
 def test_a_tenants_quota_through_sglang(attach: Any, tmp_path: Path) -> None:
     """SGLang hands storage no tenant per request, so a server's pages are its
     ``kvtier.tenant``'s: over its ``quota_bytes`` in a tier its own oldest pages leave

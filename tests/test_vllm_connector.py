@@ -399,6 +399,47 @@ def test_saves_beyond_the_queue_bound_are_dropped_and_counted(
     worker.close()
 
 
+def test_a_merged_put_of_several_requests_tells_the_tiers_policy_each_pages_true_parent(
+    backend: GatedBackend,
+) -> None:
+    from recording_policy import recorder, recording_registry
+
+    shared_backend(backend)
+    registry = recording_registry()
+    settings = VLLMSection(
+        tiers=[{"backend": "shared", "eviction": "recording"}], backend_call_timeout_s=10.0
+    )
+    plan = resolve_plan(_vllm_config(), _kv_cache_config(), settings, registry, tp_rank=0)
+    side = SchedulerSide(plan, settings, object())  # type: ignore[arg-type]
+    # b shares a's first page, computed side by side: a stores it, b stores its other two
+    a = _Request("a", _tokens(3, seed=1))
+    b = _Request("b", a.all_token_ids[:BLOCK] + _tokens(2, seed=2)[: 2 * BLOCK + 1])
+    for request in (a, b):
+        side.add_request(request)
+        side.after_alloc(request, [], 0)
+    work = side.step([("a", [1, 2, 3], 0), ("b", [4, 5, 6], 0)], [], {"a": 96, "b": 96}, [])
+    keys_a, keys_b = side.request_keys(a, 3), side.request_keys(b, 3)
+    assert keys_a[0] == keys_b[0]
+    assert [(op.req_id, op.keys, op.parent) for op in work.saves] == [
+        ("a", keys_a, None),
+        ("b", keys_b[1:], keys_a[0]),
+    ]
+    worker = _worker(registry, plan=plan, backend_call_timeout_s=10.0)
+    gate = backend.hold("put")
+    worker.submit_saves([PageOp("first", ["z0"], [7], 0)])  # the writer waits in its put
+    _wait(lambda: bool(worker._writing))
+    worker.submit_saves(work.saves)  # both queued behind it: one put of the two requests
+    gate.set()
+    assert worker.flush()
+    names_a, names_b = worker.names(keys_a), worker.names(keys_b)
+    assert names_a + names_b[1:] in backend.calls["put"]
+    told = recorder(worker.store)
+    assert [told.parent_of(name) for name in names_a] == [None, names_a[0], names_a[1]]
+    # b's second page follows the shared first one, not a's last page
+    assert [told.parent_of(name) for name in names_b[1:]] == [names_b[0], names_b[1]]
+    worker.close()
+
+
 def test_a_timed_out_store_holds_its_finished_requests_blocks_until_it_returns(
     registry: Registry, backend: GatedBackend
 ) -> None:
@@ -887,6 +928,7 @@ metrics = C.build_prom_metrics(config, types, ["model_name", "engine"], {0: ["ti
 names = {m.name for m in REGISTRY.collect()}
 assert "vllm:kvtier_load_hit_pages" in names
 assert "vllm:kvtier_store_invalid_corrupt_checksum" in names
+assert "vllm:kvtier_cache_host_hits" in names  # the accelerator path's, from the start
 stats = C.build_kv_connector_stats({"kvtier_load_hit_pages": 8, "kvtier_store_hits": 8})
 metrics.observe(stats.data, 0)
 metrics.observe({"kvtier_load_hit_pages": 2, "kvtier_lookup_hit_pages": 0}, 0)
@@ -894,6 +936,11 @@ text = generate_latest().decode()
 assert 'vllm:kvtier_load_hit_pages_total{engine="0",model_name="tiny"} 10.0' in text, text
 assert 'vllm:kvtier_store_hits_total{engine="0",model_name="tiny"} 8.0' in text
 assert 'vllm:kvtier_lookup_hit_pages_total{engine="0"' not in text  # nothing counted yet
+# a name kvtier's registry does not declare (a rate) is never made a counter
+metrics.observe({"kvtier_cache_host_hit_rate": 0.5, "kvtier_cache_host_hits": 3}, 0)
+text = generate_latest().decode()
+assert "kvtier_cache_host_hit_rate" not in text
+assert 'vllm:kvtier_cache_host_hits_total{engine="0",model_name="tiny"} 3.0' in text
 print("ok")
 """
     proc = subprocess.run(

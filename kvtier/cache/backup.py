@@ -20,6 +20,7 @@ from kvtier.cache.workers import Job
 from kvtier.cache.writes import StorageWriter
 from kvtier.core.errors import CacheClosedError, KvtierError
 from kvtier.core.metrics import Cause
+from kvtier.storage.parents import batch_parents
 
 __all__ = ["Backups"]
 
@@ -91,11 +92,18 @@ class Backups:
         self.ctx.stats.latency["backup"].observe(time.monotonic() - started)
         handle.host_ended()
 
-    def _place(self, handle: BackupHandle, keys: list[str]) -> list[tuple[Entry, bool]]:
-        """Host entries for ``keys`` (new ones pinned once); a shortfall fails the rest."""
+    def _place(
+        self, handle: BackupHandle, keys: list[str], parents: list[str | None]
+    ) -> list[tuple[Entry, bool]]:
+        """Host entries for ``keys`` (new ones pinned once, with their ``parents``); a
+        shortfall fails the rest."""
         ctx = self.ctx
         placed = ctx.index.insert(
-            keys, pins=1, wait_s=ctx.options.alloc_wait_s, on_victims=self.writer.write_victims
+            keys,
+            pins=1,
+            wait_s=ctx.options.alloc_wait_s,
+            on_victims=self.writer.write_victims,
+            parents=parents,
         )
         if len(placed) < len(keys):
             missing = len(keys) - len(placed)
@@ -109,9 +117,11 @@ class Backups:
 
         Keys seen for the first time get a pending entry that waits for all layers.
         """
+        parent_of = dict(zip(keys, batch_parents(keys), strict=True))
         fresh = [key for key in dict.fromkeys(keys) if key not in self._layered]
+        parents = [parent_of[key] for key in fresh]
         existing: list[Entry] = []
-        for entry, new in self._place(handle, fresh) if fresh else []:
+        for entry, new in self._place(handle, fresh, parents) if fresh else []:
             if new:
                 self._layered[entry.key] = _Layered(entry)
             else:
@@ -127,7 +137,7 @@ class Backups:
         ctx = self.ctx
         ps = ctx.geometry.page_size
         if layer is None:
-            placed = self._place(handle, keys)
+            placed = self._place(handle, keys, batch_parents(keys))
             targets = [(i, entry) for i, (entry, new) in enumerate(placed) if new]
             existing = [entry for entry, new in placed if not new]
         else:

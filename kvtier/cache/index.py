@@ -63,6 +63,9 @@ class Entry:
     detached: bool = False
     #: evict as soon as the pending write finishes (write_back)
     evict_after_write: bool = False
+    #: the key of the page before it in its sequence (None: its first page, or not known),
+    #: told to the storage tiers' policies when the page is written
+    parent: str | None = None
 
     @property
     def ready(self) -> bool:
@@ -144,6 +147,7 @@ class HostIndex:
         wait_s: float = 0.0,
         wait_on_pins: bool = True,
         on_victims: Callable[[list[Entry]], None],
+        parents: Sequence[str | None] | None = None,
     ) -> list[tuple[Entry, bool]]:
         """Make pending entries for ``keys``, allocating (and evicting) host pages.
 
@@ -154,6 +158,7 @@ class HostIndex:
         ``on_victims``, outside the lock, each pinned once; the writer hands them back
         through :meth:`finish_write`. Waits at most ``wait_s`` for pages that in-flight
         writes (and, with ``wait_on_pins``, other pins) will release; never longer.
+        ``parents`` (aligned with ``keys``) is each fresh entry's :attr:`Entry.parent`.
         """
         deadline = time.monotonic() + wait_s
         out: list[tuple[Entry, bool]] = []
@@ -182,7 +187,7 @@ class HostIndex:
                 self._freed.wait(remaining)
                 pages += self._allocate_locked(wanted - len(pages), victims)
             supply = iter(pages)
-            for key in keys:
+            for at, key in enumerate(keys):
                 entry = self._entries.get(key)
                 if entry is not None:
                     entry.hits += 1
@@ -194,6 +199,8 @@ class HostIndex:
                 if page is None:
                     break
                 entry = Entry(key=key, page=page, pins=pins)
+                if parents is not None:
+                    entry.parent = parents[at]
                 self._entries[key] = entry
                 out.append((entry, True))
             leftover = list(supply)

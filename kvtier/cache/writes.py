@@ -2,7 +2,10 @@
 
 ``write_through`` writes a page once it is whole in the host pool, ``write_through_selective``
 once it was hit ``write_threshold`` times, ``write_back`` when the host pool evicts it (and
-at close). Writes run on the write workers in batches, each one bounded page-store put.
+at close). Writes run on the write workers in batches, each one bounded page-store put,
+which tells the storage tiers' policies each page's parent (:attr:`Entry.parent`: the key
+before it in its backup call, whose keys are one sequence's consecutive pages), whatever
+pages a batch gathers (write-back victims, say).
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ class StorageWriter:
                         [e.key for e in chunk],
                         [e.page for e in chunk],
                         on_late=partial(self._late_put, chunk),
+                        parents=[e.parent for e in chunk],
                     )
                     outcome = results.outcome
                 except Exception as exc:  # bad keys cannot get here; stay safe anyway

@@ -70,8 +70,17 @@ class Store(ExistsLookup, Protocol):
         *,
         on_late: Callable[[Any], None] | None = None,
         guards: Sequence[SaveGuard | None] | None = None,
+        parents: Sequence[str | None] | None = None,
     ) -> BatchResult:
-        """Store ``pages`` under ``keys`` (enveloped); True where stored."""
+        """Store ``pages`` under ``keys`` (enveloped); True where stored.
+
+        ``parents`` (one per key, or None) is each page's real parent: the key of the page
+        before it in its own sequence (None: a sequence's first page, or not known). A
+        chain describes the pages to its tiers' policies with them (the ``prefix`` policy
+        links a page to its parent); without them each page's parent is the key before it
+        in ``keys``, right only for one sequence's consecutive pages, so a caller that
+        merges several sequences' pages into one put passes them.
+        """
         ...
 
     def delete(self, keys: Sequence[str]) -> BatchResult:

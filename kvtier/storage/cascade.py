@@ -50,6 +50,14 @@ class Job:
     waiting: list[int] = field(default_factory=list)
     #: Its keys in the chain's fences, from the queue until it is over.
     ticket: Ticket | None = None
+    #: Each key's real parent (the page before it in its sequence), for the target tiers'
+    #: policies; None: the key before it in the job (one sequence's consecutive pages).
+    parents: dict[str, str | None] | None = None
+
+    def parents_of(self, keys: Sequence[str]) -> list[str | None] | None:
+        """The parents of ``keys`` (some of the job's), or None where the job has none."""
+        parents = self.parents
+        return None if parents is None else [parents.get(key) for key in keys]
 
 
 class Cascade:
@@ -160,10 +168,13 @@ class Cascade:
         kind: EventKind,
         ticket: Ticket,
         admitted: int | None = None,
+        *,
+        parents: Sequence[str | None] | None = None,
     ) -> None:
         """Copy the caller's pages at ``positions`` into staging and queue them for
         ``targets``; a full staging pool drops the rest (counted on the first target).
-        ``ticket``: the read's, live, so a delete since the read cancels the job."""
+        ``ticket``: the read's, live, so a delete since the read cancels the job;
+        ``parents``: the real parents of the pages at ``positions``, in that order."""
         parts = self.parts
         staged = parts.staging.take(len(positions))
         parts.drop(targets[0], len(positions) - len(staged))
@@ -181,6 +192,8 @@ class Cascade:
             staged,
             admitted=() if admitted is None else (admitted,),
         )
+        if parents is not None:
+            job.parents = dict(zip(job.keys, parents, strict=False))
         self.submit(job, since=ticket)
 
     # --- the queue --------------------------------------------------------------------------

@@ -44,7 +44,8 @@ Every page entering or leaving a tier is an :class:`~kvtier.storage.events.Event
 
 The jobs are split: this module routes; :mod:`~kvtier.storage.cascade` queues and writes
 the cascades, write-backs and promotions; :mod:`~kvtier.storage.placement` decides where
-pages go and what leaves a tier; :mod:`~kvtier.storage.stats` merges the figures.
+pages go and what leaves a tier; :mod:`~kvtier.storage.stats` merges the figures;
+:mod:`~kvtier.storage.parents` gives the tiers' policies each page's parent.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from kvtier.storage.events import EventKind, EventStream
 from kvtier.storage.fences import Ticket
 from kvtier.storage.late import LateWrite, undo_revoked
 from kvtier.storage.lookup import exists_across
+from kvtier.storage.parents import checked_parents
 from kvtier.storage.pins import PinSet
 from kvtier.storage.placement import Placement
 from kvtier.storage.staging import StagingPool
@@ -241,6 +243,7 @@ class StorageChain:
         *,
         on_late: Callable[[Any], None] | None = None,
         guards: Sequence[SaveGuard | None] | None = None,
+        parents: Sequence[str | None] | None = None,
     ) -> BatchResult:
         """Store into the first tier now; cascade down (write-through) on the worker.
 
@@ -248,11 +251,17 @@ class StorageChain:
         :meth:`PageStore.put`); a put that timed out cascades nothing. A key deleted or
         tainted (:meth:`delete`, :meth:`taint`) while this put ran is not kept: its copy
         is deleted once the call returned, and its result is False.
+
+        ``parents`` (one per key) is each page's real parent, which every tier's policies
+        are told (here, and in the cascades, write-backs and promotions of the page); None
+        takes the key before it in ``keys``, right only for one sequence's consecutive
+        pages (see :meth:`kvtier.core.store.Store.put`).
         """
         keys, pages = list(keys), list(pages)
+        parents = checked_parents(keys, parents)
         first = self.tiers[0]
         placement, parts = self._placement, self._parts
-        placement.describe(first, keys)
+        placement.describe(first, keys, parents)
         placement.enforce_quota(first, keys)
         ticket = self._parts.fences.enter(keys)
         try:
@@ -271,7 +280,9 @@ class StorageChain:
             parts.emit(EventKind.STORED, first, stored)
             targets = parts.through_below(0)
             if stored and targets:
-                self._cascade.submit(Job(stored, targets, 0, EventKind.STORED), since=ticket)
+                job = Job(stored, targets, 0, EventKind.STORED)
+                job.parents = dict(zip(keys, parents, strict=True))
+                self._cascade.submit(job, since=ticket)
         finally:
             self._parts.fences.leave(ticket)
         return results

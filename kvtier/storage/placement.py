@@ -1,6 +1,8 @@
 """Where a page goes and what leaves a tier to make room: descriptions for the tier's
 policies, tenant quotas, admission (and its re-offers after hits), promotions, and the
 room a write-back tier's upper tier makes by handing its victims down.
+
+A description tells a policy each page's parent (:mod:`kvtier.storage.parents`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kvtier.storage.cascade import Cascade, Job
 from kvtier.storage.events import EventKind
 from kvtier.storage.fences import Ticket
 from kvtier.storage.late import LateWrite, MakeLate, put_call, undo_revoked
+from kvtier.storage.parents import ParentMemo, batch_parents
 from kvtier.storage.tiers import ChainParts, Tier, keys_where
 
 __all__ = ["Placement"]
@@ -44,23 +47,30 @@ class Placement:
         #: Per tier: one make-room-then-put at a time (above a write-back tier), so two
         #: writers never both count the same free room.
         self._room_locks = [threading.Lock() for _ in tiers]
+        #: The parents pages were described with, for their later moves.
+        self.parents = ParentMemo()
 
     # --- policies: descriptions, quotas, admission ----------------------------------------
 
-    def describe(self, tier: Tier, keys: list[str]) -> None:
-        """Tell ``tier``'s policies about pages about to enter it (each page's parent is
-        the key before it)."""
+    def describe(
+        self, tier: Tier, keys: Sequence[str], parents: Sequence[str | None] | None = None
+    ) -> None:
+        """Tell ``tier``'s policies about pages about to enter it: each page's parent is
+        its entry in ``parents`` (None: the key before it in ``keys``, see
+        :func:`~kvtier.storage.parents.batch_parents`); remembered for its later moves."""
         if tier.eviction is None and tier.admission is None:
             return
-        parent: str | None = None
+        if parents is None:
+            parents = batch_parents(keys)
+        self.parents.remember(keys, parents)
+        eviction, admission = tier.eviction, tier.admission
         tokens, tenant_of = self.parts.plan.geometry.page_size, self.parts.tenants.of
-        for key in keys:
+        for key, parent in zip(keys, parents, strict=True):
             info = PageInfo(parent=parent, tokens=tokens, tenant=tenant_of(key))
-            if tier.eviction is not None:
-                tier.eviction.describe(key, info)
-            if tier.admission is not None:
-                tier.admission.describe(key, info)
-            parent = key
+            if eviction is not None:
+                eviction.describe(key, info)
+            if admission is not None:
+                admission.describe(key, info)
 
     def enforce_quota(self, tier: Tier, keys: list[str]) -> None:
         """Evict a tenant's own pages from ``tier`` before it goes over its quota."""
@@ -151,7 +161,14 @@ class Placement:
         for tier_index, positions in by_tier.items():
             above = list(range(tier_index))
             self.cascade.offer(
-                keys, pages, positions, above, tier_index, EventKind.PROMOTED, ticket
+                keys,
+                pages,
+                positions,
+                above,
+                tier_index,
+                EventKind.PROMOTED,
+                ticket,
+                parents=self.parents.parents_of([keys[i] for i in positions]),
             )
 
     def _record_hits(
@@ -176,7 +193,15 @@ class Placement:
             targets = [target, *parts.through_below(target)]
             served = source[positions[0]]
             self.cascade.offer(
-                keys, pages, positions, targets, served, EventKind.STORED, ticket, target
+                keys,
+                pages,
+                positions,
+                targets,
+                served,
+                EventKind.STORED,
+                ticket,
+                target,
+                parents=self.parents.parents_of([keys[i] for i in positions]),
             )
 
     def write_staged(self, job: Job, tier: Tier, keys: list[str], staged: list[int]) -> None:
@@ -191,7 +216,7 @@ class Placement:
         if not chosen:
             return
         names = [key for key, _ in chosen]
-        self.describe(tier, names)
+        self.describe(tier, names, job.parents_of(names))
         self.enforce_quota(tier, names)
         ticket = job.ticket
         assert ticket is not None  # queued jobs have one until they finish
@@ -336,6 +361,7 @@ class Placement:
                 return []
             targets = [below.index, *self.parts.through_below(below.index)]
             job = Job(keys, targets, tier.index, EventKind.STORED, staged=pages)
+            job.parents = dict(zip(keys, self.parents.parents_of(keys), strict=True))
             return keys[: self.cascade.submit(job, since=ticket)]
         finally:
             fences.leave(ticket)

@@ -9,7 +9,9 @@ every get. A KV-shaped pool (an SWA pool: ``kv_buffer`` with heads) is served in
 the KV pool; a state pool (Mamba) is served in place through its ``get_page_buffer_meta``
 runs, or, where it has none, moved by value through SGLang's ``get_data_page`` /
 ``set_from_flat_data_page``; its page is described as a one-layer geometry of its bytes.
-The v2 hit rules (``restorable_prefixes``, ``leading_run``) live here too.
+The v2 hit rules (``restorable_prefixes``, ``leading_run``) live here too, and each
+stored page's parent (``chain_parents``: the page before it in SGLang's chain of page
+hashes), which the pool's storage chain tells its tiers' policies.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from kvtier.storage import StorageChain
 __all__ = [
     "AttachedPool",
     "LateHold",
+    "chain_parents",
     "first_slots",
     "is_kv_shaped",
     "is_per_rank",
@@ -49,6 +52,21 @@ __all__ = [
 _PER_RANK_POOLS = frozenset({"mamba"})
 #: The dtype that describes a state page byte by byte (kvtier moves it as raw bytes).
 _STATE_DTYPE = "float8_e4m3fn"
+
+
+def chain_parents(keys: Sequence[str], prefix_keys: Sequence[str] | None) -> list[str | None]:
+    """Each of SGLang's page hashes' parent: the hash before it in its sequence.
+
+    One SGLang backup call stores consecutive pages of one sequence (``prefix_keys +
+    keys`` is one contiguous chain, SGLang's ``HiCacheStorageExtraInfo``), so a page's
+    parent is the key before it, and the first page's the last of ``prefix_keys``; None
+    where SGLang passes no prefix keys (``hicache_storage_pass_prefix_keys`` off: the
+    first page's parent is not known) or the call starts its sequence.
+    """
+    if not keys:
+        return []
+    first = prefix_keys[-1] if prefix_keys else None
+    return [first, *keys[:-1]]
 
 
 def is_kv_shaped(pool: Any) -> bool:
@@ -129,6 +147,7 @@ def late_safe_call(
     *,
     release: Callable[[], None] | None = None,
     guard: bool = False,
+    parents: Sequence[str | None] | None = None,
 ) -> tuple[BatchResult, bool]:
     """Get or put (``op``) pages ``ids`` so that a call timing out never leaves memory
     that may be reused under the late call; returns the result and whether ``release``
@@ -139,12 +158,13 @@ def late_safe_call(
     ``scratch_pages_quarantined``. ``guard`` (a put from memory SGLang takes back as soon
     as this returns) seals each page under a :class:`~kvtier.core.saveguard.SaveGuard`
     tripped at the timeout: a late write then lands as a page that never verifies.
+    ``parents``: a put's pages' real parents, as storage keys (see :func:`chain_parents`).
     """
     hold = LateHold(release) if release is not None else None
     on_late = hold.returned if hold is not None else None
     guards = [SaveGuard() for _ in ids] if guard and op == "put" else None
     if op == "put":
-        result = store.put(names, ids, on_late=on_late, guards=guards)
+        result = store.put(names, ids, on_late=on_late, guards=guards, parents=parents)
     else:
         result = store.get(names, ids, on_late=on_late)
     if result.outcome is not Outcome.TIMED_OUT:
@@ -192,8 +212,16 @@ class AttachedPool(Generic[P]):
         place (it is staged) and a put of them is guarded (see ``docs/sglang.md``)."""
         return any(tier.store.backend_call_timeout_s is not None for tier in self.store.tiers)
 
-    def transfer(self, op: str, names: list[str], ids: list[int]) -> list[bool]:
-        """Get or put SGLang's in-place pages ``ids`` under this pool's keys ``names``.
+    def transfer(
+        self,
+        op: str,
+        names: list[str],
+        ids: list[int],
+        parents: Sequence[str | None] | None = None,
+    ) -> list[bool]:
+        """Get or put SGLang's in-place pages ``ids`` under this pool's keys ``names``
+        (a put's ``parents``: each page's parent, as this pool's keys, see
+        :meth:`parent_names`).
 
         Unbounded calls move them in place. Bounded ones may time out and complete late,
         when SGLang already reuses its pages: a get then reads into kvtier's own scratch
@@ -205,9 +233,13 @@ class AttachedPool(Generic[P]):
         if not names:
             return []
         if not self.bounded:
-            return self.store.get(names, ids) if op == "get" else self.store.put(names, ids)
+            if op == "get":
+                return self.store.get(names, ids)
+            return self.store.put(names, ids, parents=parents)
         if op == "put":
-            return late_safe_call(self.store, op, names, ids, self.counters, guard=True)[0]
+            return late_safe_call(
+                self.store, op, names, ids, self.counters, guard=True, parents=parents
+            )[0]
         tensors = pages.take_spare(len(ids))
         scratch = pages.add_scratch(tensors)
 
@@ -237,6 +269,10 @@ class AttachedPool(Generic[P]):
         """SGLang's page hashes in this pool's namespace, with the plan's rank suffix."""
         return [external_key(self.plan.namespace, key, self.plan.rank_suffix) for key in raw]
 
+    def parent_names(self, raw: Sequence[str | None]) -> list[str | None]:
+        """SGLang's parent page hashes (:func:`chain_parents`) as this pool's keys."""
+        return [None if parent is None else self.keys([parent])[0] for parent in raw]
+
     def raw_of(self, key: str) -> str | None:
         """SGLang's page hash inside one of this pool's keys (the inverse of :meth:`keys`:
         ``<namespace id>-x-<hash><rank suffix>``), or None for a key of another namespace."""
@@ -246,9 +282,17 @@ class AttachedPool(Generic[P]):
         raw = key[len(prefix) : len(key) - len(suffix)]
         return raw or None
 
-    def move(self, op: str, keys: list[str], host_indices: Any, firsts: list[int]) -> list[bool]:
+    def move(
+        self,
+        op: str,
+        keys: list[str],
+        host_indices: Any,
+        firsts: list[int],
+        parents: Sequence[str | None] | None = None,
+    ) -> list[bool]:
         """Get or put (``op``) the pages at SGLang's ``host_indices`` (``firsts``: each
         page's first slot): in place, or by value for a state pool that names no memory.
+        A put's ``parents`` are SGLang's page hashes (:func:`chain_parents`).
 
         By value, a get is a leading run and only verified pages reach the pool (through
         SGLang's ``set_from_flat_data_page``).
@@ -256,9 +300,10 @@ class AttachedPool(Generic[P]):
         if not keys:
             return []
         names = self.keys(keys)
+        named = None if parents is None else self.parent_names(parents)
         pages = self.pages
         if not isinstance(pages, StatePages):
-            return self.transfer(op, names, pages.pages_of(host_indices, len(keys)))
+            return self.transfer(op, names, pages.pages_of(host_indices, len(keys)), named)
         host = pages.host_pool
         if op == "put":
             tensors = [
@@ -279,6 +324,7 @@ class AttachedPool(Generic[P]):
                 self.counters,
                 release=lambda: pages.drop(ids),
                 guard=self.bounded,
+                parents=named if op == "put" else None,
             )
             results: list[bool] = answer if op == "put" else leading_run(answer)
         finally:

@@ -29,6 +29,7 @@ from kvtier.integrations.sglang.pages import SGLangPages, flat_page
 from kvtier.integrations.sglang.plan import SGLangSetup
 from kvtier.integrations.sglang.pools import (
     AttachedPool,
+    chain_parents,
     first_slots,
     late_safe_call,
     leading_run,
@@ -293,11 +294,18 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if op == "put" and not self.is_writer:
             self._counters.add("skipped_not_writer", len(keys))
             return [True] * len(keys)
+        parents: list[str | None] | None = None
         if op == "put":
             self._learn(keys, extra_info)
+            parents = chain_parents(keys, getattr(extra_info, "prefix_keys", None))
         start = time.perf_counter()
         results = self._every(
-            [shard.transfer(op, n, pages) for shard, n in zip(shards, names, strict=True)]
+            [
+                shard.transfer(
+                    op, n, pages, None if parents is None else shard.parent_names(parents)
+                )
+                for shard, n in zip(shards, names, strict=True)
+            ]
         )
         moved = sum(results)
         self._windows.record(
@@ -357,7 +365,10 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if op == "put" and not pool.writes:
             self._counters.add("skipped_not_writer", len(keys))
             return [True] * len(keys)
-        results = pool.move(op, keys, transfer.host_indices, firsts)
+        parents = None
+        if op == "put":
+            parents = chain_parents(keys, getattr(extra_info, "prefix_keys", None))
+        results = pool.move(op, keys, transfer.host_indices, firsts, parents)
         if keys and not pool.in_place:
             self._counters.add("state_pages_copied", len(keys) if op == "put" else sum(results))
         return results
@@ -453,6 +464,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """
         self._counters.add("generic_path_pages", len(keys))
         results = []
+        # one legacy set stores consecutive pages of one sequence (SGLang's backup)
+        parents = chain_parents(keys, None) if op == "put" else None
         for shard in self._kv():
             names = shard.keys(keys)
             pages = shard.pages
@@ -467,6 +480,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                     shard.counters,
                     release=partial(pages.drop_scratch, ids),
                     guard=shard.bounded,
+                    parents=None if parents is None else shard.parent_names(parents),
                 )
                 results.append(answer)
             finally:

@@ -19,6 +19,9 @@ class PageOp:
     Under vLLM's hybrid allocator a request has one op per KV cache group (``group``),
     each with that group's keys and block ids; ``stage`` marks a store whose blocks vLLM
     may free while the request runs (a sliding-window group's), copied aside at once.
+    ``parent`` is the base key of the page before the first one in the same request and
+    group (None: the op starts at the request's first page): a worker that merges several
+    requests' stores into one put tells the storage chain each page's real parent.
     """
 
     req_id: str
@@ -28,6 +31,7 @@ class PageOp:
     first: int
     group: int = 0
     stage: bool = False
+    parent: str | None = None
 
 
 @dataclass

@@ -613,6 +613,7 @@ class SchedulerSide:
                         lo,
                         group,
                         stage=self.groups[group].volatile,
+                        parent=chain[lo - 1] if lo else None,
                     )
                 )
                 planned += hi - lo

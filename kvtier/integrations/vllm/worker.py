@@ -11,7 +11,10 @@ to the scheduler, and keeps every backend call off the model's path:
   not verify, in the same pass. A read that timed out keeps its request waiting until the
   backend call returns, since the backend may still write into the blocks.
 - **stores** are queued for a writer thread, at most ``max_save_pages`` pages: a save
-  beyond it is dropped and counted, never waited for. A finished request's blocks stay
+  beyond it is dropped and counted, never waited for. The writer merges several requests'
+  stores into one ``put`` and passes each page's real parent with it (the page before it
+  in its own request, :attr:`PageOp.parent` for an op's first page), so the tiers'
+  policies never link one request's page to another's. A finished request's blocks stay
   with vLLM until its stores ran; a preempted request's queued stores are dropped and a
   store in flight is waited for (``preempt_wait_s``) before vLLM reuses the blocks, or
   else tainted: its :class:`~kvtier.core.saveguard.SaveGuard` is tripped (every page not
@@ -97,6 +100,9 @@ class _Save:
     names: list[str]
     pages: list[int]
     staging: list[int]
+    #: Each page's parent, as a storage name of this rank (the page before it in its
+    #: request; the op's ``parent`` for its first page).
+    parents: list[str | None] = field(default_factory=list)
     #: Preempted while its call ran: deleted once the call returns, never reported stored.
     tainted: bool = False
     #: Tripped with ``tainted``: no page of it is checksummed from reused blocks after that.
@@ -210,10 +216,14 @@ class WorkerSide(RankWorker):
         pages: list[int],
         on_late: Any,
         guards: Sequence[SaveGuard | None] | None = None,
+        parents: Sequence[str | None] | None = None,
     ) -> BatchResult:
         """One bounded ``put`` into the chain's first tier (it cascades down on its own);
-        ``guards``: each page's save guard (tripped if its request is preempted)."""
-        return self._require_store().put(names, pages, on_late=on_late, guards=guards)
+        ``guards``: each page's save guard (tripped if its request is preempted);
+        ``parents``: each page's real parent (the put merges several requests' pages)."""
+        return self._require_store().put(
+            names, pages, on_late=on_late, guards=guards, parents=parents
+        )
 
     # --- loads --------------------------------------------------------------------------
 
@@ -431,7 +441,9 @@ class WorkerSide(RankWorker):
                     self.pages.copy_block(block, slot)
                 self.counters.add("save_staged_pages", count)
                 pages = staging
-            save = _Save(op, self.names(op.keys), pages, staging)
+            names = self.names(op.keys)
+            first = self.names([op.parent])[0] if op.parent is not None else None
+            save = _Save(op, names, pages, staging, [first, *names[:-1]][: len(names)])
             with self._cv:
                 self._queue.append(save)
                 self._queued_pages += count
@@ -495,7 +507,8 @@ class WorkerSide(RankWorker):
             if self.store is None:
                 raise KvtierError("the page store is closed", value=None)
             guards = [save.guard for save in batch for _ in save.names]
-            return self._store_put(names, pages, partial(self._late, batch), guards)
+            parents = [parent for save in batch for parent in save.parents]
+            return self._store_put(names, pages, partial(self._late, batch), guards, parents)
         except KvtierError as exc:  # backend errors are False, not raised
             log.warning("kvtier: a store raised %s; its %d pages are not kept", exc, len(names))
             return None
