@@ -21,8 +21,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, Protocol, TypeVar, cast, runtime_checkable
 
-import xxhash
-
 from kvtier.core import compiled_envelope
 from kvtier.core.bounded import (
     DEFAULT_CALL_TIMEOUT_S,
@@ -34,7 +32,6 @@ from kvtier.core.envelope import (
     HEADER,
     BatchEnvelope,
     EnvelopeFormat,
-    Rejection,
     validate_fingerprint,
 )
 from kvtier.core.errors import InvalidFieldError, PageError, StorageError
@@ -46,6 +43,7 @@ from kvtier.core.metrics import zeroed
 from kvtier.core.renames import renamed_keywords
 from kvtier.core.saveguard import SaveGuard
 from kvtier.core.storage import Counters, StorageBackend
+from kvtier.core.verifying import BatchChecks
 
 __all__ = [
     "STATS_BOUND_S",
@@ -318,6 +316,7 @@ class PageStore:
         *,
         on_late: Callable[[Any], None] | None = None,
         guards: Sequence[SaveGuard | None] | None = None,
+        parents: Sequence[str | None] | None = None,
     ) -> BatchResult:
         """Envelope each page in its header slot and store it; True where the backend did.
 
@@ -334,6 +333,11 @@ class PageStore:
         page whose guard tripped before the call returned is reported False (here and to
         ``on_late``) and counted ``put_tainted``. Guarded pages are enveloped by the core,
         never by a backend's own loop (``checks_envelopes``).
+
+        ``parents`` (each page's real parent, see :meth:`kvtier.core.store.Store.put`) is
+        accepted and not used: a single page store describes nothing to a policy (its
+        backend's policy learns only inserts, accesses and removals); the chain in front of
+        a plan's page stores is what tells its tiers' policies each page's parent.
         """
         keys = self._checked_keys(keys, pages)
         if not keys:
@@ -419,78 +423,33 @@ class PageStore:
         if not keys:
             return BatchResult()
         buffers = [self.pool.page_buffers(page) for page in pages]
-        hooks = self._hooks
-        enveloped = self._enveloped
         for regions in buffers:
             # A backend that reports True without filling the slot must not leave a stale
             # (valid-looking) envelope from an earlier put behind.
             regions[0].view[: HEADER.size] = _ZERO_HEADER
         full = self.verify == "full"
-        verify = self._format().verify
-        compiled = self._compiled
-        static = self._format().batch(()).static
-        verify_compiled = compiled_envelope.verify_envelopes
-        reasons: dict[int, Rejection | None] = {}
-        streams: dict[int, tuple[Any, list[int]]] = {}
-
-        def feed(i: int, piece: memoryview) -> None:
-            stream = streams.get(i)
-            if stream is None:
-                stream = streams[i] = (xxhash.xxh3_128(), [0])
-            stream[0].update(piece)
-            stream[1][0] += piece.nbytes
-
-        def check(i: int) -> Rejection | None:
-            stream = streams.pop(i, None)
-            if compiled and stream is None:
-                (reason,) = verify_compiled(static, (keys[i],), (buffers[i],), full=full)
-                reasons[i] = reason
-                return reason
-            page = [e.view for e in buffers[i]]
-            payload = page[1:]
-            digest = None
-            if stream is not None and stream[1][0] == _nbytes(payload):
-                digest = stream[0].digest()  # hashed as it landed, every byte once
-            reason = reasons[i] = verify(page[0], keys[i], payload, full=full, digest=digest)
-            return reason
-
-        def checks(chunk: Sequence[int]) -> None:  # compiled: one call a slice
-            found = verify_compiled(
-                static, [keys[i] for i in chunk], [buffers[i] for i in chunk], full=full
-            )
-            for i, reason in zip(chunk, found, strict=True):
-                reasons[i] = reason
-
+        fmt = self._format()
+        checks = BatchChecks(fmt, keys, buffers, full=full, compiled=self._compiled)
+        enveloped, hooks = self._enveloped, self._hooks
         batch: BatchEnvelope | None = None
-        if enveloped is not None:
-            batch = self._format().batch(keys, full=full)
-            call = lambda: enveloped.get_with(keys, buffers, check, envelope=batch)  # noqa: E731
-        elif hooks is not None:
-            on_payload = feed if full else None
-            call = lambda: hooks.get_with(keys, buffers, check, on_payload)  # noqa: E731
-        else:
+        if enveloped is not None:  # the backend's loop verifies
+            batch = fmt.batch(keys, full=full)
+            call = lambda: enveloped.get_with(keys, buffers, checks.check, envelope=batch)  # noqa: E731
+        elif hooks is not None:  # each page verified in the I/O thread that read it
+            on_payload = checks.feed if full else None
+            call = lambda: hooks.get_with(keys, buffers, checks.check, on_payload)  # noqa: E731
+        else:  # verified here once the batch is in
             call = lambda: self.backend.get(keys, buffers)  # noqa: E731
         results = self._call("get", len(keys), call, on_late)
         if results.outcome is not Outcome.OK:
             self._counters.add("misses", len(keys))
             return results
         if batch is not None:
-            for i in batch.valid:  # checked by the backend's own loop
-                reasons[i] = None
+            checks.passed(batch.valid)
         filled = [i for i, ok in enumerate(results) if ok]
         self._counters.add("misses", len(keys) - len(filled))
-        todo = [i for i in filled if i not in reasons]
-        if todo:  # no hooks (or a backend that skipped some): verify here
-            if compiled:
-                if full:
-                    self._slices(checks, todo)
-                else:
-                    checks(todo)
-            elif full:
-                self._each(check, todo)
-            else:
-                for i in todo:
-                    check(i)
+        checks.finish(filled, self._slices, self._each)
+        reasons = checks.reasons
         hits = 0
         nbytes = 0
         for i in filled:
