@@ -193,7 +193,9 @@ class TieredCache:
         ``device_slots`` holds ``len(keys) * page_size`` token slots (page ``i`` is
         ``device_slots[i*ps:(i+1)*ps]``). Keep those slots unchanged until
         ``handle.wait_host()``. Keys already cached are not copied again. Failures are
-        reported on the handle and in stats, never raised from a worker.
+        reported on the handle and in stats, never raised from a worker. One call's keys
+        are taken as one sequence's consecutive pages: each page's parent, told to the
+        storage tiers' policies, is the key before it (the first page has none).
 
         ``layer`` copies one layer (``backup_layer``, for layer-sharded pools): call it
         once per layer for the same keys; a page becomes ready, and is written to storage,
