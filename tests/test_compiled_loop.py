@@ -1164,9 +1164,8 @@ def test_publish_undoes_an_exchange_with_an_entry_that_took_the_temp_name(
 #: ``$SWAP_ASIDE`` and puts a foreign regular file under the source's name
 #: (``SWAP_WHEN=before``), or once it is done renames ``$SWAP_OVER`` (another writer's
 #: page of the key) over the name (``SWAP_WHEN=after``); once a case (``$SWAP_ASIDE``).
-#: The compiled loop's calls reach it (glibc's renameat2 wrapper, rename), and so do the
-#: Python steps' (ctypes' renameat2, os.replace); the ring's rename (fsync: "batch") goes
-#: through io_uring, so _SWAPPER takes the name in the backend's own step 3 instead.
+#: The C steps' calls reach it (glibc's renameat2 wrapper, rename), and so do the Python
+#: steps' (ctypes' renameat2, os.replace).
 _SWAP_SHIM = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -1236,8 +1235,7 @@ renameat2(int from_dir, const char *from, int to_dir, const char *to, unsigned i
 
 #: One process (the shim preloaded) serving every case: a line ``root kind compiled_io
 #: fsync call when`` in, a JSON line out. ``call`` is the move taken: ``renameat2`` (an
-#: exchange over the key's page, put first), ``rename`` (a new key) or ``ring`` (the
-#: ring's batch rename of a new key).
+#: exchange over the key's page, put first) or ``rename`` (a new key).
 _SWAPPER = """
 import json
 import os
@@ -1276,18 +1274,6 @@ def payload(pool, page):
     return b"".join(bytes(e.view) for e in pool.extents(page))
 
 
-def ring_rename_taken(original):  # the ring's RENAME is no libc call: take the name here
-    def rename(self, put):
-        if os.environ.get("SWAP_NAME") == put.final.name and not os.path.exists(
-            os.environ["SWAP_ASIDE"]
-        ):
-            os.rename(put.tmp, os.environ["SWAP_ASIDE"])
-            put.tmp.write_bytes(FOREIGN)
-        return original(self, put)
-
-    return rename
-
-
 print("ready", flush=True)
 for line in sys.stdin:
     root, kind, compiled_io, fsync, call, when = line.split()
@@ -1307,10 +1293,6 @@ for line in sys.stdin:
         shutil.copyfile(final, over)  # the page it will publish over ours
     elif call == "renameat2":
         assert store.put([key], [0]) == [True]  # the key's page: the move exchanges
-    if call == "ring":
-        from kvtier.backends.uring.backend import UringBackend
-
-        UringBackend._rename = ring_rename_taken(UringBackend._rename)
     os.environ.update(
         SWAP_NAME=final.name, SWAP_CALL=call, SWAP_WHEN=when,
         SWAP_ASIDE=str(aside), SWAP_OVER=str(over),
@@ -1381,19 +1363,36 @@ def swapper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., 
     assert server.returncode == 0
 
 
-#: (backend, compiled_io, fsync, the move taken): every loop's exchange and rename.
+#: (backend, compiled_io, fsync, the move taken): every loop's exchange and rename. With
+#: compiled_io on, the compiled loop writes (file: fsync "none" and "page"; uring: "none")
+#: or the backend's own loop writes and the C steps publish (file "batch", the ring's
+#: "page" and "batch"); off, every step is Python's.
 _SWAPPED = [
     ("file", True, "page", "renameat2"),  # (fsync: the compiled loop would go in place)
     ("file", True, "none", "rename"),
     ("uring", True, "none", "rename"),
+    ("file", True, "batch", "renameat2"),
+    ("file", True, "batch", "rename"),
+    ("uring", True, "page", "renameat2"),
+    ("uring", True, "batch", "rename"),
     ("file", False, "none", "renameat2"),
     ("file", False, "none", "rename"),
     ("uring", False, "none", "renameat2"),
     ("uring", False, "none", "rename"),
-    ("uring", False, "batch", "ring"),
+    ("uring", False, "batch", "rename"),
 ]
+
+
+def _writer(kind: str, compiled_io: bool, fsync: str) -> str:
+    """Which loop writes the page and which language publishes it, for test ids."""
+    if compiled_io and fsync in ("none", "page" if kind == "file" else "none"):
+        return "compiled"
+    loop = "ring" if kind == "uring" else "python"
+    return f"{loop}-{'c-steps' if compiled_io else 'python-steps'}"
+
+
 _SWAPPED_IDS = [
-    f"{kind}-{'compiled' if compiled_io else 'ring' if kind == 'uring' else 'python'}-{fsync}"
+    f"{kind}-{_writer(kind, compiled_io, fsync)}-{fsync}"
     f"-{'exchange' if call == 'renameat2' else 'rename'}"
     for kind, compiled_io, fsync, call in _SWAPPED
 ]
@@ -1407,14 +1406,14 @@ def test_a_file_swapped_into_the_temp_name_at_the_move_is_never_published(
     # move, so the move puts that file under the page's name: step 4 finds it is not the
     # file written. An exchange is undone (the old page is back); after a rename the file
     # is left under the page's name (not ours to remove: see publish.py step 4). The
-    # compiled loop then writes the page again through the Python loop (True, the new
-    # page); the others report False
+    # compiled loop then writes the page again through the backend's own loop (True, the
+    # new page); the others report False. The C steps and the Python ones agree
     if kind == "uring":
         _require_uring()
     done = swapper(kind, compiled_io, fsync, call, "before")
     assert done["swapped"], "the shim did not take the temp name"
     assert done["temp_taken"] == 1
-    if compiled_io:
+    if _writer(kind, compiled_io, fsync) == "compiled":
         assert (done["put"], done["get"], done["page"]) == (True, True, "new")
     elif call == "renameat2":
         assert (done["put"], done["get"], done["page"]) == (False, True, "old")
@@ -1422,23 +1421,41 @@ def test_a_file_swapped_into_the_temp_name_at_the_move_is_never_published(
         assert (done["put"], done["get"], done["final"]) == (False, False, "foreign")
 
 
-@pytest.mark.parametrize("uring", [False, True], ids=["file", "uring"])
-def test_another_writers_page_moved_over_ours_after_the_compiled_move_is_no_failure(
-    swapper: Callable[..., dict[str, Any]], uring: bool
+#: (backend, compiled_io, fsync): the compiled loop, the C steps after the backend's own
+#: loop, and the Python fallback, each under both backends.
+_REPLACED_AFTER = [
+    ("file", True, "none"),
+    ("uring", True, "none"),
+    ("file", True, "batch"),
+    ("uring", True, "page"),
+    ("file", False, "none"),
+    ("uring", False, "none"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "compiled_io", "fsync"),
+    _REPLACED_AFTER,
+    ids=[f"{k}-{_writer(k, c, f)}-{f}" for k, c, f in _REPLACED_AFTER],
+)
+def test_another_writers_page_moved_over_ours_after_the_move_is_no_failure(
+    swapper: Callable[..., dict[str, Any]], kind: str, compiled_io: bool, fsync: str
 ) -> None:
-    # another process's page of the key replaces ours between the compiled loop's move
-    # and its check: ours was published, then replaced. Its envelope (this store's, the
-    # key's) tells the compiled loop it is a page of the key, not a foreign file
-    if uring:
+    # another process's page of the key replaces ours between the move and its check:
+    # ours was published, then replaced. Its envelope (this store's, the key's, of the
+    # payload's length) tells step 4 it is a page of the key, not a foreign file: one
+    # rule, the same answer from the C steps and the Python ones
+    if kind == "uring":
         _require_uring()
-    done = swapper("uring" if uring else "file", True, "none", "renameat2", "after")
+    done = swapper(kind, compiled_io, fsync, "renameat2", "after")
     assert done["swapped"], "the shim did not replace the page"
     assert done["temp_taken"] == 0
     assert (done["put"], done["get"], done["page"]) == (True, True, "old")
 
 
-#: Preloaded, refuses every exchange onto a name ending in ``/$BUSY_NAME`` with EBUSY, as
-#: for a mount point: both the compiled loop's renameat2 and the Python steps' reach it.
+#: Preloaded, refuses every exchange onto a name ending in ``/$BUSY_NAME`` with
+#: ``$BUSY_ERRNO`` (EBUSY where unset, as for a mount point), counting them in
+#: ``busy_calls``: the C steps' renameat2 and the Python steps' (ctypes) both reach it.
 _BUSY_SHIM = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -1446,13 +1463,16 @@ _BUSY_SHIM = r"""
 #include <stdlib.h>
 #include <string.h>
 
+int busy_calls;
+
 int
 renameat2(int from_dir, const char *from, int to_dir, const char *to, unsigned int flags)
 {
-    const char *name = getenv("BUSY_NAME");
+    const char *name = getenv("BUSY_NAME"), *code = getenv("BUSY_ERRNO");
     size_t n = name ? strlen(name) : 0, t = strlen(to);
     if (n && t > n && to[t - n - 1] == '/' && strcmp(to + t - n, name) == 0) {
-        errno = EBUSY;
+        busy_calls++;
+        errno = code ? atoi(code) : EBUSY;
         return -1;
     }
     int (*forward)(int, const char *, int, const char *, unsigned int) =
@@ -1461,6 +1481,9 @@ renameat2(int from_dir, const char *from, int to_dir, const char *to, unsigned i
 }
 """
 
+#: A put over a directory at the page's name, its exchange refused: ``root writer`` in,
+#: where ``writer`` is ``compiled`` (the compiled loop), ``c-steps`` (the backend's own
+#: loop, raw pages, the C steps) or ``python-steps`` (compiled_io off).
 _BUSY_WRITER = """
 import json, os, sys
 from pathlib import Path
@@ -1473,58 +1496,115 @@ from kvtier.core.host_pool import HostPool
 from kvtier.core.keys import Namespace, PageKeyer
 from kvtier.core.pagestore import PageStore
 
+writer = sys.argv[2]
 geometry = KVGeometry.mha(num_layers=2, num_kv_heads=2, head_dim=64, page_size=4)
 key = PageKeyer(Namespace("busy", geometry.fingerprint), geometry.page_size).keys([1, 2, 3, 4])[0]
 pool = HostPool(geometry, "page_first", num_pages=1, pin_memory=False)
-backend = FileBackend(FileConfig(root=sys.argv[1], min_free_bytes=0, io_threads=1))
+config = FileConfig(
+    root=sys.argv[1], min_free_bytes=0, io_threads=1, compiled_io=writer != "python-steps"
+)
+backend = FileBackend(config)
 store = PageStore(backend, pool, fingerprint=geometry.fingerprint)
 final = Path(paths.page_path_str(os.fspath(backend.store), key))
 for directory in (final.parent.parent, final.parent, final):  # a directory at the page
     directory.mkdir(mode=0o700, exist_ok=directory != final)
 os.environ["BUSY_NAME"] = final.name
+put = backend.put([key], [pool.extents(0)]) if writer == "c-steps" else store.put([key], [0])
 print(json.dumps({
-    "put": store.put([key], [0]),
-    "compiled": backend.checks_envelopes,
+    "put": put,
+    "compiled": backend.checks_envelopes and writer == "compiled",
     "left": sorted(p.name for p in final.parent.iterdir()),
     "failed_io": backend.stats().get("put_failed_io", 0),
 }))
 """
 
 
-def test_a_refused_exchange_in_the_compiled_loop_reports_false_and_publishes_nothing(
-    tmp_path: Path,
-) -> None:
-    # the compiled loop's counterpart of test_store_debris's refused exchange: its exchange
-    # over what holds the page's name fails (EBUSY, a mount point), so it leaves the page
-    # to the Python steps, whose exchange fails too: False, nothing published, no temp
-    shim = _shim(tmp_path, _BUSY_SHIM)
+def _preloaded(shim: Path, script: str, *args: str) -> dict[str, Any]:
+    """Run ``script`` with ``shim`` preloaded; its last line of output, as JSON."""
     done = subprocess.run(
-        [sys.executable, "-c", _BUSY_WRITER, str(tmp_path / "root")],
+        [sys.executable, "-c", script, *args],
         env=dict(os.environ, LD_PRELOAD=str(shim)),
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.splitlines()[-1])
-    assert result["compiled"], "the put did not run the compiled loop"
+    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return result
+
+
+@pytest.mark.parametrize("writer", ["compiled", "c-steps", "python-steps"])
+def test_a_refused_exchange_reports_false_and_publishes_nothing(
+    tmp_path: Path, writer: str
+) -> None:
+    # the counterpart of test_store_debris's refused exchange for every writer: the
+    # exchange over what holds the page's name fails (EBUSY, a mount point); the compiled
+    # loop leaves the page to FileStore.publish_page, whose C steps fail the same way, as
+    # do the Python steps: False, nothing published, no temp
+    shim = _shim(tmp_path, _BUSY_SHIM)
+    result = _preloaded(shim, _BUSY_WRITER, str(tmp_path / "root"), writer)
+    assert result["compiled"] == (writer == "compiled"), "the put took another loop"
     assert result["put"] == [False] and result["failed_io"] == 1
     assert len(result["left"]) == 1 and result["left"][0].endswith(fs_paths.PAGE_SUFFIX)
     final = next((tmp_path / "root").rglob(f"*{fs_paths.PAGE_SUFFIX}"))
     assert final.is_dir()  # still there, untouched
 
 
-@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "rename"])
-def test_a_page_another_writer_of_this_process_moved_over_ours_is_no_failure(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+_NO_EXCHANGE = """
+import ctypes, errno, json, os, sys
+from pathlib import Path
+
+from kvtier.backends.filestore import paths, publish
+
+root, compiled_steps = Path(sys.argv[1]), sys.argv[2] == "1"
+root.mkdir()
+final = root / "page.kv"
+final.write_bytes(b"old")
+os.environ.update(BUSY_NAME=final.name, BUSY_ERRNO=str(errno.EINVAL))
+pages = []
+for content in (b"new", b"newer"):
+    fd, tmp = paths.open_temp(final)
+    os.write(fd, content)
+    os.close(fd)
+    publish.publish(tmp, final, compiled=compiled_steps)
+    pages.append(final.read_bytes().decode())
+print(json.dumps({
+    "pages": pages,
+    "calls": ctypes.c_int.in_dll(ctypes.CDLL(None), "busy_calls").value,
+    "exchange": publish.exchange_supported(),
+    "left": sorted(p.name for p in root.iterdir()),
+}))
+"""
+
+
+@pytest.mark.parametrize("compiled_steps", [True, False], ids=["c-steps", "python-steps"])
+def test_the_steps_fall_back_to_rename_without_exchange(
+    tmp_path: Path, compiled_steps: bool
 ) -> None:
-    # two threads put one key: the second's move lands between the first's move and its
-    # check. Both were published; neither undoes the other, and no temp file is left
+    # a filesystem that cannot exchange (EINVAL): the page is renamed over instead, and
+    # no later publish tries the exchange again, whichever language runs the steps
+    shim = _shim(tmp_path, _BUSY_SHIM)
+    result = _preloaded(shim, _NO_EXCHANGE, str(tmp_path / "root"), str(int(compiled_steps)))
+    assert result == {"pages": ["new", "newer"], "calls": 1, "exchange": False, "left": ["page.kv"]}
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "rename"])
+@pytest.mark.parametrize("same_key", [True, False], ids=["page-of-the-key", "other-bytes"])
+def test_a_page_another_writer_moved_over_ours_is_told_by_its_leading_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool, same_key: bool
+) -> None:
+    # two writers put one key: the second's move lands between the first's move and its
+    # check (the Python steps, whose move can be interleaved here; the C steps' is by the
+    # swap shim above). A file whose leading bytes (the envelope up to its payload
+    # checksum) are the first's is a page of the key: both were published, no temp file is
+    # left. Other leading bytes (raw pages only: one key's envelopes agree) are not: the
+    # first reports TempTaken, and undoes its exchange
     from kvtier.backends.filestore import publish
 
     final = tmp_path / "page.kv"
     if exchange:
         final.write_bytes(b"old page")
+    head = os.urandom(publish.SAME_PAGE_PREFIX)
 
     def written(content: bytes) -> tuple[str, publish.FileId]:
         fd, tmp = fs_paths.open_temp(final)
@@ -1533,16 +1613,25 @@ def test_a_page_another_writer_of_this_process_moved_over_ours_is_no_failure(
         os.close(fd)
         return os.fspath(tmp), written
 
-    first, second = written(b"first"), written(b"second")
+    first = written(head + b"first")
+    second_bytes = (head if same_key else os.urandom(len(head))) + b"second"
+    second = written(second_bytes)
     move = publish.move
 
     def then_the_second(tmp: str, target: str, debris: object = None) -> bool:
         moved = move(tmp, target)
         monkeypatch.setattr(publish, "move", move)
-        publish.publish(second[0], final, written=second[1])
+        publish.publish(second[0], final, written=second[1], compiled=False)
         return moved
 
     monkeypatch.setattr(publish, "move", then_the_second)
-    publish.publish(first[0], final, written=first[1])  # no TempTaken
-    assert final.read_bytes() == b"second"
-    assert list(tmp_path.iterdir()) == [final]
+    if same_key:
+        publish.publish(first[0], final, written=first[1], compiled=False)
+    else:
+        with pytest.raises(publish.TempTaken):
+            publish.publish(first[0], final, written=first[1], compiled=False)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    if same_key or not exchange:
+        assert final.read_bytes() == second_bytes and left == ["page.kv"]
+    else:  # the first's exchange undone: the old page is back, whole; the second's page
+        assert final.read_bytes() == b"old page" and len(left) == 2  # left to the sweep

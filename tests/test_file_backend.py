@@ -24,6 +24,7 @@ from pydantic import ByteSize
 
 from kvtier.backends.file import FILE_SPEC, FileConfig, validate_file_plan
 from kvtier.backends.file.backend import FileBackend
+from kvtier.backends.filestore import compiled
 from kvtier.backends.filestore import paths as fs_paths
 from kvtier.backends.filestore import publish as fs_publish
 from kvtier.backends.filestore import startup as fs_startup
@@ -36,6 +37,7 @@ from kvtier.core.geometry import KVGeometry
 from kvtier.core.layout import Layout
 from kvtier.core.specs import Feature
 from kvtier.core.storage import BackendContext
+from kvtier.testing import require
 
 REGION = 4096
 
@@ -601,12 +603,17 @@ def test_concurrent_writers_in_processes_never_tear_a_page(root: Path) -> None:
 
 
 def test_concurrent_puts_of_one_key_from_threads(fb: FileBackend) -> None:
+    # every put reports True: a page another thread published over one's own in the
+    # moment after its move is a page of the key (publish.py, step 4), told by the header
+    # slot's leading bytes, the same in every page here as an envelope's would be
     keys = ["same"] * 16
-    pages = [make_page(i, regions=2, size=64 * 1024) for i in range(16)]
+    pages = [
+        [*make_page(0, regions=1), *make_page(i, regions=1, size=64 * 1024)] for i in range(16)
+    ]
     assert fb.put(keys, pages) == [True] * 16
-    out = make_page(0, regions=2, size=64 * 1024)
+    out = [*make_page(0, regions=1), *make_page(0, regions=1, size=64 * 1024)]
     assert fb.get(["same"], [out]) == [True]
-    data = page_bytes(out)
+    data = page_bytes(out[1:])
     assert data == bytes([data[0]]) * len(data)
     assert fb.stats()["pages"] == 1
 
@@ -641,13 +648,16 @@ def test_factory_builds_from_validated_config(root: Path) -> None:
 # --- publishing -----------------------------------------------------------------------
 
 
-def test_publish_exchanges_over_an_existing_page(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compiled_steps", [True, False], ids=["c-steps", "python-steps"])
+def test_publish_exchanges_over_an_existing_page(tmp_path: Path, compiled_steps: bool) -> None:
+    if compiled_steps:
+        require("compiled", None if compiled.available() else compiled.MISSING)
     final = tmp_path / "page.kv"
     for content in (b"old", b"new", b"newer"):
         fd, tmp = fs_paths.open_temp(final)
         os.write(fd, content)
         os.close(fd)
-        fs_publish.publish(tmp, final)
+        fs_publish.publish(tmp, final, compiled=compiled_steps)
         assert final.read_bytes() == content
         assert sorted(p.name for p in tmp_path.iterdir()) == ["page.kv"]
 
@@ -655,6 +665,8 @@ def test_publish_exchanges_over_an_existing_page(tmp_path: Path) -> None:
 def test_publish_falls_back_to_rename_without_exchange(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # the Python steps' exchange (ctypes); the C steps' is refused by a preloaded shim in
+    # test_compiled_loop.py's test_the_c_steps_fall_back_to_rename_without_exchange
     calls: list[int] = []
 
     def no_exchange(*args: object) -> int:
@@ -668,10 +680,43 @@ def test_publish_falls_back_to_rename_without_exchange(
     fd, tmp = fs_paths.open_temp(final)
     os.write(fd, b"new")
     os.close(fd)
-    fs_publish.publish(tmp, final)
+    fs_publish.publish(tmp, final, compiled=False)
     assert final.read_bytes() == b"new" and calls == [1]
     assert fs_publish._renameat2 is None  # not tried again
     assert sorted(p.name for p in tmp_path.iterdir()) == ["page.kv"]
+
+
+@pytest.mark.parametrize("compiled_steps", [True, False], ids=["c-steps", "python-steps"])
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "rename"])
+@pytest.mark.parametrize("kind", ["dirs", "symlinks", "special"])
+def test_publish_over_a_non_page_removes_and_counts_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiled_steps: bool, exchange: bool, kind: str
+) -> None:
+    # a directory, symlink or FIFO under the page's name: exchanged out and removed, or,
+    # for a rename (no exchange here), removed first (the C steps hand it to Python and
+    # run again); either way the page is published and the entry counted once
+    if compiled_steps:
+        require("compiled", None if compiled.available() else compiled.MISSING)
+        assert compiled._pageio.SAME_PAGE_PREFIX == fs_publish.SAME_PAGE_PREFIX  # one rule
+    if not exchange:
+        monkeypatch.setattr(fs_publish, "_renameat2", None)
+    final = tmp_path / "page.kv"
+    if kind == "dirs":
+        final.mkdir()
+        (final / "inside").write_bytes(b"i")
+    elif kind == "symlinks":
+        final.symlink_to(tmp_path / "elsewhere")
+    else:
+        os.mkfifo(final)
+    fd, tmp = fs_paths.open_temp(final)
+    os.write(fd, b"new")
+    written = fs_publish.file_id(fd)
+    os.close(fd)
+    debris = Debris("file")
+    fs_publish.publish(tmp, final, debris=debris, written=written, compiled=compiled_steps)
+    assert not final.is_symlink() and final.read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["page.kv"]
+    assert {name: n for name, n in debris.stats().items() if n} == {f"debris_{kind}": 1}
 
 
 def test_docs_list_every_option_with_its_description() -> None:

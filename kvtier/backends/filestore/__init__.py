@@ -11,7 +11,8 @@ This package holds no code of its own; each module does one job:
   filesystem checks;
 * :mod:`~kvtier.backends.filestore.publish`: the publish protocol, described once, and
   its steps (the temp-name check, the ``renameat2`` exchange or rename, the check after
-  it, dropping the replaced file), which every loop that writes pages follows;
+  it, dropping the replaced file), which every loop that writes pages follows: in C
+  where ``_pageio`` is built, in Python as the fallback;
 * :mod:`~kvtier.backends.filestore.startup`: opening a store (private directories) and
   :func:`~kvtier.backends.filestore.startup.sweep_store`, the one walk over a store
   (start-up, ``rescan``, ``clear``) that finds the pages and deals with debris;
@@ -27,8 +28,10 @@ This package holds no code of its own; each module does one job:
   backends are built on (the contract, the closed check, the spares and slice threads,
   the dispatch between the compiled loop and the backend's own loop);
 * :mod:`~kvtier.backends.filestore.slices`: one slice of a batch per thread;
-* :mod:`~kvtier.backends.filestore.compiled`: the compiled per-page loop ``_pageio``
-  (built from ``_pageio_src/``, one C file a job) and what its codes mean.
+* :mod:`~kvtier.backends.filestore.extension`: loading the compiled module ``_pageio``
+  (built from ``_pageio_src/``, one C file a job), or why it is not used;
+* :mod:`~kvtier.backends.filestore.compiled`: the compiled per-page loop and what its
+  codes mean.
 
 Layout of a store (``paths.store_dir(root, namespace)``)::
 

@@ -169,7 +169,8 @@ class FileStoreBackend(StorageBackend, Generic[ConfigT]):
         ``_compiled_put_threads``).
 
         A page the loop wrote but left under its temp name (something other than a page
-        held the name) is published by the Python steps; a page it could not write goes
+        held the name) is published by :meth:`FileStore.publish_page`, which removes the
+        debris and runs the same C steps; a page it could not write goes
         through the backend's own loop (``_put_one_own``), which repairs what it can
         (debris shard directories, stale temp names). For ``fsync: "page"`` each
         published page's directory is fsynced in the thread that wrote it.

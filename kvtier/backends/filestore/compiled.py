@@ -1,8 +1,8 @@
 """The file backends' compiled per-page loop (``_pageio``), and what its codes mean here.
 
 ``_pageio`` is a small C extension, compiled from ``_pageio_src/`` with the package where
-a C compiler and Python's headers are there (see ``hatch_build.py``); it binds xxHash at
-import, from the ``xxhash`` package or the system's libxxhash (0.8 or later). One call
+a C compiler and Python's headers are there, and loaded by
+:mod:`~kvtier.backends.filestore.extension`. One call
 moves one I/O thread's slice of a batch with the GIL released: open,
 ``preadv``/``pwritev`` straight between the file and the page's regions, the payload
 checksum while the bytes are in cache, the envelope check or write, close, and for a put
@@ -17,18 +17,16 @@ files, same answers, more microseconds per page.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtier.backends.filestore import paths
+from kvtier.backends.filestore import extension, paths
 from kvtier.backends.filestore import publish as protocol
 from kvtier.backends.filestore.slices import copy_threads
 from kvtier.backends.filestore.store import NOT_A_PAGE, FileStore
 from kvtier.core.envelope import BatchEnvelope
-from kvtier.core.envelope_layout import disagreement
 from kvtier.core.storage import PageBuffers
 
 __all__ = [
@@ -48,24 +46,9 @@ __all__ = [
 #: (descriptor, path, size, O_DIRECT). See ``write_slice``.
 Spare = tuple[int, bytes, int, bool]
 
-#: The compiled module, or None where it was not built (then MISSING says why).
-_pageio: Any = None
-MISSING: str | None = None
-try:
-    _pageio = importlib.import_module("kvtier.backends.filestore._pageio")
-except ImportError as exc:  # built without a C compiler: the Python loop
-    MISSING = str(exc)
-else:
-    # xxHash as the xxhash package carries it (SIMD dispatch), else the system's.
-    import xxhash._xxhash
-
-    MISSING = disagreement(_pageio)  # built for another envelope layout: not used
-    if MISSING is None and not any(
-        _pageio.bind(library) for library in (xxhash._xxhash.__file__, "libxxhash.so.0")
-    ):
-        MISSING = "no loaded xxHash library exports the XXH3 functions"
-    if MISSING is not None:
-        _pageio = None
+#: The compiled module, or None where it is not used (then MISSING says why).
+_pageio: Any = extension.pageio
+MISSING: str | None = extension.MISSING
 
 
 #: ``write_pages`` codes of a page it published itself.

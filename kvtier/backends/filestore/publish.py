@@ -1,14 +1,17 @@
-"""The publish protocol of a page file, described once, and its steps in Python.
+"""The publish protocol of a page file, described once; its steps in C, and in Python
+where the compiled module is not there.
 
 Every writer of pages follows these steps, so that a reader that opens ``<key>.kv`` sees
 the whole old page, the whole new page or no file, never a torn one (even when the writer
 is killed mid-write or the disk fills), and so that a put reports True only for a page
-it published. Three loops run them: the Python loop (:func:`publish`, through
-:meth:`FileStore.publish_page <kvtier.backends.filestore.store.FileStore.publish_page>`),
-the io_uring ring (:mod:`kvtier.backends.uring.backend`: step 1 through the ring, steps
-2-5 with :func:`publish`, or for ``fsync: "batch"`` step 3 as a ring rename between
-:func:`check_written` and :func:`check_moved`), and the compiled loop
-(``_pageio_src/publish.c``: the same steps in C with the GIL released, numbered as here).
+it published. Steps 2-5 are written once in C (``_pageio_src/publish.c``, numbered as
+here), and run there for every writer where the compiled module is built and
+``compiled_io`` is on: the compiled loop for the pages it writes, and :func:`publish`
+(through ``_pageio.publish_file``) for a page the file backend's own loop or the
+io_uring ring wrote. The Python steps below (:func:`check_written`, :func:`move`,
+:func:`check_moved`, :func:`drop_replaced`) are the fallback where the module is not
+built, or ``compiled_io`` is off: the same rules, the same answers. Python keeps what
+is rare in both cases: removing and counting debris, and the errors.
 
 1. **Write** the page into a file under a temp name in the page's own directory (a fresh
    ``O_EXCL`` 0600 file; in the compiled loop, possibly a recycled spare), ``fdatasync``
@@ -16,10 +19,11 @@ the io_uring ring (:mod:`kvtier.backends.uring.backend`: step 1 through the ring
    it. A failure removes the temp file (only while its name still holds it) and
    publishes nothing.
 2. **Check the temp name** (:func:`check_written`): it must still hold the file written,
-   a regular file of that identity, not followed. Another entry under it (a directory,
-   a symlink, another file) is never published: :class:`TempTaken`, with nothing to
-   undo; the entry is left to the sweep. (Where the caller does not know the file, the
-   regular file found is the one published: its identity is checked in step 4.)
+   a regular file of that identity, not followed; it is opened (never blocking), so that
+   step 4 can read the file written even after another writer replaced it. Another entry
+   under it (a directory, a symlink, another file) is never published: :class:`TempTaken`,
+   with nothing to undo; the entry is left to the sweep. (Where the caller does not know
+   the file, the regular file found is the one published.)
 3. **Move** (:func:`move`): where a page is there, exchange the two names
    (``renameat2(RENAME_EXCHANGE)``): ext4 starts writeback of a file renamed over an
    existing one (``auto_da_alloc``), which made overwrites several times slower. Where
@@ -27,36 +31,39 @@ the io_uring ring (:mod:`kvtier.backends.uring.backend`: step 1 through the ring
    not tried again), ``rename(2)``, after removing as debris whatever non-file holds the
    page's name (:func:`clear_name`, :func:`replace`). A failed move publishes nothing.
 4. **Check the page's name** (:func:`check_moved`): it must hold the file written (its
-   identity, not followed), or a page another writer of the key published over ours in
-   the moment since the move, or nothing (a delete or an eviction removed it since):
-   ours was published, no failure. Anything else there (a directory, a symlink, a
-   foreign file) took the temp name in the moment between steps 2 and 3, and the move
-   published it instead of our page: :class:`TempTaken`. An exchange is then undone
-   (the old page is back, the entry under the temp name again, left to the sweep).
-   After a rename the entry is left under the page's name: it is not ours, but it
-   cannot be told from another process's page of the key published in that moment, and
-   no regular file under a page's name is removed on a guess; every read refuses a
-   foreign one by its envelope (a miss, never wrong bytes) and the next put of the key
-   replaces it (step 5). "Another writer": the Python steps know the files this
-   process's writers are moving under a name (:func:`moving`); the compiled loop
-   compares the envelope the name holds with the one it wrote (this store's static
-   fields, the key's digest, the payload's length). So another process's page that
-   replaces ours within those microseconds makes a put through the Python steps report
-   False though a page of the key is there: a put may under-report, never claim a page
-   that a get cannot find.
+   identity, not followed), or nothing (a delete or an eviction removed it since), or a
+   *page of the key*: a regular file whose first :data:`SAME_PAGE_PREFIX` bytes (all of
+   a shorter file) are those of the file written. With envelopes those bytes are the
+   envelope up to its payload checksum: this store's static fields, the key's digest and
+   the payload's length, so such a file is a page of this key that another writer, of
+   this process or another, published over ours in the moment since the move. Then ours
+   was published: no failure. Anything else there (a directory, a symlink, a foreign
+   file) took the temp name in the moment between steps 2 and 3, and the move published
+   it instead of our page: :class:`TempTaken`. An exchange is then undone (the old page
+   is back, the entry under the temp name again, left to the sweep). After a rename the
+   entry is left under the page's name: no regular file under a page's name is removed
+   on a guess; every read refuses a foreign one by its envelope (a miss, never wrong
+   bytes) and the next put of the key replaces it (step 5). This one rule, in both
+   languages, replaces the in-process registry of writers the Python steps used to
+   consult: a page another process publishes over ours is now recognised too, whichever
+   language runs the steps. A put reports True only where a page of its key was
+   published; a raw put (no envelope) is told from another by its header slot's leading
+   bytes alone, as a store without envelopes cannot tell a page from a foreign file (two
+   raw puts of one key whose header slots differ may then see one report False, and its
+   exchange undone: the page left is whole either way).
 5. **Drop the replaced file** (:func:`drop_replaced`): after an exchange the temp name
    holds what the page replaced. An old page file is unlinked (the compiled loop may keep
    it instead, as the spare the next page of its size is written into, when no reader
    holds it and it has no other link or owner; otherwise ``recycle_refused``); a non-file
-   is removed as debris and counted.
+   is removed as debris and counted (by Python, in either case).
 6. **Report**: only a published page is committed to the index and counted (``puts``,
    ``bytes_written``: :meth:`FileStore.committed
    <kvtier.backends.filestore.store.FileStore.committed>`), and its directory is
    fsynced for ``fsync: "page"`` (for "batch", each touched directory once, after every
-   rename of the batch). :class:`TempTaken` releases the page's reservation and counts
-   ``put_temp_taken`` (:meth:`FileStore.temp_taken
+   page of the batch is published). :class:`TempTaken` releases the page's reservation
+   and counts ``put_temp_taken`` (:meth:`FileStore.temp_taken
    <kvtier.backends.filestore.store.FileStore.temp_taken>`; the compiled loop then puts
-   the page again through the Python loop); any other failure counts
+   the page again through the backend's own loop); any other failure counts
    ``put_failed_io`` (or ``put_failed_no_space``) and removes the temp file.
 
 One write skips the protocol: without fsync, the compiled loop overwrites a page the
@@ -74,15 +81,16 @@ import errno
 import os
 import stat
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from kvtier.backends.filestore import writes
 from kvtier.backends.filestore.debris import Debris, discard
+from kvtier.backends.filestore.extension import pageio as _pageio
+from kvtier.core.envelope_layout import place
 
 __all__ = [
+    "SAME_PAGE_PREFIX",
     "FileId",
     "TempTaken",
     "check_moved",
@@ -92,13 +100,19 @@ __all__ = [
     "exchange_supported",
     "file_id",
     "move",
-    "moving",
     "publish",
     "replace",
 ]
 
 #: A file's identity, ``(st_dev, st_ino)``: what a temp name must still hold to be published.
 FileId = tuple[int, int]
+
+#: Step 4's leading bytes: the envelope up to its payload checksum (this store's static
+#: fields, the key's digest, the payload's length); ``SAME_PAGE_PREFIX`` in ``pageio.h``.
+SAME_PAGE_PREFIX = place("payload_checksum")[0]
+
+#: How step 2 opens the temp name and step 4 the page's: not followed, never blocking.
+_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
 def file_id(fd: int) -> FileId:
@@ -122,67 +136,45 @@ def _taken(tmp: Path | str) -> TempTaken:
     )
 
 
-def check_written(tmp: Path | str, written: FileId | None) -> FileId:
-    """Step 2: the identity of the file ``tmp`` holds, which must be the file written
-    (any regular file where ``written`` is None); else raise :class:`TempTaken`."""
+def check_written(tmp: Path | str, written: FileId | None) -> int:
+    """Step 2 (Python): open the file ``tmp`` holds, which must be the file written (any
+    regular file where ``written`` is None), else raise :class:`TempTaken`. The caller
+    closes the descriptor; step 4 reads the file's leading bytes through it."""
     try:
-        info = os.lstat(tmp)
+        fd = os.open(tmp, _OPEN_FLAGS)
     except OSError:
+        try:
+            info = os.lstat(tmp)
+        except OSError:
+            raise _taken(tmp) from None
+        if stat.S_ISREG(info.st_mode) and written in (None, (info.st_dev, info.st_ino)):
+            raise  # the file written, which cannot be opened: a failure, not a taken name
         raise _taken(tmp) from None
-    found = (info.st_dev, info.st_ino)
-    if not stat.S_ISREG(info.st_mode) or (written is not None and found != written):
-        raise _taken(tmp)
-    return found
-
-
-class _Moves:
-    """The files this process's writers are moving under each page name (steps 3-4).
-
-    Step 4 asks it whether a file that is not the writer's own under the page's name is
-    another writer's page, published over ours since the move: a file some writer of
-    this process is moving under that name, for as long as any of them is (so the last
-    to check still sees the others' files). A process forked while a writer held the
-    lock starts with none.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._names: dict[str, tuple[int, frozenset[FileId]]] = {}
-        os.register_at_fork(after_in_child=self._forked)
-
-    def _forked(self) -> None:
-        self._lock = threading.Lock()
-        self._names = {}
-
-    def begin(self, final: str, written: FileId) -> None:
-        with self._lock:
-            writers, files = self._names.get(final, (0, frozenset()))
-            self._names[final] = (writers + 1, files | {written})
-
-    def end(self, final: str) -> None:
-        with self._lock:
-            writers, files = self._names.pop(final, (1, frozenset()))
-            if writers > 1:
-                self._names[final] = (writers - 1, files)
-
-    def moving(self, final: str, found: FileId) -> bool:
-        with self._lock:
-            return found in self._names.get(final, (0, frozenset()))[1]
-
-
-_MOVES = _Moves()
-
-
-@contextlib.contextmanager
-def moving(final: Path | str, written: FileId) -> Iterator[None]:
-    """Steps 3 and 4 of a writer of this process run inside: while they do, ``written``
-    under ``final`` is a page of the key to every other writer's step 4."""
-    name = os.fspath(final)
-    _MOVES.begin(name, written)
     try:
-        yield
+        info = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(info.st_mode) or written not in (None, (info.st_dev, info.st_ino)):
+        os.close(fd)
+        raise _taken(tmp)
+    return fd
+
+
+def _same_page(final: Path | str, fd: int) -> bool:
+    """Step 4's test of a regular file under ``final`` that is not the one written (open
+    as ``fd``): whether its leading bytes are the file written's (a page of the key)."""
+    ours = os.pread(fd, SAME_PAGE_PREFIX, 0)
+    try:
+        other = os.open(final, _OPEN_FLAGS)
+    except OSError:
+        return False
+    try:
+        return (
+            stat.S_ISREG(os.fstat(other).st_mode) and os.pread(other, SAME_PAGE_PREFIX, 0) == ours
+        )
     finally:
-        _MOVES.end(name)
+        os.close(other)
 
 
 _AT_FDCWD = -100
@@ -291,25 +283,23 @@ def move(tmp: Path | str, final: Path | str, debris: Debris | None = None) -> bo
     return False
 
 
-def check_moved(
-    tmp: Path | str, final: Path | str, written: FileId | None, *, exchanged: bool
-) -> None:
-    """Step 4: raise :class:`TempTaken` unless ``final`` holds the file written after the
-    move, or a page another writer of this process is moving there (see :func:`moving`).
+def check_moved(tmp: Path | str, final: Path | str, fd: int, *, exchanged: bool) -> None:
+    """Step 4 (Python): raise :class:`TempTaken` unless ``final`` holds the file written
+    (open as ``fd``, from :func:`check_written`), nothing, or a page of the key (its
+    leading bytes are the file written's: see step 4 above).
 
-    ``written`` None (a caller that does not know the file) checks only that a regular
-    file is there. An exchange is undone first (the old page goes back under ``final``);
-    after a rename, what holds ``final`` is left there (see step 4 above).
+    An exchange is undone first (the old page goes back under ``final``); after a
+    rename, what holds ``final`` is left there.
     """
     try:
         info = os.lstat(final)
     except OSError:  # removed since the move (a delete, an eviction): it was published
         return
-    found = (info.st_dev, info.st_ino)
-    if stat.S_ISREG(info.st_mode) and (
-        written is None or found == written or _MOVES.moving(os.fspath(final), found)
-    ):
+    mine = os.fstat(fd)
+    if (info.st_dev, info.st_ino) == (mine.st_dev, mine.st_ino):
         return
+    if stat.S_ISREG(info.st_mode) and _same_page(final, fd):
+        return  # another writer's page of the key, published over ours since the move
     if exchanged:
         _exchange(tmp, final)
     raise _taken(tmp)
@@ -335,20 +325,64 @@ def publish(
     sync_dir: bool = False,
     debris: Debris | None = None,
     written: FileId | None = None,
+    compiled: bool = True,
 ) -> None:
     """Steps 2-5: atomically replace ``final`` with the fully written ``tmp`` (same directory).
 
-    ``written`` is the file step 1 wrote, where the caller knows it. Whatever non-page
-    held ``final`` is removed as debris and counted in ``debris``. Raises
-    :class:`TempTaken` (nothing of ours published, an exchange undone) or OSError
-    (nothing published); once the page is published nothing here raises except the directory
-    fsync of ``sync_dir``, so a caller never reports a published page as failed.
+    ``written`` is the file step 1 wrote, where the caller knows it. The steps run in C
+    where the compiled module is built, unless ``compiled`` is False (``compiled_io``
+    off), and in Python otherwise. Whatever non-page held ``final`` is removed as debris
+    and counted in ``debris``. Raises :class:`TempTaken` (nothing of ours published, an
+    exchange undone) or OSError (nothing published); once the page is published nothing
+    here raises except the directory fsync of ``sync_dir``, so a caller never reports a
+    published page as failed.
     """
-    written = check_written(tmp, written)
-    with moving(final, written):
-        exchanged = move(tmp, final, debris)
-        check_moved(tmp, final, written, exchanged=exchanged)
-    if exchanged:
-        drop_replaced(tmp, debris)
+    debris = debris or _UNTRACKED
+    if compiled and _pageio is not None:
+        _compiled_steps(tmp, final, written, debris)
+    else:
+        _python_steps(tmp, final, written, debris)
     if sync_dir:
         writes.fsync_dir(os.path.dirname(os.fspath(final)))
+
+
+def _compiled_steps(
+    tmp: Path | str, final: Path | str, written: FileId | None, debris: Debris
+) -> None:
+    """Steps 2-5 in C (``_pageio.publish_file``); Python removes the debris the C steps
+    find in the way (then they run again) or move out, and remembers a filesystem that
+    cannot exchange."""
+    global _renameat2
+    cleared = False
+    while True:
+        code = _pageio.publish_file(tmp, final, written, _renameat2 is not None)
+        if code == _pageio.OK:
+            return
+        if code == _pageio.REPLACED_DEBRIS:  # published; a non-page was moved out (step 5)
+            discard(os.fspath(tmp), debris, where="a page")
+            return
+        if code == _pageio.TEMP_TAKEN:
+            raise _taken(tmp)
+        if code == _pageio.NO_EXCHANGE:  # not tried again, here or in the compiled loop
+            _renameat2 = None
+        elif code == _pageio.IN_THE_WAY and not cleared:  # (once: it is counted then)
+            cleared = True
+            clear_name(final, debris)
+        elif code == _pageio.IN_THE_WAY:
+            raise OSError(errno.EISDIR, "something other than a page holds the name", str(final))
+        else:
+            raise OSError(-code, os.strerror(-code), str(final))
+
+
+def _python_steps(
+    tmp: Path | str, final: Path | str, written: FileId | None, debris: Debris
+) -> None:
+    """Steps 2-5 in Python: where the compiled module is not built (or not used)."""
+    fd = check_written(tmp, written)
+    try:
+        exchanged = move(tmp, final, debris)
+        check_moved(tmp, final, fd, exchanged=exchanged)
+    finally:
+        os.close(fd)
+    if exchanged:
+        drop_replaced(tmp, debris)

@@ -72,6 +72,9 @@ class FileStore:
         self.path = startup.prepare_store(options.root, namespace, self.debris)
         self.path_str = os.fspath(self.path)
         self.o_direct = options.o_direct
+        #: Whether the publish protocol's steps run in C where the module is built
+        #: (``compiled_io``; :func:`~kvtier.backends.filestore.publish.publish`).
+        self.compiled_steps = options.compiled_io
         if options.o_direct:
             writes.probe_o_direct(self.path, options.root)
         self.index = FileIndex(
@@ -281,8 +284,16 @@ class FileStore:
         written: protocol.FileId | None = None,
     ) -> None:
         """Steps 2-5 of the publish protocol
-        (:func:`~kvtier.backends.filestore.publish.publish`), with this store's debris."""
-        protocol.publish(tmp, final, sync_dir=sync_dir, debris=self.debris, written=written)
+        (:func:`~kvtier.backends.filestore.publish.publish`), with this store's debris: in
+        C where the compiled module is built and ``compiled_io`` is on."""
+        protocol.publish(
+            tmp,
+            final,
+            sync_dir=sync_dir,
+            debris=self.debris,
+            written=written,
+            compiled=self.compiled_steps,
+        )
 
     def publish_page(
         self,
@@ -353,14 +364,6 @@ class FileStore:
                 self.warn_once(
                     "fsync_errors", "%s backend: fsync of %s: %s", self.backend, directory, exc
                 )
-
-    def clear_name(self, final: Path | str) -> bool:
-        """Before a rename: remove whatever other than a page file holds ``final``."""
-        return protocol.clear_name(final, self.debris)
-
-    def replace(self, tmp: Path | str, final: Path | str) -> None:
-        """A plain rename over ``final``, removing a directory that holds its name."""
-        protocol.replace(tmp, final, self.debris)
 
     # --- removal and rescans -----------------------------------------------------------
 

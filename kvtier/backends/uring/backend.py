@@ -16,7 +16,6 @@ backend built directly, bypassing resolution, runs the probe too and refuses wit
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -57,7 +56,6 @@ class _Put:
     retried: bool = False  # a failed create was cured once (shard dirs, stale name)
     dir_fd: int = -1
     written: publish.FileId | None = None  # the temp file, once written (only it is published)
-    checked: publish.FileId = (-1, -1)  # the file step 2 found under the temp name
     published: bool = False
     finished: bool = False  # committed or failed: nothing left to clean up
 
@@ -242,19 +240,17 @@ class UringBackend(base.FileStoreBackend[UringConfig]):
         return copy_threads(pages)
 
     def _put_own(self, keys: Keys, pages: Pages, before_write: BeforeWrite) -> list[bool]:
-        """Write temp files, fsync as configured, publish by rename; all through the ring.
+        """Write temp files and fsync as configured through the ring, then publish.
 
         Each page is a small chain: WRITE -> (FDATASYNC) -> publish -> (directory FSYNC
         for ``fsync='page'``); ``on_done`` queues the next link as one completes. A page
         is published inline, by the steps of :mod:`~kvtier.backends.filestore.publish`
-        (:meth:`FileStore.publish`): a new page by rename(2), a replaced one by
-        exchanging the names, both microseconds, where a ring RENAME over an existing
-        page makes ext4 start writeback of the new file. With ``fsync='batch'`` the
-        renames wait until every page is synced and then go through the ring, between
-        the protocol's checks (:func:`~kvtier.backends.filestore.publish.check_written`
-        and :func:`~kvtier.backends.filestore.publish.check_moved`). ``before_write(i)``
-        (the core's envelope) runs in this thread just before page ``i``'s first request
-        is queued.
+        (:meth:`_publish`; in C where the compiled module is built): a new page by
+        rename(2), a replaced one by exchanging the names, both microseconds, where a
+        ring RENAME over an existing page makes ext4 start writeback of the new file.
+        With ``fsync='batch'`` the pages are published once every page is synced, then
+        each touched directory is synced once. ``before_write(i)`` (the core's envelope)
+        runs in this thread just before page ``i``'s first request is queued.
         """
         finals = [paths.page_path(self.store, key) for key in keys]
         durability = self.config.fsync
@@ -351,23 +347,9 @@ class UringBackend(base.FileStoreBackend[UringConfig]):
                 # cost microseconds; a plain rename over an existing page (what the ring's
                 # RENAME does) makes ext4 start writeback of the new file, measured at
                 # 0.02-0.05 x a raw in-place overwrite on 16-128 KiB pages.
-                try:
-                    self._fs.publish(put.tmp, put.final, written=put.written)
-                except publish.TempTaken:
+                if not self._publish(put):
                     del live[put.index]
-                    self._temp_taken(put)
                     return None
-                except OSError as exc:
-                    del live[put.index]
-                    self._fail_put(put, exc.errno or errno.EIO)
-                    return None
-                return on_done(IORequest(Op.RENAME, -1, tag=put))
-            if request.op == Op.RENAME:
-                if request.error and not self._rename_again(put, request.error):
-                    del live[put.index]
-                    self._fail_put(put, request.error)
-                    return None
-                put.published = True
                 published.append(put)
                 if durability != "page":
                     del live[put.index]
@@ -392,28 +374,12 @@ class UringBackend(base.FileStoreBackend[UringConfig]):
                 )
             return None
 
-        def finish_batch(request: IORequest) -> None:
-            put: _Put = request.tag
-            if request.error and not self._rename_again(put, request.error):
-                self._fail_put(put, request.error)
-                return
-            try:
-                publish.check_moved(put.tmp, put.final, put.checked, exchanged=False)  # step 4
-            except publish.TempTaken:  # another entry took the temp name
-                self._temp_taken(put)
-                return
-            put.published = True
-            published.append(put)
-
         try:
             self._rings.run(requests(), on_done)
-            if to_publish:
-                ready = [put for put in to_publish if self._still_written(put)]
-                with contextlib.ExitStack() as moves:  # (steps 3-4: the ring's renames)
-                    for put in ready:
-                        moves.enter_context(publish.moving(put.final, put.checked))
-                    self._rings.run([self._rename(put) for put in ready], finish_batch)
-                self._fs.sync_dirs(put.final for put in to_publish if put.published)
+            for put in to_publish:  # fsync 'batch': every page synced, now each published
+                if self._publish(put):
+                    published.append(put)
+            self._fs.sync_dirs(put.final for put in to_publish if put.published)
         finally:  # after an unexpected exception: close, remove and release what is left
             self._committed(published, results)
             for put in [*live.values(), *to_publish]:
@@ -436,34 +402,20 @@ class UringBackend(base.FileStoreBackend[UringConfig]):
             Op.OPEN, -1, paths=(tmp, tmp), open_flags=flags, mode=paths.FILE_MODE, tag=put
         )
 
-    def _rename(self, put: _Put) -> IORequest:
-        """Step 3 for ``fsync='batch'``: the ring's rename of ``put``'s temp file over its
-        page (debris cleared first)."""
-        self._fs.clear_name(put.final)
-        return IORequest(Op.RENAME, -1, paths=(str(put.tmp), str(put.final)), tag=put)
-
-    def _rename_again(self, put: _Put, error: int) -> bool:
-        """After the ring's rename failed with ``error``: rename inline over debris; True if done.
-
-        A directory under the page's name (EISDIR) is removed as debris first; any other
-        error, or a second failure, leaves the put failed and nothing published.
-        """
-        if error not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
-            return False
+    def _publish(self, put: _Put) -> bool:
+        """Steps 2-5 of the protocol for ``put``'s written temp file (in C where the
+        compiled module is built: :meth:`FileStore.publish
+        <kvtier.backends.filestore.store.FileStore.publish>`); False, counted, when
+        nothing was published."""
         try:
-            self._fs.replace(put.tmp, put.final)
-        except OSError:
-            return False
-        return True
-
-    def _still_written(self, put: _Put) -> bool:
-        """Step 2 for ``fsync='batch'``: whether ``put``'s temp name still holds the file
-        written (else nothing is published, counted)."""
-        try:
-            put.checked = publish.check_written(put.tmp, put.written)
+            self._fs.publish(put.tmp, put.final, written=put.written)
         except publish.TempTaken:
             self._temp_taken(put)
             return False
+        except OSError as exc:
+            self._fail_put(put, exc.errno or errno.EIO)
+            return False
+        put.published = True
         return True
 
     def _temp_taken(self, put: _Put) -> None:

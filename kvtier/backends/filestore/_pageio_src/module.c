@@ -320,6 +320,51 @@ write_pages(PyObject *self, PyObject *args)
                          (unsigned long long)spare.size, spare.direct);
 }
 
+PyDoc_STRVAR(publish_file_doc,
+"publish_file(tmp, final, written, exchange) -> int\n\n"
+"Steps 2-5 of the publish protocol (kvtier/backends/filestore/publish.py) for a page\n"
+"file written elsewhere under tmp, in final's directory: check that tmp still holds the\n"
+"file written (written: its (st_dev, st_ino), or None for the regular file found), move\n"
+"it over final (by exchange where exchange is set and a page is there, else rename),\n"
+"check final, and unlink the page it replaced. OK; REPLACED_DEBRIS (published, and a\n"
+"non-file the exchange moved out is under tmp); TEMP_TAKEN (nothing of ours published);\n"
+"with nothing moved, IN_THE_WAY (a non-file holds final), NO_EXCHANGE (no exchange\n"
+"here) or -errno. The GIL is released.");
+
+static PyObject *
+publish_file(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *tmp = NULL, *final = NULL, *written_obj;
+    int exchange;
+    if (!PyArg_ParseTuple(args, "O&O&Op:publish_file", PyUnicode_FSConverter, &tmp,
+                          PyUnicode_FSConverter, &final, &written_obj, &exchange)) {
+        Py_XDECREF(tmp);
+        Py_XDECREF(final);
+        return NULL;
+    }
+    struct stat written = {0};
+    int known = written_obj != Py_None;
+    if (known) {
+        unsigned long long dev, ino;
+        if (!PyArg_ParseTuple(written_obj, "KK:written", &dev, &ino)) {
+            Py_DECREF(tmp);
+            Py_DECREF(final);
+            return NULL;
+        }
+        written.st_dev = (dev_t)dev;
+        written.st_ino = (ino_t)ino;
+    }
+    long code;
+    Py_BEGIN_ALLOW_THREADS
+    code = publish_one(PyBytes_AS_STRING(tmp), PyBytes_AS_STRING(final), known ? &written : NULL,
+                        exchange);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(tmp);
+    Py_DECREF(final);
+    return PyLong_FromLong(code);
+}
+
 PyDoc_STRVAR(open_pages_doc,
 "open_pages(store, keys, sizes, direct) -> (list[int], list[int])\n\n"
 "Open each key's page file under store for a read elsewhere (an io_uring): under the\n"
@@ -403,7 +448,8 @@ name(PyObject *self, PyObject *args)
 }
 
 PyDoc_STRVAR(module_doc,
-"The file backend's per-page loop (open, move, checksum, envelope) in compiled code.");
+"The file backend's per-page loop (open, move, checksum, envelope) and the publish\n"
+"protocol's steps, in compiled code.");
 
 PyDoc_STRVAR(bind_doc, GLUE_BIND_DOC);
 
@@ -411,6 +457,7 @@ static PyMethodDef methods[] = {
     {"bind", glue_bind, METH_O, bind_doc},
     {"name", name, METH_VARARGS, name_doc},
     {"open_pages", open_pages, METH_VARARGS, open_pages_doc},
+    {"publish_file", publish_file, METH_VARARGS, publish_file_doc},
     {"read_pages", read_pages, METH_VARARGS, read_pages_doc},
     {"write_pages", write_pages, METH_VARARGS, write_pages_doc},
     {NULL, NULL, 0, NULL},
@@ -425,7 +472,9 @@ PyInit__pageio(void)
         {"UNVERIFIED", UNVERIFIED}, {"UNPUBLISHED", UNPUBLISHED},
         {"REPLACED_DEBRIS", REPLACED_DEBRIS}, {"WOULD_BLOCK", WOULD_BLOCK},
         {"BUSY", BUSY}, {"REPLACED", REPLACED}, {"IN_PLACE", IN_PLACE},
-        {"NOT_RECYCLED", NOT_RECYCLED}, {"TEMP_TAKEN", TEMP_TAKEN}, {"PIECE", PIECE},
+        {"NOT_RECYCLED", NOT_RECYCLED}, {"TEMP_TAKEN", TEMP_TAKEN},
+        {"IN_THE_WAY", IN_THE_WAY}, {"NO_EXCHANGE", NO_EXCHANGE},
+        {"SAME_PAGE_PREFIX", SAME_PAGE_PREFIX}, {"PIECE", PIECE},
         {"MAX_KEY_LENGTH", MAX_KEY_LENGTH}, {"WRITER_WAIT_NS", WRITER_WAIT_NS},
     };
     PyObject *module = glue_module(MODULE, module_doc, methods, constants,

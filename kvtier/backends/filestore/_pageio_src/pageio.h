@@ -11,8 +11,9 @@
  *   names.c     a page's file name and temp name, from its key
  *   io.c        vectored I/O: moving a page's regions (whole, or in hashed pieces)
  *   read.c      reading one page under the readers' lock
- *   publish.c   writing one page and publishing it: the protocol described once in
- *               kvtier/backends/filestore/publish.py, and the spare files it recycles
+ *   publish.c   writing one page and publishing it: the publish protocol of
+ *               kvtier/backends/filestore/publish.py (steps 2-5 for every writer where
+ *               this module is built), and the spare files it recycles
  *   module.c    the module's functions: arguments in, codes out
  * and, shared with kvtier.core._envelope (one copy of each, in kvtier/_csrc/):
  *   envelope.c  the envelope: writing a page's, and the verdict on one (envelope.h; its
@@ -78,6 +79,10 @@ enum {
                         * link or owner, so it was neither written into nor kept */
     TEMP_TAKEN = 13,  /* put: nothing of ours published; another entry took its temp name
                         * before the move (or during it: an exchange was undone) */
+    IN_THE_WAY = 14,  /* publish_one: a non-file holds the page's name; nothing moved (the
+                        * caller removes it as debris and calls again) */
+    NO_EXCHANGE = 15, /* publish_one: this kernel or filesystem cannot exchange names;
+                        * nothing moved (the caller calls again without exchange) */
 };
 /* Any other (negative) result is -errno of the step that failed; put removed its temp. */
 
@@ -160,5 +165,15 @@ void drop_spare(Spare *spare);
 /* Write one page and publish it (kvtier/backends/filestore/publish.py): a code. */
 long put_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int datasync,
              int exchange, Spare *spare);
+/* Steps 2-5 for a page file written elsewhere (a backend's own loop) under tmp: OK,
+ * REPLACED_DEBRIS, TEMP_TAKEN, IN_THE_WAY, NO_EXCHANGE or -errno. written: the file
+ * step 1 wrote (NULL: the regular file found under tmp). */
+long publish_one(const char *tmp, const char *final, const struct stat *written, int exchange);
+
+/* Step 4 compares this many leading bytes of a file under the page's name with the file
+ * written: the envelope up to its payload checksum (this store's static fields, the key's
+ * digest, the payload's length), so a page of the key another writer published is told
+ * from a foreign file (publish.py, step 4). */
+#define SAME_PAGE_PREFIX PAYLOAD_CHECKSUM_AT
 
 #endif /* KVTIER_PAGEIO_H */

@@ -1,12 +1,16 @@
-/* Writing one page and publishing it, with the GIL released.
+/* Writing one page and publishing it, with the GIL released; and the publish protocol's
+ * steps for every writer of pages where this module is built.
  *
- * The publish protocol is described once, in kvtier/backends/filestore/publish.py; the
- * Python loop and the io_uring ring run it with the Python steps there, and this file
- * runs the same steps in C, numbered as there (1 write, 2 check the temp name, 3 move,
- * 4 check the page's name, 5 drop or recycle the replaced file; step 6, reporting, is
- * Python's, from the codes). Besides a fresh temp file, step 1 may write into a spare
- * (a replaced page's file, recycled) or, without fsync, into the page's own file in
- * place under its exclusive lock. It never writes into a file another name can reach. */
+ * The publish protocol is described once, in kvtier/backends/filestore/publish.py, and
+ * its steps 2-5 are written here once, numbered as there (1 write, 2 check the temp
+ * name, 3 move, 4 check the page's name, 5 drop or recycle the replaced file; step 6,
+ * reporting, is Python's, from the codes): the compiled loop runs them for the pages it
+ * writes (put_one), and publish_one for a page a backend's own loop wrote (the file
+ * backend's Python loop, the io_uring ring). Python runs its own copy of the steps only
+ * where this module is not built (or compiled_io is off). Besides a fresh temp file,
+ * step 1 may write into a spare (a replaced page's file, recycled) or, without fsync,
+ * into the page's own file in place under its exclusive lock. It never writes into a
+ * file another name can reach. */
 #include "pageio.h"
 
 /* Create the two shard directories above path (0700) where they are missing; 0 when one
@@ -151,56 +155,107 @@ exchange_names(const char *one, const char *other)
 #endif
 }
 
-/* Whether path holds a page of this key that another writer published: a regular file
- * whose envelope starts as the one written into the page's header slot (this store's
- * static fields, the key's digest, the payload's length). Only with envelopes. */
-static int
-page_of_key(const char *path, const Page *page, int enveloped)
+/* The leading bytes (at most SAME_PAGE_PREFIX) of the open file fd into out: how many,
+ * or -1. */
+static ssize_t
+read_prefix(int fd, unsigned char *out)
 {
-    if (!enveloped) return 0;
+    return pread(fd, out, SAME_PAGE_PREFIX, 0);
+}
+
+/* The file written, as step 4 needs it: its identity and its leading bytes, held in
+ * memory (the compiled loop's header slot) or read, only when needed, from a descriptor
+ * open on it. */
+typedef struct {
+    const struct stat *file;
+    const unsigned char *prefix; /* SAME_PAGE_PREFIX bytes, or NULL: read them from fd */
+    int fd;
+} Written;
+
+/* Whether path holds a page of the key that another writer published: a regular file
+ * whose leading bytes (SAME_PAGE_PREFIX, or all of a shorter file) are the ones written:
+ * with envelopes, this store's static fields, the key's digest and the payload's length. */
+static int
+page_of_key(const char *path, const Written *mine)
+{
+    unsigned char ours[SAME_PAGE_PREFIX], theirs[SAME_PAGE_PREFIX];
+    ssize_t our_length = SAME_PAGE_PREFIX;
+    const unsigned char *prefix = mine->prefix;
+    if (prefix == NULL) {
+        our_length = read_prefix(mine->fd, ours);
+        if (our_length < 0) return 0;
+        prefix = ours;
+    }
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     if (fd < 0) return 0;
-    unsigned char head[PAYLOAD_CHECKSUM_AT];
     struct stat info;
     int same = fstat(fd, &info) == 0 && S_ISREG(info.st_mode) &&
-               pread(fd, head, sizeof head, 0) == (ssize_t)sizeof head &&
-               memcmp(head, page->buffers[0].buf, sizeof head) == 0;
+               read_prefix(fd, theirs) == our_length &&
+               memcmp(theirs, prefix, (size_t)our_length) == 0;
     close(fd);
     return same;
 }
 
-/* Step 4: whether the page's name holds the file written (mine), or a page of the key
- * another writer published over it in the moment since the move, or nothing (removed
- * since, by a delete or an eviction): then ours was published, no failure. */
+/* Step 4: whether the page's name holds the file written, or a page of the key another
+ * writer published over it in the moment since the move, or nothing (removed since, by
+ * a delete or an eviction): then ours was published, no failure. */
 static int
-moved_in(const Page *page, const struct stat *mine, int enveloped)
+moved_in(const char *final, const Written *mine)
 {
     struct stat now;
-    if (lstat(page->final, &now) != 0) return 1;
-    if (now.st_dev == mine->st_dev && now.st_ino == mine->st_ino) return 1;
-    return S_ISREG(now.st_mode) && page_of_key(page->final, page, enveloped);
+    if (lstat(final, &now) != 0) return 1;
+    if (now.st_dev == mine->file->st_dev && now.st_ino == mine->file->st_ino) return 1;
+    return S_ISREG(now.st_mode) && page_of_key(final, mine);
 }
 
-/* Steps 2-5 of the protocol (kvtier/backends/filestore/publish.py) for the complete page
- * under ``at`` (the file ``mine`` describes): by exchange where a page is there (the
- * replaced file then becomes the spare), else by rename. Only ``mine`` is published:
- * TEMP_TAKEN, with nothing of ours published, when another entry holds the temp name
- * before the move (step 2), or when after it the page's name holds neither ``mine`` nor
- * another writer's page of the key (step 4: another entry took the temp name between
- * the check and the move; an exchange is then undone, and after a rename the entry is
- * left under the page's name, as publish.py explains). A page this loop does not publish
- * (a non-file under the final name, which Python removes as debris) goes back to its own
- * temp name: UNPUBLISHED, for FileStore.publish_page to run the same steps in Python. */
+/* Steps 3 and 4 for the file written, complete under at: exchange it with what holds
+ * the page's name (exchange set), or, where nothing is there (or exchange is not set),
+ * rename it there; then check the page's name. OK, *exchanged set when the replaced entry
+ * is now under at; TEMP_TAKEN (another entry was moved: an exchange is undone, after a
+ * rename the entry is left, as publish.py explains); or, with nothing moved, IN_THE_WAY
+ * (a non-file holds the page's name, for a rename), NO_EXCHANGE (this kernel or
+ * filesystem cannot exchange) or -errno. */
 static long
-publish_page(Page *page, const char *at, const struct stat *mine, int exchange, int enveloped,
-             Spare *spare)
+move_checked(const char *at, const char *final, const Written *mine, int exchange, int *exchanged)
+{
+    *exchanged = 0;
+    if (exchange) {
+        if (exchange_names(at, final) == 0) {
+            if (!moved_in(final, mine)) {
+                exchange_names(at, final); /* undone: what was there is back */
+                return TEMP_TAKEN;
+            }
+            *exchanged = 1;
+            return OK;
+        }
+        if (errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP) return NO_EXCHANGE;
+        if (errno != ENOENT) return -errno;
+    }
+    /* a rename replaces a symlink or FIFO silently and fails on a directory: whatever
+     * non-file holds the name is the caller's to remove (and count) first */
+    struct stat there;
+    if (lstat(final, &there) == 0 && !S_ISREG(there.st_mode)) return IN_THE_WAY;
+    if (rename(at, final) != 0)
+        return errno == EISDIR || errno == ENOTEMPTY || errno == EEXIST ? IN_THE_WAY : -errno;
+    return moved_in(final, mine) ? OK : TEMP_TAKEN;
+}
+
+/* Steps 2-5 of the protocol (kvtier/backends/filestore/publish.py) for the compiled
+ * loop's complete page under at (the file mine describes; the page's header slot holds
+ * its leading bytes): only mine is published (TEMP_TAKEN otherwise). After an exchange,
+ * the replaced page's file becomes the spare; a non-file the exchange moved out goes to
+ * the page's temp name (REPLACED_DEBRIS, for Python to remove as debris). A page this
+ * loop does not publish (a non-file in the way of a rename, no exchange here, a failed
+ * move) goes back to its own temp name: UNPUBLISHED, for FileStore.publish_page, which
+ * removes the debris and runs the same steps (publish_one). */
+static long
+publish_page(Page *page, const char *at, const struct stat *mine, int exchange, Spare *spare)
 {
     if (!names_file(at, mine)) return TEMP_TAKEN; /* step 2 */
-    if (exchange && exchange_names(at, page->final) == 0) { /* step 3: the exchange */
-        if (!moved_in(page, mine, enveloped)) { /* step 4: taken before the exchange */
-            exchange_names(at, page->final); /* undone: the old page is back */
-            return TEMP_TAKEN;
-        }
+    Written written = {mine, page->buffers[0].buf, -1};
+    int exchanged;
+    long moved = move_checked(at, page->final, &written, exchange, &exchanged); /* steps 3-4 */
+    if (moved == OK && exchanged) {
         struct stat old; /* step 5: what the exchange moved under the temp name */
         if (lstat(at, &old) != 0) return OK;
         if (!S_ISREG(old.st_mode)) {
@@ -210,17 +265,53 @@ publish_page(Page *page, const char *at, const struct stat *mine, int exchange, 
         if (keep_spare(spare, at, page->direct) < 0) page->refused = 1; /* the replaced file */
         return OK;
     }
-    if (!exchange || errno == ENOENT) { /* step 3: a rename, where no non-file is in the way */
-        struct stat there;
-        if (!(lstat(page->final, &there) == 0 && !S_ISREG(there.st_mode)) && rename(at, page->final) == 0)
-            return moved_in(page, mine, enveloped) ? OK : TEMP_TAKEN; /* step 4 */
-    }
+    if (moved == OK || moved == TEMP_TAKEN) return moved;
     /* not published: the bytes go to the page's own temp name, for Python's path */
     if (at != page->path && rename(at, page->path) != 0) {
         unlink(at);
         return -EIO;
     }
     return UNPUBLISHED;
+}
+
+/* Steps 2-5 for a page file a backend's own loop wrote under tmp (written: its identity
+ * from step 1, or NULL to publish the regular file found there). Step 2 opens the temp
+ * name (not followed, never blocking), so step 4 can read the leading bytes of the file
+ * written even once another writer has replaced it. After an exchange the replaced page
+ * file is unlinked (a non-file: REPLACED_DEBRIS, left under tmp for the caller to remove
+ * as debris). The codes of move_checked, or REPLACED_DEBRIS. */
+long
+publish_one(const char *tmp, const char *final, const struct stat *written, int exchange)
+{
+    struct stat mine;
+    int fd = open(tmp, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) { /* (a file of ours that cannot be opened is a failure, not a taken name) */
+        int failed = errno;
+        int ours = lstat(tmp, &mine) == 0 && S_ISREG(mine.st_mode) &&
+                   (written == NULL ||
+                    (mine.st_dev == written->st_dev && mine.st_ino == written->st_ino));
+        return ours ? -failed : TEMP_TAKEN;
+    }
+    if (fstat(fd, &mine) != 0) {
+        long failed = -errno;
+        close(fd);
+        return failed;
+    }
+    if (!S_ISREG(mine.st_mode) ||
+        (written != NULL && (mine.st_dev != written->st_dev || mine.st_ino != written->st_ino))) {
+        close(fd); /* step 2: another entry holds the temp name; left to the sweep */
+        return TEMP_TAKEN;
+    }
+    Written found = {&mine, NULL, fd};
+    int exchanged;
+    long moved = move_checked(tmp, final, &found, exchange, &exchanged); /* steps 3-4 */
+    close(fd);
+    if (moved != OK || !exchanged) return moved;
+    struct stat old; /* step 5: what the exchange moved under the temp name */
+    if (lstat(tmp, &old) != 0) return OK;
+    if (!S_ISREG(old.st_mode)) return REPLACED_DEBRIS;
+    unlink(tmp);
+    return OK;
 }
 
 /* Write one page and publish it: a code (OK, IN_PLACE, NOT_RECYCLED, REPLACED_DEBRIS,
@@ -274,7 +365,7 @@ put_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int
     }
     /* From here the bytes are complete under ``at`` (steps 2-5 follow); a recycled file is
      * published while still locked, and unlocked (closed) once its name is the page's. */
-    long result = publish_page(page, at, &mine, exchange, static_fields != NULL, spare);
+    long result = publish_page(page, at, &mine, exchange, spare);
     if (recycled) close(fd);
     if (result == OK && page->refused) return NOT_RECYCLED;
     return result;
