@@ -190,10 +190,7 @@ def test_failure_causes_and_timeouts_exist_before_they_happen(cache: TieredCache
 
 def _documented() -> set[str]:
     """Metric names in docs/operating.md's metrics table (first column, in backticks)."""
-    text = DOC.read_text(encoding="utf-8")
-    start = text.index("<!-- metrics:start -->")
-    end = text.index("<!-- metrics:end -->")
-    return set(re.findall(r"^\| `(kvtier_[a-z0-9_]+)`", text[start:end], re.M))
+    return set(re.findall(r"^\| `(kvtier_[a-z0-9_]+)`", _section("metrics"), re.M))
 
 
 def _emitted(cache: TieredCache) -> set[str]:
@@ -232,10 +229,17 @@ def _section(name: str) -> str:
 
 
 def test_the_doc_lists_the_registry_as_generated() -> None:
-    from kvtier.core.metrics import causes_markdown, counters_markdown
+    from kvtier.core.metrics import (
+        causes_markdown,
+        counters_markdown,
+        families_markdown,
+        storage_metrics_markdown,
+    )
 
     assert _section("causes") == causes_markdown()
     assert _section("counters") == counters_markdown()
+    assert _section("metrics") == families_markdown()
+    assert _section("storage-metrics") == storage_metrics_markdown()
 
 
 def test_each_counter_is_registered_once() -> None:
@@ -329,6 +333,8 @@ def _registered_as(path: tuple[str, ...]) -> tuple[str, str] | None:
         return "tiered_cache", "_".join(path)
     if path[0] == "page_store" or path[:3] == ("tiers", "*", "store"):
         return "page_store", path[-1]
+    if path in (("tiers", "*", "bytes_read"), ("tiers", "*", "bytes_written")):
+        return "page_store", path[2]  # summed over the tier's page stores
     if path[:2] == ("tiers", "*") and len(path) == 3:
         return "storage_tier", path[2]
     if path == ("tenants", "*", "quota_evictions"):

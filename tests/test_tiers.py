@@ -578,7 +578,11 @@ def test_prometheus_has_every_tier_and_tenant_series(tmp_path: Path) -> None:
     from kvtier.core.metrics import COUNTERS
 
     fast, slow = ("0:file",), ("1:file",)
-    expected_tier = {"hits", "misses"} | {spec.name for spec in COUNTERS["storage_tier"]}
+    # the page store's counters per tier (its bytes as read_bytes / written_bytes), and
+    # the chain's own
+    store = {"hits", "misses", "puts", "put_failures", "put_tainted"}
+    store |= {"read_bytes", "written_bytes"}
+    expected_tier = store | {spec.name for spec in COUNTERS["storage_tier"]}
     assert {f"kvtier_tier_{n}_total" for n in expected_tier} | {
         "kvtier_tier_queue_depth",
         "kvtier_tier_occupancy_bytes",

@@ -1,14 +1,17 @@
 """The Prometheus view of a TieredCache: ``kvtier_*`` metric families from one stats snapshot.
 
 Each scrape reads one :meth:`TieredCache.stats` snapshot, so the exposition and
-``stats()`` always agree. Every series carries the cache's identity labels (``model``,
+``stats()`` always agree. Every family is declared in :mod:`kvtier.core.metrics` (a
+counter's on the counter, with its label and help) or :mod:`kvtier.core.families`; the
+counters' families are generated from those declarations, and no family is built from a
+name not declared there. Every series carries the cache's identity labels (``model``,
 ``rank``, ``tenant``, ``backend``). Names follow the serving-engine convention: a
 ``kvtier_`` prefix, ``_total`` on counters, base units (``_bytes``, ``_seconds``). Label
 values that alerting needs (failure causes, rejection reasons, timed-out operations) are
 emitted from the start with 0, so ``rate()`` sees the first increment. The backend's own
 numeric ``stats()`` are exported generically as ``kvtier_backend_stat{name=...}``
-(untyped: kvtier cannot know which are counters). docs/operating.md lists every metric;
-a test keeps the two in step. ``prometheus_client`` is imported only here, on demand.
+(untyped: kvtier cannot know which are counters). docs/operating.md's list of metrics is
+generated from the declarations. ``prometheus_client`` is imported only here, on demand.
 """
 
 from __future__ import annotations
@@ -17,10 +20,9 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvtier.cache.stats import LATENCY_BUCKETS
-from kvtier.core.envelope import Rejection
+from kvtier.cache.stats import LATENCY_BUCKETS, counter_values
 from kvtier.core.errors import PrometheusMissingError
-from kvtier.core.metrics import BACKEND_CALLS, COUNTERS, Cause
+from kvtier.core.metrics import BACKEND_CALLS, Cause, family, series
 
 if TYPE_CHECKING:
     from kvtier.core.capabilities import ResolvedPlan
@@ -42,14 +44,11 @@ IDENTITY_LABELS = ("model", "rank", "tenant", "backend")
 #: Failure causes a cache counts (``stats()["failures"]``), emitted with 0 from the start.
 FAILURE_CAUSES = tuple(cause.value for cause in Cause)
 
-#: Backend ``stats()`` keys that mean occupancy, exported as their own gauges too.
+#: Backend ``stats()`` keys that mean occupancy, each exported as its declared gauge too.
 _OCCUPANCY = {
-    "pages": ("kvtier_storage_pages", "Pages the backend holds (where it knows)."),
-    "bytes": ("kvtier_storage_bytes", "Bytes the backend holds (where it knows)."),
-    "capacity_bytes": (
-        "kvtier_storage_capacity_bytes",
-        "The backend's configured capacity in bytes (where it has one).",
-    ),
+    "pages": "kvtier_storage_pages",
+    "bytes": "kvtier_storage_bytes",
+    "capacity_bytes": "kvtier_storage_capacity_bytes",
 }
 
 
@@ -62,7 +61,7 @@ def _number(value: object) -> float | None:
 
 
 class _Families:
-    """Builds metric families that carry one identity's labels (prometheus_client's)."""
+    """Builds declared metric families that carry one identity's labels (prometheus_client's)."""
 
     def __init__(self, identity: Mapping[str, str]) -> None:
         try:
@@ -73,17 +72,17 @@ class _Families:
         self.names = list(IDENTITY_LABELS)
         self.ident = [str(identity.get(name, "")) for name in IDENTITY_LABELS]
 
-    def counter(self, name: str, doc: str, label: str | None = None) -> Any:
-        return self.core.CounterMetricFamily(name, doc, labels=self._labels(label))
-
-    def gauge(self, name: str, doc: str, label: str | None = None) -> Any:
-        return self.core.GaugeMetricFamily(name, doc, labels=self._labels(label))
-
-    def untyped(self, name: str, doc: str, label: str) -> Any:
-        return self.core.UntypedMetricFamily(name, doc, labels=self._labels(label))
-
-    def histogram(self, name: str, doc: str, label: str) -> Any:
-        return self.core.HistogramMetricFamily(name, doc, labels=self._labels(label))
+    def make(self, name: str) -> Any:
+        """The empty family ``name``, as declared (an undeclared name raises)."""
+        declared = family(name)
+        build = {
+            "counter": self.core.CounterMetricFamily,
+            "gauge": self.core.GaugeMetricFamily,
+            "histogram": self.core.HistogramMetricFamily,
+            "untyped": self.core.UntypedMetricFamily,
+        }[declared.kind]
+        labels = [*self.names, *([declared.label] if declared.label else [])]
+        return build(declared.name, declared.help, labels=labels)
 
     def by_label(self, family: Any, values: Mapping[str, float]) -> Any:
         for key, value in values.items():
@@ -94,8 +93,10 @@ class _Families:
         family.add_metric(self.ident, value)
         return family
 
-    def _labels(self, label: str | None) -> list[str]:
-        return [*self.names, *([label] if label else [])]
+    def tenant(self, name: str) -> list[str]:
+        """The identity with ``name`` as its ``tenant`` label (a tenant's own series)."""
+        at = IDENTITY_LABELS.index("tenant")
+        return [*self.ident[:at], name, *self.ident[at + 1 :]]
 
 
 def prometheus_collector(
@@ -112,9 +113,10 @@ def prometheus_collector(
 
         def collect(self) -> Iterator[Any]:
             s = snapshot()
-            yield from _cache_families(f, s)
+            yield from _counter_families(f, "tiered_cache", counter_values(s))
             yield from _store_families(f, s["page_store"], s["backend_calls"], s["backend"])
-            yield from _tier_families(f, s["tiers"], s["tenants"])
+            yield from _tier_families(f, s["tiers"])
+            yield from _chain_families(f, s["events"], s["tenants"], s["tiers"])
             yield from _host_families(f, s)
 
     return _Collector()
@@ -132,207 +134,128 @@ def identity_of(plan: ResolvedPlan) -> dict[str, str]:
 
 
 def store_collector(store: Store, identity: Mapping[str, str]) -> Any:
-    """A prometheus_client collector of one page store's families: what every engine path
-    (the vLLM connector's workers, the SGLang adapter) exposes of its storage tier, under
-    the same names and labels as a TieredCache's (docs/operating.md)."""
+    """A prometheus_client collector of one store's families: what every engine path
+    (the vLLM connector's workers, the SGLang adapter) exposes of its storage, under the
+    same names and labels as a TieredCache's (docs/operating.md). A storage chain's tiers
+    are its tiers; a lone page store is tier ``0:<backend>``."""
     f = _Families(identity)
 
     class _Collector:
         """Reads the store's counters, its bounded calls and its backend's stats per scrape."""
 
         def collect(self) -> Iterator[Any]:
-            yield from _store_families(f, store.stats(), store.call_counts(), store.backend_stats())
+            stats = store.stats()
+            yield from _store_families(f, stats, store.call_counts(), store.backend_stats())
+            tier_stats = getattr(store, "tier_stats", None)
+            if callable(tier_stats):
+                tiers = tier_stats()
+            else:
+                tiers = [{"name": f"0:{identity.get('backend', '')}", "store": stats}]
+            yield from _tier_families(f, tiers)
 
     return _Collector()
 
 
-def _cache_families(f: _Families, s: dict[str, Any]) -> Iterator[Any]:
-    """A TieredCache's lookups, pages, bytes and failures."""
-    for tier in ("host", "storage"):
-        for what in ("hits", "misses"):
-            yield f.one(
-                f.counter(
-                    f"kvtier_{tier}_{what}",
-                    f"Pages looked up in the {tier} tier that were {what}.",
-                ),
-                s[tier][what],
-            )
-    yield f.one(
-        f.counter("kvtier_host_evictions", "Host-pool pages evicted (LRU)."),
-        s["host"]["evictions"],
-    )
-    yield f.by_label(
-        f.counter("kvtier_pages", "Pages handled, by operation.", "operation"),
-        {
-            **s["pages"],
-            "storage_read": s["storage"]["pages_read"],
-            "storage_write": s["storage"]["pages_written"],
-            "storage_write_skipped": s["storage"]["writes_skipped"],
-            "storage_write_inline": s["storage"]["writes_inline"],
-            "storage_write_cancelled": s["storage"]["writes_cancelled"],
-            "write_back": s["storage"]["write_backs"],
-        },
-    )
-    yield f.by_label(
-        f.counter("kvtier_transferred_bytes", "Bytes moved, by direction.", "direction"),
-        s["bytes"],
-    )
-    yield f.by_label(
-        f.counter(
-            "kvtier_transfer_seconds",
-            "Seconds spent moving bytes, by direction (summed over workers).",
-            "direction",
-        ),
-        {d: s["busy_seconds"].get(d, 0.0) for d in s["bytes"]},
-    )
-    failures = dict.fromkeys(FAILURE_CAUSES, 0)
-    failures.update(s["failures"])
-    yield f.by_label(f.counter("kvtier_failures", "Failed pages, by cause.", "cause"), failures)
+def _counter_families(
+    f: _Families, counted_by: str, values: Mapping[str, Any], *, labels: str | None = None
+) -> Iterator[Any]:
+    """``counted_by``'s declared families whose label is ``labels`` (None: any but
+    ``tier``, and none per tenant), each series the value of its counter in ``values``."""
+    for name, members in series(counted_by).items():
+        declared = family(name)
+        if declared.per_tenant or (labels == "tier") != (declared.label == "tier"):
+            continue
+        built = f.make(name)
+        for counter, value in members:
+            number = float(values.get(counter, 0) or 0)
+            if value is None:
+                f.one(built, number)
+            else:
+                built.add_metric([*f.ident, value], number)
+        yield built
 
 
 def _store_families(
     f: _Families, store: Mapping[str, Any], calls: Mapping[str, Any], backend: Mapping[str, Any]
 ) -> Iterator[Any]:
-    """A page store's rejections, backend errors and bounded calls, and its backend's stats."""
-    yield f.by_label(
-        f.counter(
-            "kvtier_page_rejections",
-            "Stored pages that failed verification and were served as misses, by reason.",
-            "reason",
-        ),
-        {r.value: store.get(f"invalid_{r.value}", 0) for r in Rejection},
-    )
-    yield f.by_label(
-        f.counter(
-            "kvtier_backend_errors",
-            "Backend calls that raised or answered malformed (the batch failed), by operation.",
-            "operation",
-        ),
-        {op: store.get(f"backend_errors_{op}", 0) for op in ("exists", "get", "put", "delete")},
-    )
-    timeouts = dict.fromkeys(BACKEND_CALLS, 0)
-    timeouts.update(calls["timed_out_by_operation"])
-    yield f.by_label(
-        f.counter(
-            "kvtier_backend_call_timeouts",
-            "Backend calls that did not return within backend_call_timeout_s; "
-            "their operations failed and their threads were abandoned.",
-            "operation",
-        ),
-        timeouts,
-    )
-    yield f.one(
-        f.counter(
-            "kvtier_backend_calls_refused",
-            "Backend calls failed at once because max_abandoned_calls calls were stuck.",
-        ),
-        calls["refused"],
-    )
-    yield f.one(
-        f.counter(
-            "kvtier_backend_late_returns", "Abandoned backend calls that returned after all."
-        ),
-        calls["late_returns"],
-    )
-    yield f.one(
-        f.gauge(
-            "kvtier_backend_calls_stuck",
-            "Backend calls past their bound that have not returned yet.",
-        ),
-        calls["stuck"],
-    )
-    yield f.one(
-        f.gauge(
-            "kvtier_backend_calls_stuck_max",
-            "max_abandoned_calls: stuck calls beyond which every call is refused.",
-        ),
-        calls["max_abandoned"],
-    )
+    """A page store's counters (rejections, backend errors, timed-out and refused calls,
+    prefix lookups), its bounded calls now, and its backend's stats."""
+    yield from _counter_families(f, "page_store", store)
+    yield f.one(f.make("kvtier_backend_late_returns"), calls["late_returns"])
+    yield f.one(f.make("kvtier_backend_calls_stuck"), calls["stuck"])
+    yield f.one(f.make("kvtier_backend_calls_stuck_max"), calls["max_abandoned"])
     numbers = {
         key: number
         for key, value in sorted(backend.items())
         if (number := _number(value)) is not None
     }
-    for key, (name, doc) in _OCCUPANCY.items():
+    for key, name in _OCCUPANCY.items():
         if key in numbers:
-            yield f.one(f.gauge(name, doc), numbers[key])
-    yield f.by_label(
-        f.untyped(
-            "kvtier_backend_stat",
-            "The backend's own stats() numbers (counters and gauges), by name.",
-            "name",
-        ),
-        numbers,
-    )
-    yield f.one(
-        f.gauge(
-            "kvtier_backend_stats_up", "1 if the backend's stats() answered this scrape, else 0."
-        ),
-        0 if "error" in backend else 1,
-    )
+            yield f.one(f.make(name), numbers[key])
+    yield f.by_label(f.make("kvtier_backend_stat"), numbers)
+    yield f.one(f.make("kvtier_backend_stats_up"), 0 if "error" in backend else 1)
 
 
-#: The page store's counters that each tier's series carry too (the engine's reads).
-_TIER_STORE_COUNTERS = ("hits", "misses")
+def _tier_value(tier: Mapping[str, Any], counter: str) -> float:
+    """A counter of one tier's entry: the tier's own (``bytes_read`` summed over its page
+    stores, the chain's counters), else its page store's."""
+    value = tier.get(counter)
+    if value is None:
+        store = tier.get("store")
+        value = store.get(counter, 0) if isinstance(store, Mapping) else 0
+    return float(value or 0)
 
 
-def _tier_counters() -> Iterator[tuple[str, tuple[str, ...], str]]:
-    """(series, path in a tier's stats, help) of every per-tier counter: the page store's
-    above and the chain's own (``storage_tier`` in kvtier.core.metrics.COUNTERS)."""
-    store = {spec.name: spec.meaning for spec in COUNTERS["page_store"]}
-    for name in _TIER_STORE_COUNTERS:
-        yield f"kvtier_tier_{name}", ("store", name), store[name]
-    for spec in COUNTERS["storage_tier"]:
-        yield f"kvtier_tier_{spec.name}", (spec.name,), spec.meaning
-
-
-def _tier_families(
-    f: _Families, tiers: list[dict[str, Any]], tenants: Mapping[str, Any]
-) -> Iterator[Any]:
-    """The storage chain's tiers (label ``tier``: ``<index>:<backend>``) and tenants."""
-    for name, path, doc in _tier_counters():
-        family = f.counter(name, doc, "tier")
-        for tier in tiers:
-            value: Any = tier
-            for part in path:
-                value = value.get(part, 0) if isinstance(value, Mapping) else 0
-            family.add_metric([*f.ident, tier["name"]], float(value or 0))
-        yield family
-    depth = f.gauge(
-        "kvtier_tier_queue_depth", "Pages waiting to be written into this tier.", "tier"
-    )
-    occupancy = f.gauge(
-        "kvtier_tier_occupancy_bytes",
-        "Bytes this tier holds, as its eviction policy counts them.",
-        "tier",
-    )
+def _tier_families(f: _Families, tiers: list[dict[str, Any]]) -> Iterator[Any]:
+    """The storage tiers' counters and gauges (label ``tier``: ``<index>:<backend>``)."""
+    for counted_by in ("page_store", "storage_tier"):
+        for name, members in series(counted_by).items():
+            if family(name).label != "tier":
+                continue
+            built = f.make(name)
+            for tier in tiers:
+                for counter, _ in members:
+                    built.add_metric([*f.ident, tier["name"]], _tier_value(tier, counter))
+            yield built
+    depth = f.make("kvtier_tier_queue_depth")
+    occupancy = f.make("kvtier_tier_occupancy_bytes")
     for tier in tiers:
         depth.add_metric([*f.ident, tier["name"]], float(tier.get("queue_depth", 0)))
         if tier.get("occupancy_bytes") is not None:
             occupancy.add_metric([*f.ident, tier["name"]], float(tier["occupancy_bytes"]))
     yield depth
     yield occupancy
-    # a tenant's series carry its name as the identity's ``tenant`` label (not a second one)
-    held = f.gauge("kvtier_tenant_bytes", "Bytes of a tenant's pages in a tier.", "tier")
-    quota = f.counter(
-        "kvtier_tenant_quota_evictions",
-        "A tenant's own pages evicted because it was over its quota_bytes.",
-    )
-    at = IDENTITY_LABELS.index("tenant")
+
+
+def _chain_families(
+    f: _Families,
+    events: Mapping[str, Any],
+    tenants: Mapping[str, Any],
+    tiers: list[dict[str, Any]],
+) -> Iterator[Any]:
+    """The storage chain's counters (its events; each tenant's, under the tenant's name as
+    the identity's ``tenant`` label) and each tenant's bytes per tier."""
+    values = {f"events_{key}": value for key, value in events.items()}
+    yield from _counter_families(f, "storage_chain", values)
+    for name, members in series("storage_chain").items():
+        declared = family(name)
+        if not declared.per_tenant:
+            continue
+        built = f.make(name)
+        for tenant, entry in tenants.items():
+            for counter, _ in members:
+                built.add_metric(f.tenant(tenant), float(entry[counter.removeprefix("tenant_")]))
+        yield built
+    held = f.make("kvtier_tenant_bytes")
     for tenant, entry in tenants.items():
-        ident = [*f.ident[:at], tenant, *f.ident[at + 1 :]]
         for tier, nbytes in zip(tiers, entry["bytes"], strict=False):
-            held.add_metric([*ident, tier["name"]], float(nbytes))
-        quota.add_metric(ident, float(entry["quota_evictions"]))
+            held.add_metric([*f.tenant(tenant), tier["name"]], float(nbytes))
     yield held
-    yield quota
 
 
 def _host_families(f: _Families, s: dict[str, Any]) -> Iterator[Any]:
     """A TieredCache's latency histograms, host pool and queues."""
-    latency = f.histogram(
-        "kvtier_operation_latency_seconds", "Latency of cache operations.", "operation"
-    )
+    latency = f.make("kvtier_operation_latency_seconds")
     for op, h in s["latency_seconds"].items():
         cumulative, running = [], 0
         for bound, n in zip((*LATENCY_BUCKETS, float("inf")), h["buckets"], strict=True):
@@ -342,15 +265,13 @@ def _host_families(f: _Families, s: dict[str, Any]) -> Iterator[Any]:
     yield latency
     pages = dict(s["host"]["pages"])
     pages["used"] = pages["total"] - pages["free"]
-    yield f.by_label(f.gauge("kvtier_host_pages", "Host-pool pages, by state.", "state"), pages)
+    yield f.by_label(f.make("kvtier_host_pages"), pages)
     page_bytes = s["page_bytes"]
     yield f.by_label(
-        f.gauge("kvtier_host_bytes", "Host-pool page bytes, by state.", "state"),
+        f.make("kvtier_host_bytes"),
         {"total": pages["total"] * page_bytes, "used": pages["used"] * page_bytes},
     )
-    yield f.by_label(
-        f.gauge("kvtier_queue_depth", "Operations waiting, by queue.", "queue"), s["queues"]
-    )
+    yield f.by_label(f.make("kvtier_queue_depth"), s["queues"])
 
 
 def _bound_text(bound: float) -> str:

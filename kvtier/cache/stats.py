@@ -4,19 +4,21 @@ Counters and histograms are plain thread-safe objects updated on the data path; 
 snapshot is a nested dict for logs, ``--json`` and tests. The Prometheus view
 (:mod:`kvtier.cache.metrics`) reads the same snapshot, so both views always agree. The
 counters are the ``tiered_cache`` ones of :data:`kvtier.core.metrics.COUNTERS`, counted
-under their registered names (``host_hits`` is ``stats()["host"]["hits"]``): counting a
-name missing there raises.
+under their registered names (counting a name missing there raises), and the snapshot's
+nesting is generated from them by one rule (``host_hits`` is ``stats()["host"]["hits"]``,
+a family's member ``bytes_storage_read`` is ``stats()["bytes"]["storage_read"]``).
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Mapping
 from typing import Any
 
-from kvtier.core.metrics import DIRECTIONS, registered_counters
+from kvtier.core.metrics import COUNTERS, DIRECTIONS, registered_counters
 
-__all__ = ["LATENCY_BUCKETS", "OPERATIONS", "CacheStats", "Histogram"]
+__all__ = ["LATENCY_BUCKETS", "OPERATIONS", "CacheStats", "Histogram", "counter_values"]
 
 #: Upper bounds, in seconds, of the latency histogram buckets (the last is +Inf).
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -123,47 +125,23 @@ class CacheStats:
         def c(name: str) -> int:
             return int(counts.get(name, 0))
 
-        def ratio(hits: str, misses: str) -> float:
-            asked = c(hits) + c(misses)
-            return c(hits) / asked if asked else 0.0
+        def ratio(part: dict[str, Any]) -> float:
+            asked = part["hits"] + part["misses"]
+            return part["hits"] / asked if asked else 0.0
 
+        # each counter ``<part>_<key>`` as ``[part][key]``, in the registry's order
+        nested: dict[str, dict[str, Any]] = {}
+        for spec in COUNTERS["tiered_cache"]:
+            if not spec.suffixes:  # the by-member families (bytes, failures) follow
+                part, key = spec.name.split("_", 1)
+                nested.setdefault(part, {})[key] = c(spec.name)
+        for tier in ("host", "storage"):
+            nested[tier]["hit_rate"] = ratio(nested[tier])
         bytes_moved = {d: c(f"bytes_{d}") for d in DIRECTIONS}
         seconds = {d: float(counts.get(f"busy_seconds_{d}", 0.0)) for d in DIRECTIONS}
         failures = _failures(counts)
         return {
-            "host": {
-                "hits": c("host_hits"),
-                "misses": c("host_misses"),
-                "hit_rate": ratio("host_hits", "host_misses"),
-                "evictions": c("host_evictions"),
-            },
-            "storage": {
-                "hits": c("storage_hits"),
-                "misses": c("storage_misses"),
-                "hit_rate": ratio("storage_hits", "storage_misses"),
-                **{
-                    key: c(f"storage_{key}")
-                    for key in (
-                        "pages_read",
-                        "pages_written",
-                        "writes_skipped",
-                        "write_backs",
-                        "writes_inline",
-                        "writes_cancelled",
-                    )
-                },
-            },
-            "pages": {
-                key: c(f"pages_{key}")
-                for key in (
-                    "backed_up",
-                    "backup_already_cached",
-                    "prefetched",
-                    "loaded",
-                    "cancelled",
-                    "quarantined",
-                )
-            },
+            **nested,
             "bytes": bytes_moved,
             "bandwidth_bytes_per_s": {
                 d: bytes_moved[d] / seconds[d] if seconds[d] else 0.0 for d in DIRECTIONS
@@ -181,3 +159,20 @@ def _failures(counts: dict[str, int | float]) -> dict[str, int]:
     return {
         name[len(prefix) :]: int(value) for name, value in counts.items() if name.startswith(prefix)
     }
+
+
+def counter_values(snapshot: Mapping[str, Any]) -> dict[str, int | float]:
+    """A snapshot's ``tiered_cache`` counters by registered name, read where
+    :meth:`CacheStats.snapshot` nests them (``<part>_<key>`` as ``[part][key]``: ``host_hits``
+    as ``["host"]["hits"]``; a family's member as ``[family][suffix]``: ``bytes_storage_read``
+    as ``["bytes"]["storage_read"]``); 0 for one not there (a cause that never failed)."""
+    out: dict[str, int | float] = {}
+    for spec in COUNTERS["tiered_cache"]:
+        if spec.suffixes:
+            nested = snapshot.get(spec.name, {})
+            for suffix in spec.suffixes:
+                out[f"{spec.name}_{suffix}"] = nested.get(suffix, 0)
+        else:
+            part, key = spec.name.split("_", 1)
+            out[spec.name] = snapshot.get(part, {}).get(key, 0)
+    return out

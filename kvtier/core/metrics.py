@@ -2,35 +2,55 @@
 
 Each counter is declared here once, by the part that counts it: the page store (every
 engine path has one), a TieredCache (its failures by :class:`Cause`), the storage chain's
-tiers, the vLLM connector's scheduler and worker sides, the SGLang adapter. A new metric
-is added here, then counted (a part that counts through :func:`registered_counters`
-cannot count a name missing here);
-``docs/operating.md`` lists this registry (a test keeps the two equal), the Prometheus
-exposition (:mod:`kvtier.cache.metrics`) and the engines' own stats read their names from
-it. Names are plain ``[a-z0-9_]``; a family (``invalid_<reason>``) is one entry whose
-members carry a suffix from a fixed list.
+tiers, the vLLM connector's scheduler and worker sides, the SGLang adapter. The
+declaration carries everything else that names it: its Prometheus family (with its label
+and help; :mod:`kvtier.core.families` declares the families that are no counter), and,
+by who counts it, its name in vLLM's metrics (:data:`VLLM_PREFIXES`). A new metric is
+added here, then counted (a part counts through :func:`registered_counters`, which
+cannot count a name missing here); the Prometheus exposition (:mod:`kvtier.cache.metrics`),
+vLLM's metrics, the engines' stats and ``docs/operating.md`` are generated from it.
+Names are plain ``[a-z0-9_]``, one per quantity; a family (``invalid_<reason>``) is one
+entry whose members carry a suffix from a fixed list.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 from kvtier.core.envelope import Rejection
+from kvtier.core.errors import KvtierError, UnknownNameError
+from kvtier.core.families import (
+    OTHER_FAMILIES,
+    PAGES,
+    STORAGE_METRICS,
+    TIER_READ_BYTES,
+    TIER_WRITTEN_BYTES,
+    Family,
+)
 from kvtier.core.storage import Counters
 
 __all__ = [
     "BACKEND_CALLS",
     "COUNTERS",
     "DIRECTIONS",
+    "FAMILIES",
     "READ_AT",
+    "VLLM_PREFIXES",
     "Cause",
     "CounterSpec",
+    "Family",
     "causes_markdown",
     "counter_names",
     "counters_markdown",
+    "families_markdown",
+    "family",
     "registered_counters",
+    "series",
+    "storage_metrics_markdown",
+    "vllm_metrics",
     "zeroed",
 ]
 
@@ -78,10 +98,13 @@ BACKEND_CALLS = ("exists", "get", "put", "delete", "clear", "stats", "close")
 
 @dataclass(frozen=True)
 class CounterSpec:
-    """One counter: its name, who counts it, what it counts; ``suffixes`` for a family.
+    """One counter: its name, who counts it, what it counts; ``suffixes`` for a family;
+    its Prometheus ``family`` (None: exposed only through its engine's metrics).
 
     A family counts ``name_<suffix>`` for each of ``suffixes``, and ``name`` in total
-    unless ``total`` is False.
+    unless ``total`` is False. In a Prometheus family with a label, each member is the
+    series of its suffix; a counter without suffixes is the series ``value``; in one
+    without a label, the counter (a family's total) is its one series.
     """
 
     name: str
@@ -89,18 +112,46 @@ class CounterSpec:
     meaning: str
     suffixes: tuple[str, ...] = ()
     total: bool = True
+    family: Family | None = None
+    value: str | None = None
 
     def names(self) -> list[str]:
         """The counter's name (a family's total), and each member's for a family."""
         members = [f"{self.name}_{suffix}" for suffix in self.suffixes]
         return [self.name, *members] if self.total or not self.suffixes else members
 
+    def series(self) -> list[tuple[str, str | None]]:
+        """(counter name, label value) of each series it is in its Prometheus family."""
+        if self.family is None:
+            return []
+        if self.family.label is None:
+            return [(self.name, None)]
+        if self.suffixes:
+            return [(f"{self.name}_{suffix}", suffix) for suffix in self.suffixes]
+        return [(self.name, self.value)]
 
-def _counters(counted_by: str, specs: Iterable[tuple[str, str] | CounterSpec]) -> list[CounterSpec]:
-    return [
-        spec if isinstance(spec, CounterSpec) else CounterSpec(spec[0], counted_by, spec[1])
-        for spec in specs
-    ]
+
+#: A counter as the registry below writes it: (name, meaning), with its family (and its
+#: label value there) where it has one, or a whole :class:`CounterSpec`.
+_Declared = tuple[str, str] | tuple[str, str, Family] | tuple[str, str, Family, str] | CounterSpec
+
+
+def _counters(counted_by: str, specs: Iterable[_Declared]) -> list[CounterSpec]:
+    out = []
+    for spec in specs:
+        if isinstance(spec, CounterSpec):
+            out.append(spec)
+            continue
+        name, meaning, *exposed = spec
+        family = exposed[0] if exposed else None
+        value = exposed[1] if len(exposed) > 1 else None
+        out.append(CounterSpec(name, counted_by, meaning, family=family, value=value))  # type: ignore[arg-type]
+    return out
+
+
+def _tier(name: str) -> Family:
+    """A per-tier counter's own family (``kvtier_tier_<name>``, label ``tier``)."""
+    return Family(f"kvtier_tier_{name}", label="tier")
 
 
 _REASONS = tuple(reason.value for reason in Rejection)
@@ -122,32 +173,66 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
         _counters(
             _STORE,
             [
-                ("hits", "Pages read and verified."),
-                ("misses", "Pages asked for and not read (absent, or the call failed)."),
+                ("hits", "Pages read and verified.", _tier("hits")),
+                (
+                    "misses",
+                    "Pages asked for and not read (absent, or the call failed).",
+                    _tier("misses"),
+                ),
                 CounterSpec(
                     "invalid",
                     _STORE,
                     "Pages read that failed envelope verification (a counted miss), by reason.",
                     _REASONS,
+                    family=Family(
+                        "kvtier_page_rejections",
+                        help="Stored pages that failed envelope verification and were "
+                        "served as misses, by reason (listed below).",
+                        label="reason",
+                    ),
                 ),
-                ("puts", "Pages the backend stored."),
-                ("put_failures", "Pages the backend did not store (refused, or the call failed)."),
+                ("puts", "Pages the backend stored.", _tier("puts")),
+                (
+                    "put_failures",
+                    "Pages the backend did not store (refused, or the call failed).",
+                    _tier("put_failures"),
+                ),
                 (
                     "put_tainted",
-                    "Of those, pages whose save guard tripped before the put returned (their "
-                    "memory was taken back, as a preempted vLLM request's blocks): any "
-                    "written after the trip has an envelope that never verifies.",
+                    "Of the pages not stored, those whose save guard tripped before the put "
+                    "returned (their memory was taken back, as a preempted vLLM request's "
+                    "blocks): any written after the trip has an envelope that never verifies.",
+                    _tier("put_tainted"),
                 ),
-                ("bytes_read", "Bytes of pages read and verified."),
-                ("bytes_written", "Bytes of pages stored."),
-                ("prefix_queries", "Prefix lookups (`prefix_hits`)."),
-                ("prefix_pages", "Leading pages those lookups found stored."),
+                (
+                    "bytes_read",
+                    "Bytes of pages read and verified (a tier's entry: summed over its "
+                    "page stores, the chain's reads to cascade and hand down included).",
+                    TIER_READ_BYTES,
+                ),
+                (
+                    "bytes_written",
+                    "Bytes of pages stored (a tier's entry: summed over its page stores, "
+                    "cascades, write-backs and promotions included).",
+                    TIER_WRITTEN_BYTES,
+                ),
+                (
+                    "prefix_queries",
+                    "Prefix lookups (`prefix_hits`).",
+                    Family("kvtier_prefix_queries"),
+                ),
+                (
+                    "prefix_pages",
+                    "Leading pages those lookups found stored.",
+                    Family("kvtier_prefix_pages"),
+                ),
                 CounterSpec(
                     "backend_errors",
                     _STORE,
                     "Backend calls that raised or answered malformed (the batch failed), by "
                     "operation.",
                     BACKEND_CALLS,
+                    family=Family("kvtier_backend_errors", label="operation"),
                 ),
                 CounterSpec(
                     "backend_timeouts",
@@ -155,6 +240,7 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
                     "Backend calls that did not return within `backend_call_timeout_s` (the "
                     "batch failed; the call's thread is abandoned), by operation.",
                     BACKEND_CALLS,
+                    family=Family("kvtier_backend_call_timeouts", label="operation"),
                 ),
                 CounterSpec(
                     "backend_refused",
@@ -162,6 +248,11 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
                     "Backend calls failed at once because `max_abandoned_calls` calls were "
                     "stuck, by operation.",
                     BACKEND_CALLS,
+                    family=Family(
+                        "kvtier_backend_calls_refused",
+                        help="Backend calls failed at once because `max_abandoned_calls` "
+                        "calls were already stuck.",
+                    ),
                 ),
             ],
         )
@@ -170,57 +261,100 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
         _counters(
             _CACHE,
             [
-                ("host_hits", "Pages a prefetch found in the host pool."),
-                ("host_misses", "Pages a prefetch did not find in the host pool."),
-                ("host_evictions", "Host-pool pages evicted, least recently used first."),
+                (
+                    "host_hits",
+                    "Pages a prefetch found in the host pool.",
+                    Family("kvtier_host_hits"),
+                ),
+                (
+                    "host_misses",
+                    "Pages a prefetch did not find in the host pool.",
+                    Family("kvtier_host_misses"),
+                ),
+                (
+                    "host_evictions",
+                    "Host-pool pages evicted, least recently used first.",
+                    Family("kvtier_host_evictions"),
+                ),
                 (
                     "storage_hits",
                     "Pages a prefetch found in storage (after missing the host pool).",
+                    Family("kvtier_storage_hits"),
                 ),
-                ("storage_misses", "Pages a prefetch found in neither tier."),
-                ("storage_pages_read", "Pages read from storage into the host pool and verified."),
-                ("storage_pages_written", "Pages written to storage."),
+                (
+                    "storage_misses",
+                    "Pages a prefetch found in neither tier.",
+                    Family("kvtier_storage_misses"),
+                ),
+                (
+                    "storage_pages_read",
+                    "Pages read from storage into the host pool and verified.",
+                    PAGES,
+                    "storage_read",
+                ),
+                ("storage_pages_written", "Pages written to storage.", PAGES, "storage_write"),
                 (
                     "storage_writes_skipped",
                     "Pages backed up but not written: this rank writes nothing (MLA ranks "
                     "other than 0).",
+                    PAGES,
+                    "storage_write_skipped",
                 ),
                 (
                     "storage_write_backs",
                     "Dirty pages `write_back` queued for writing (evicted from the host pool, "
                     "or at close).",
+                    PAGES,
+                    "write_back",
                 ),
                 (
                     "storage_writes_inline",
                     "Pages written by the thread that queued them, because the write queue "
                     "was full.",
+                    PAGES,
+                    "storage_write_inline",
                 ),
                 (
                     "storage_writes_cancelled",
                     "Pages whose storage write was given up at close (`drain=False`, or "
                     "`close_timeout_s` passed).",
+                    PAGES,
+                    "storage_write_cancelled",
                 ),
-                ("pages_backed_up", "Pages backed up whole into the host pool."),
+                (
+                    "pages_backed_up",
+                    "Pages backed up whole into the host pool.",
+                    PAGES,
+                    "backed_up",
+                ),
                 (
                     "pages_backup_already_cached",
                     "Pages a backup skipped: the host pool held them already.",
+                    PAGES,
+                    "backup_already_cached",
                 ),
                 (
                     "pages_prefetched",
                     "Pages prefetches brought in from storage (the pages `storage_pages_read` "
                     "counts).",
+                    PAGES,
+                    "prefetched",
                 ),
-                ("pages_loaded", "Pages loaded into the device pool."),
+                ("pages_loaded", "Pages loaded into the device pool.", PAGES, "loaded"),
                 (
                     "pages_cancelled",
                     "Pages of backups and prefetches given up before they were done (closed, "
                     "released, or after a failed page).",
+                    PAGES,
+                    "cancelled",
                 ),
                 (
                     "pages_quarantined",
                     "Host pages kept out of reuse because a storage call using them timed "
                     "out (a read may still fill them, a write still read them): freed only "
                     "once the call returns.",
+                    PAGES,
+                    "quarantined",
                 ),
                 CounterSpec(
                     "bytes",
@@ -228,6 +362,7 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
                     "Bytes moved, by direction.",
                     DIRECTIONS,
                     total=False,
+                    family=Family("kvtier_transferred_bytes", label="direction"),
                 ),
                 CounterSpec(
                     "busy_seconds",
@@ -235,6 +370,7 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
                     "Seconds spent moving those bytes, by direction (summed over workers).",
                     DIRECTIONS,
                     total=False,
+                    family=Family("kvtier_transfer_seconds", label="direction"),
                 ),
                 CounterSpec(
                     "failures",
@@ -243,6 +379,7 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
                     "sums them.",
                     tuple(cause.value for cause in Cause),
                     total=False,
+                    family=Family("kvtier_failures", label="cause"),
                 ),
             ],
         )
@@ -251,49 +388,79 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
         _counters(
             _TIER,
             [
-                ("promotions", "Pages copied up into a tier from a lower tier that served them."),
-                ("cascades", "Pages written down into a tier from the tier above."),
+                (
+                    "promotions",
+                    "Pages copied up into a tier from a lower tier that served them.",
+                    _tier("promotions"),
+                ),
+                (
+                    "cascades",
+                    "Pages written down into a tier from the tier above (write-through, "
+                    "write-back).",
+                    _tier("cascades"),
+                ),
                 (
                     "drops",
                     "Pages that would have entered a tier but were dropped: a full cascade "
                     "queue (`tier_queue_pages`) or staging pool, or a write-back victim that "
                     "could not be handed down (or that its backend evicted on its own).",
+                    _tier("drops"),
                 ),
-                ("evictions", "Pages a tier evicted to make room."),
+                (
+                    "evictions",
+                    "Pages a tier evicted to make room (its capacity, a write-back, a "
+                    "tenant's quota).",
+                    _tier("evictions"),
+                ),
+                (
+                    "evictions_external",
+                    "Evictions a tier's space manager did not choose: the backend's own "
+                    "capacity (a backend that does not report its space) or pages its shared "
+                    "store reclaimed (a master's memory pressure); also counted in `evictions`.",
+                    _tier("evictions_external"),
+                ),
                 (
                     "quota_evictions",
                     "Pages a tier evicted because their tenant was over its `quota_bytes`.",
+                    _tier("quota_evictions"),
                 ),
                 (
                     "failures",
                     "Calls to a tier that failed (the chain bypassed it), and pages a cascade "
                     "or promotion failed to write there.",
+                    _tier("failures"),
                 ),
-                ("admission_refused", "Pages a tier's admission policy kept out."),
+                (
+                    "admission_refused",
+                    "Pages a tier's admission policy kept out.",
+                    _tier("admission_refused"),
+                ),
                 (
                     "quarantined_pages",
                     "Staging pages kept out of reuse because a cascade, write-back or "
                     "promotion call into or out of a tier timed out while using them: each "
                     "is reused only once the call returns.",
+                    _tier("quarantined_pages"),
                 ),
                 (
                     "cancelled",
                     "Pages of queued or running cascades, write-backs and promotions (and "
                     "puts) not kept in a tier because their key was deleted or tainted "
                     "meanwhile (a copy written anyway is deleted once its call returned).",
+                    _tier("cancelled"),
                 ),
                 (
                     "bypasses",
                     "Lookups (`exists`, `get`) that skipped a tier because a call to it was "
                     "stuck past `backend_call_timeout_s`: the next tier answered.",
+                    _tier("bypasses"),
                 ),
-                ("get_seconds", "Seconds spent in a tier's reads."),
-                ("get_calls", "Reads asked of a tier."),
-                ("read_bytes", "Bytes of pages a tier served, to the engine or the chain."),
                 (
-                    "written_bytes",
-                    "Bytes of pages stored in a tier (puts, cascades, write-backs, promotions).",
+                    "get_seconds",
+                    "Seconds spent in a tier's reads (with `get_calls`, its mean read latency).",
+                    _tier("get_seconds"),
                 ),
+                ("get_calls", "Reads asked of a tier (one batched call each).", _tier("get_calls")),
             ],
         )
     ),
@@ -304,14 +471,17 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
                 (
                     "tenant_quota_evictions",
                     "A tenant's own pages evicted because it was over its `quota_bytes`.",
+                    Family("kvtier_tenant_quota_evictions", per_tenant=True),
                 ),
                 (
                     "events_emitted",
                     "Page events (stored, promoted, evicted, removed) handed to subscribers.",
+                    Family("kvtier_events_emitted"),
                 ),
                 (
                     "events_subscriber_errors",
                     "Times an event subscriber raised (its events are dropped).",
+                    Family("kvtier_events_subscriber_errors"),
                 ),
             ],
         )
@@ -534,11 +704,92 @@ def registered_counters(counted_by: str) -> Counters:
     return Counters(counter_names(counted_by), kind=f"{counted_by} counter (see COUNTERS)")
 
 
+#: The prefixes each part's counters carry in vLLM's KV-connector metrics, whose series
+#: are ``vllm:kvtier_<prefix><name>_total``: the worker reports its page store's counters
+#: as ``store_<name>``; the accelerator worker its TieredCache's as ``cache_<name>`` (the
+#: cache's page store as ``cache_page_store_<name>``).
+VLLM_PREFIXES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        _VLLM_SCHEDULER: ("",),
+        _VLLM_WORKER: ("",),
+        _STORE: ("store_", "cache_page_store_"),
+        _CACHE: ("cache_",),
+    }
+)
+
+
+def vllm_metrics() -> dict[str, str]:
+    """Every counter kvtier hands vLLM's metrics (``kvtier_<prefix><name>``), with its
+    help: generated from the registry, so vLLM carries no name that is not declared."""
+    return {
+        f"kvtier_{prefix}{name}": f"kvtier: {spec.meaning}"
+        for counted_by, prefixes in VLLM_PREFIXES.items()
+        for prefix in prefixes
+        for spec in COUNTERS[counted_by]
+        for name in spec.names()
+    }
+
+
+def _families() -> Mapping[str, Family]:
+    """Every Prometheus family by name: the counters' (help from the counter where the
+    family declares none), then :data:`~kvtier.core.families.OTHER_FAMILIES`."""
+    out: dict[str, Family] = {}
+    for specs in COUNTERS.values():
+        for spec in specs:
+            declared = spec.family
+            if declared is None:
+                continue
+            resolved = declared if declared.help else replace(declared, help=spec.meaning)
+            if out.setdefault(declared.name, resolved) != resolved:
+                raise KvtierError(
+                    f"Prometheus family {declared.name!r} is declared twice, differently "
+                    f"(at counter {spec.name!r}): declare it once and share the object",
+                    value=declared.name,
+                )
+    for other in OTHER_FAMILIES:
+        if out.setdefault(other.name, other) != other:
+            raise KvtierError(
+                f"Prometheus family {other.name!r} is declared twice, differently: in "
+                "kvtier.core.families.OTHER_FAMILIES and on a counter",
+                value=other.name,
+            )
+    return MappingProxyType(out)
+
+
+#: Every Prometheus family kvtier exposes, by name, in the order docs list them.
+FAMILIES: Mapping[str, Family] = _families()
+
+
+def family(name: str) -> Family:
+    """The declared family ``name``; an undeclared one raises
+    :class:`~kvtier.core.errors.UnknownNameError`, so no family is exposed unnamed here."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise UnknownNameError(
+            "Prometheus family (declare it in kvtier.core.metrics or kvtier.core.families)",
+            name,
+            FAMILIES,
+        ) from None
+
+
+def series(counted_by: str) -> dict[str, list[tuple[str, str | None]]]:
+    """``counted_by``'s Prometheus families by name, each with its (counter name, label
+    value) series: what the exposition emits of those counters."""
+    out: dict[str, list[tuple[str, str | None]]] = {}
+    for spec in COUNTERS[counted_by]:
+        if spec.family is not None:
+            out.setdefault(spec.family.name, []).extend(spec.series())
+    return out
+
+
 #: Where each part's counters are read.
 READ_AT: Mapping[str, str] = {
-    _STORE: '`PageStore.stats()`: a TieredCache\'s `stats()["page_store"]`, the vLLM '
-    "worker's `store_<name>` (`kvtier_store_<name>` in vLLM's metrics), SGLang's "
-    "`kvtier_stats()` (an extra pool's with its name first)",
+    _STORE: '`PageStore.stats()`: a TieredCache\'s `stats()["page_store"]` (summed over '
+    'the tiers), each tier\'s `stats()["tiers"][i]["store"][name]` (and `bytes_read`, '
+    '`bytes_written` as `stats()["tiers"][i][name]`, summed over the tier\'s page stores), '
+    "the vLLM worker's `store_<name>`, SGLang's `kvtier_stats()` (an extra pool's with its "
+    "name first)",
     _CACHE: "`TieredCache.stats()`, a counter `<part>_<key>` as `stats()[part][key]` "
     '(`host_hits`: `stats()["host"]["hits"]`, `failures_queue_full`: '
     '`stats()["failures"]["queue_full"]`); the vLLM accelerator worker\'s `cache_<name>`',
@@ -547,23 +798,70 @@ READ_AT: Mapping[str, str] = {
     _CHAIN: "`tenant_quota_evictions` as "
     '`TieredCache.stats()["tenants"][tenant]["quota_evictions"]`, `events_<key>` as '
     '`stats()["events"][key]`',
-    _VLLM_SCHEDULER: "`kvtier_<name>` in vLLM's KV-connector metrics (scheduler side)",
-    _VLLM_WORKER: "`kvtier_<name>` in vLLM's KV-connector metrics (each worker, summed)",
+    _VLLM_SCHEDULER: "`KvtierConnector.kvtier_stats()` on the scheduler side",
+    _VLLM_WORKER: "`KvtierConnector.kvtier_stats()` on each worker (vLLM's metrics sum "
+    "the workers)",
     _SGLANG: "`KvtierHiCacheStorage.kvtier_stats()`",
 }
 
 
 def counters_markdown() -> str:
-    """The registry as docs/operating.md lists it: one table row per counter."""
-    rows = ["| Counter | Counted by | Meaning |", "|---|---|---|"]
+    """The registry as docs/operating.md lists it: one table row per counter, with its
+    Prometheus family and its name in vLLM's metrics."""
+    rows = [
+        "| Counter | Counted by | Prometheus | vLLM | Meaning |",
+        "|---|---|---|---|---|",
+    ]
     for counted_by, specs in COUNTERS.items():
+        vllm = VLLM_PREFIXES.get(counted_by, ())
         for spec in specs:
-            family = (
-                f" Per member: `{spec.name}_<{'|'.join(spec.suffixes)}>`." if spec.suffixes else ""
+            members = f"`{spec.name}_<{'|'.join(spec.suffixes)}>`" if spec.suffixes else ""
+            family = f" Per member: {members}." if members else ""
+            exposed = _exposed(spec)
+            engine = ", ".join(
+                f"`vllm:kvtier_{prefix}{name}_total`" for prefix in vllm for name in _stems(spec)
             )
-            rows.append(f"| `{spec.name}` | {counted_by} | {spec.meaning}{family} |")
+            rows.append(
+                f"| `{spec.name}` | {counted_by} | {exposed} | {engine} | {spec.meaning}{family} |"
+            )
     where = [f"- **{counted_by}**: {READ_AT[counted_by]}." for counted_by in COUNTERS]
     return "\n".join([*rows, "", *where])
+
+
+def _stems(spec: CounterSpec) -> list[str]:
+    """The counter's names as the counters table lists them (``<suffix>`` for members)."""
+    if not spec.suffixes:
+        return [spec.name]
+    member = f"{spec.name}_<member>"
+    return [spec.name, member] if spec.total else [member]
+
+
+def _exposed(spec: CounterSpec) -> str:
+    """The Prometheus series of ``spec`` as the counters table names them."""
+    if spec.family is None:
+        return ""
+    name, label = spec.family.sample_name, spec.family.label
+    if label is None:
+        return f"`{name}`"
+    if spec.suffixes or spec.value is None:  # by suffix, or by tier
+        return f"`{name}{{{label}}}`"
+    return f'`{name}{{{label}="{spec.value}"}}`'
+
+
+def families_markdown() -> str:
+    """Every Prometheus family as docs/operating.md lists it: one row each."""
+    rows = ["| Metric | Type | Labels | Meaning |", "|---|---|---|---|"]
+    for declared in FAMILIES.values():
+        labels = ", ".join(f"`{label}`" for label in declared.labels)
+        rows.append(f"| `{declared.sample_name}` | {declared.kind} | {labels} | {declared.help} |")
+    return "\n".join(rows)
+
+
+def storage_metrics_markdown() -> str:
+    """SGLang's ``StorageMetrics`` fields as docs/operating.md lists them."""
+    rows = ["| Field | Meaning |", "|---|---|"]
+    rows += [f"| `{field.field}` | {field.meaning} |" for field in STORAGE_METRICS]
+    return "\n".join(rows)
 
 
 def causes_markdown() -> str:

@@ -39,10 +39,10 @@ from kvtier.core.extents import Extent
 from kvtier.core.host_pool import HostPool
 from kvtier.core.keys import validate_keys
 from kvtier.core.layout import Layout
-from kvtier.core.metrics import zeroed
+from kvtier.core.metrics import registered_counters, zeroed
 from kvtier.core.renames import renamed_keywords
 from kvtier.core.saveguard import SaveGuard
-from kvtier.core.storage import Counters, StorageBackend
+from kvtier.core.storage import StorageBackend
 from kvtier.core.verifying import BatchChecks
 
 __all__ = [
@@ -276,7 +276,7 @@ class PageStore:
         self._executor: ThreadPoolExecutor | None = None
         self.fingerprint = fingerprint
         self.verify: VerifyMode = verify
-        self._counters = Counters()
+        self._counters = registered_counters("page_store")
         self._warned: set[type[BaseException]] = set()
         self._lock = threading.Lock()
         self._formats: dict[str, EnvelopeFormat] = {}
@@ -661,9 +661,12 @@ class PageStore:
 
     def _count_outcome(self, outcome: Outcome, op: str) -> None:
         """Count a call that timed out or was refused, in total and by operation."""
-        what = "backend_timeouts" if outcome is Outcome.TIMED_OUT else "backend_refused"
-        self._counters.add(what)
-        self._counters.add(f"{what}_{op}")
+        if outcome is Outcome.TIMED_OUT:
+            self._counters.add("backend_timeouts")
+            self._counters.add(f"backend_timeouts_{op}")
+        else:
+            self._counters.add("backend_refused")
+            self._counters.add(f"backend_refused_{op}")
 
     def _call(
         self,

@@ -33,8 +33,9 @@ def store_stats(
 
 
 def tier_stats(tiers: list[Tier], cascade: Cascade) -> list[dict[str, Any]]:
-    """Each tier: its name, backend, page store counters, chain counters, occupancy,
-    and the pages queued to be written into it."""
+    """Each tier: its name, backend, page store counters, chain counters, the bytes
+    read from and written to it (``bytes_read``, ``bytes_written``: its page stores'
+    summed), occupancy, and the pages queued to be written into it."""
     out = []
     depths = cascade.depths()
     for tier in tiers:
@@ -53,9 +54,10 @@ def tier_stats(tiers: list[Tier], cascade: Cascade) -> list[dict[str, Any]]:
         }
         counts: dict[str, int | float] = dict.fromkeys(TIER_COUNTERS, 0)
         counts.update(tier.counters.snapshot())
-        # every byte in and out of the tier: the engine's and the chain's moves
-        counts["read_bytes"] = store["bytes_read"] + moved.get("bytes_read", 0)
-        counts["written_bytes"] = store["bytes_written"] + moved.get("bytes_written", 0)
+        # the page store's bytes, summed over the tier's page stores: every byte in and
+        # out of the tier, the engine's and the chain's moves (one name per quantity)
+        for name in ("bytes_read", "bytes_written"):
+            counts[name] = store[name] + moved.get(name, 0)
         entry.update(counts)
         out.append(entry)
     return out

@@ -3,6 +3,8 @@
 SGLang's ``StorageMetricsCollector`` accepts only its own ``StorageMetrics`` class, which
 lives in a module that needs SGLang's serving stack; where that module cannot be imported,
 a class with the same fields stands in (one WARNING, counted as ``metrics_fallback``).
+Which window fills which field is declared once (:data:`kvtier.core.families.STORAGE_METRICS`);
+the stand-in's fields and :meth:`TransferWindows.take` are generated from it.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ import functools
 import logging
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Literal
 
+from kvtier.core.families import STORAGE_METRICS
 from kvtier.core.metrics import zeroed
 from kvtier.core.storage import Counters
 from kvtier.integrations.sglang.pools import AttachedPool
@@ -32,14 +35,16 @@ log = logging.getLogger(__name__)
 Direction = Literal["prefetch", "backup"]
 
 
-@dataclass
-class StorageMetricsShape:
-    """SGLang's StorageMetrics fields, for SGLang builds whose metrics module is absent."""
-
-    prefetch_pgs: list[int] = field(default_factory=list)
-    backup_pgs: list[int] = field(default_factory=list)
-    prefetch_bandwidth: list[float] = field(default_factory=list)
-    backup_bandwidth: list[float] = field(default_factory=list)
+#: SGLang's StorageMetrics fields (a list each), for SGLang builds whose metrics module is
+#: absent: generated from the declared fields.
+StorageMetricsShape: type = make_dataclass(
+    "StorageMetricsShape",
+    [(spec.field, list[Any], field(default_factory=list)) for spec in STORAGE_METRICS],
+)
+StorageMetricsShape.__module__ = __name__
+StorageMetricsShape.__doc__ = (
+    "SGLang's StorageMetrics fields, for SGLang builds whose metrics module is absent."
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -92,12 +97,10 @@ class TransferWindows:
         """A fresh SGLang StorageMetrics holding the windows, which start over."""
         metrics = storage_metrics_class()()  # SGLang's collector asserts that exact class
         with self._lock:
-            prefetch, backup = self._windows["prefetch"], self._windows["backup"]
+            windows = self._windows
             self._windows = {"prefetch": _Window(), "backup": _Window()}
-        metrics.prefetch_pgs.extend(prefetch.pages)
-        metrics.prefetch_bandwidth.extend(prefetch.bandwidth)
-        metrics.backup_pgs.extend(backup.pages)
-        metrics.backup_bandwidth.extend(backup.bandwidth)
+        for spec in STORAGE_METRICS:
+            getattr(metrics, spec.field).extend(getattr(windows[spec.direction], spec.quantity))
         return metrics
 
 

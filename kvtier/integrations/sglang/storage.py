@@ -22,7 +22,7 @@ import torch
 
 from kvtier.cache.metrics import identity_of, store_collector
 from kvtier.core.errors import StorageError, TransferError, UnsupportedCombinationError
-from kvtier.core.storage import Counters
+from kvtier.core.metrics import registered_counters
 from kvtier.integrations.sglang.events import KVEventLog, KVEventPublishing, sglang_kv_events
 from kvtier.integrations.sglang.metrics import TransferWindows, kvtier_stats
 from kvtier.integrations.sglang.pages import SGLangPages, flat_page
@@ -87,7 +87,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 "moved this way are counted as generic_path_pages.",
                 DOCS,
             )
-        self._counters = Counters()
+        self._counters = registered_counters("sglang")
         self._windows = TransferWindows(bool(storage_config.enable_storage_metrics))
         self._lock = threading.Lock()
         #: The KV pool's page stores: one, or one per head slice (SGLang's tp_lcm_size).

@@ -48,7 +48,7 @@ import torch
 
 from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.errors import KvtierError
-from kvtier.core.metrics import COUNTERS
+from kvtier.core.metrics import vllm_metrics
 from kvtier.integrations.vllm.device_worker import DeviceWorkerSide
 from kvtier.integrations.vllm.events import BlockInfo, Describer
 from kvtier.integrations.vllm.messages import Report, StepWork
@@ -148,21 +148,6 @@ PROM_PREFIX = "vllm:"
 _PROM_NAME = re.compile(r"kvtier_[a-z0-9_]+")
 
 
-def _prom_documented() -> dict[str, str]:
-    """Every counter kvtier hands vLLM (``kvtier_<name>``, the page store's as
-    ``kvtier_store_<name>``), with its meaning from kvtier's one registry."""
-    out: dict[str, str] = {}
-    for counted_by, prefix in (
-        ("vllm_scheduler", "kvtier_"),
-        ("vllm_worker", "kvtier_"),
-        ("page_store", "kvtier_store_"),
-    ):
-        for spec in COUNTERS[counted_by]:
-            for name in spec.names():
-                out[prefix + name] = f"kvtier: {spec.meaning}"
-    return out
-
-
 class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     """kvtier's counters as vLLM Prometheus counters, one series per counter and engine.
 
@@ -170,8 +155,9 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     reported (summed over the workers and the scheduler): the counters' growth since the
     last report, so each adds to a counter ``vllm:kvtier_<name>`` (exposed with the
     ``_total`` suffix) labelled as vLLM labels its own (model name, engine). The counters
-    kvtier registers are created at start-up; one it reports that is not registered
-    there (the accelerator path's ``kvtier_cache_*``) is created on first sight.
+    are generated from kvtier's registry (:func:`kvtier.core.metrics.vllm_metrics`) and
+    created at start-up; a reported name that is not declared there (a rate, a gauge, a
+    backend's own number) is left out, never made a counter on first sight.
     """
 
     def __init__(
@@ -183,7 +169,7 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.counters: dict[str, Any] = {}
-        for name, documentation in _prom_documented().items():
+        for name, documentation in vllm_metrics().items():
             self._counter(name, documentation)
 
     def _counter(self, name: str, documentation: str) -> Any:
@@ -215,7 +201,7 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 or not _PROM_NAME.fullmatch(name)
             ):
                 continue  # a counter never decreases; a name vLLM cannot carry is left out
-            counter = self._counter(name, f"kvtier: {name.removeprefix('kvtier_')}")
+            counter = self.counters.get(name)  # only declared counters (created above)
             if counter is not None:
                 counter.labels(*labels).inc(value)
 

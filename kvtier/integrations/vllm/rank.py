@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.envelope import Rejection
 from kvtier.core.errors import StorageError
-from kvtier.core.storage import Counters
+from kvtier.core.metrics import registered_counters
 from kvtier.integrations.kv_events import TierEventFeed
 from kvtier.integrations.vllm.messages import PageOp, Report
 from kvtier.integrations.vllm.settings import DOCS, VLLMSection
@@ -67,7 +67,8 @@ class RankWorker(ABC):
         self.suffix = plan.rank_suffix
         #: KV cache groups: with more than one, vLLM takes failed loads per request only.
         self.groups = groups
-        self.counters = Counters()
+        #: This rank's counters: the ``vllm_worker`` ones of kvtier's registry only.
+        self.counters = registered_counters("vllm_worker")
         self._lock = threading.Lock()
         self._load_errors: set[int] = set()
         self._saving: set[str] = set()

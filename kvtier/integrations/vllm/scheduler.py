@@ -44,8 +44,7 @@ from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.errors import KvtierError, UnkeyableInputError
 from kvtier.core.geometry import AttentionKind
 from kvtier.core.keys import PageKeyer, rank_suffix
-from kvtier.core.metrics import zeroed
-from kvtier.core.storage import Counters
+from kvtier.core.metrics import registered_counters, zeroed
 from kvtier.core.store import ExistsLookup
 from kvtier.integrations.vllm.events import (
     UNSPECIFIED,
@@ -230,7 +229,7 @@ class SchedulerSide:
         #: until a worker stores them again (bounded: the oldest are trusted again).
         self._bad = _Bounded(bound)
         self._suffix0 = rank_suffix(plan.geometry.attention, 0, int(plan.context.tp_size))
-        self.counters = Counters()
+        self.counters = registered_counters("vllm_scheduler")
         self._adapters = AdapterIdentities()
         self._requests: dict[str, RequestLike] = {}
         self._keyer_of: dict[str, list[PageKeyer]] = {}
