@@ -631,6 +631,7 @@ def test_registered_through_the_hook_with_features() -> None:
         Feature.SHARED_PROCESSES,
         Feature.ZERO_COPY,
         Feature.EXACT_EVICTION,
+        Feature.REPORTS_SPACE,
     }
     assert spec.validate_plan is validate_file_plan
     assert spec.unavailable_reason() is None

@@ -133,7 +133,12 @@ def test_spec_is_registered_with_features_and_install_hint() -> None:
     spec = load_registry().backend("mooncake")
     assert spec is MOONCAKE_SPEC
     assert spec.requires == ("mooncake",)
-    assert spec.features == {Feature.SHARED_PROCESSES, Feature.SHARED_NODES, Feature.ZERO_COPY}
+    assert spec.features == {
+        Feature.SHARED_PROCESSES,
+        Feature.SHARED_NODES,
+        Feature.ZERO_COPY,
+        Feature.REPORTS_SPACE,
+    }
     assert "kvtier[mooncake]" in spec.install_hint
     assert "kvtier[mooncake-cpu]" in spec.install_hint
     assert isinstance(spec.factory, str)

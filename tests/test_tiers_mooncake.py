@@ -142,3 +142,28 @@ def test_pinned_pages_stay_in_a_full_mooncake_tier(tmp_path: Path) -> None:
             assert cache.stats()["tiers"][0]["promotions"] == 4
     finally:
         master.close()
+
+
+def test_a_page_the_master_removed_is_counted_as_an_external_eviction(
+    mooncake_master: MooncakeMaster,
+    tmp_path: Path,
+) -> None:
+    """Mooncake's master may remove a page on its own (memory pressure, another client of
+    the namespace): the client reports it as reclaimed when a lookup finds it gone, and the
+    tier counts it as an eviction it did not choose."""
+    model = f"tiers-{uuid.uuid4().hex[:10]}"
+    address = mooncake_master.address
+    with (
+        _chain(tmp_path / "a", address, model=model) as cache,
+        _chain(tmp_path / "b", address, model=model) as other,
+    ):
+        seen: list[Any] = []
+        cache.page_store.events.subscribe(seen.extend)
+        keys = put_pages(cache, range(16))
+        assert cache.flush(JOIN) and cache.page_store.flush(JOIN)
+        assert list(other.page_store.tiers[1].store.delete(keys[:1])) == [True]
+        assert _tier_has(cache, 1, keys) == [False, True, True, True]
+        tier = cache.stats()["tiers"][1]
+        assert tier["evictions_external"] == 1 and tier["evictions"] == 1
+        evicted = [(e.tier, e.key) for e in seen if e.kind is EventKind.EVICTED]
+        assert evicted == [(1, keys[0])]

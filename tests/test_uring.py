@@ -116,6 +116,7 @@ def test_registered_through_the_hook_with_features_and_hint() -> None:
         "shared_processes",
         "zero_copy",
         "exact_eviction",
+        "reports_space",
     }
     assert spec.config_model is UringConfig
 

@@ -73,8 +73,19 @@ class EvictionPolicy(ABC):
     in bytes, as the tier counts them. Thread-safe (see the module docstring).
     """
 
+    #: Whether something outside the backend owns the tier's space (a storage chain's
+    #: space manager, see :mod:`kvtier.core.space`): a backend handed such a policy never
+    #: makes room on its own (it asks for no victims; a put that does not fit is refused).
+    space_owned: bool = False
+
     def describe(self, key: str, info: PageInfo) -> None:  # noqa: B027 - optional knowledge
         """Tell the policy what the cache knows of ``key``; may come before record_insert."""
+
+    def record_reclaimed(self, key: str) -> None:
+        """``key`` left the tier on the backend's own (or its shared store's) account,
+        neither chosen as a victim nor deleted: a master's memory pressure, found out later.
+        By default a removal; a storage chain counts it as an external eviction."""
+        self.record_remove(key)
 
     @abstractmethod
     def record_insert(self, key: str, nbytes: int) -> None:

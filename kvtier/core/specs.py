@@ -65,6 +65,10 @@ class Feature(str, enum.Enum):
     #: storage chain can then decide alone what leaves it (needed above a ``write: back``
     #: tier, whose pages arrive only through the chain's evictions)
     EXACT_EVICTION = "exact_eviction"
+    #: reports its space and what a page costs it (:class:`kvtier.core.space.ReportsSpace`):
+    #: in a storage chain, the tier's space manager alone then decides what leaves it, and
+    #: the backend refuses a put that does not fit instead of evicting on its own
+    REPORTS_SPACE = "reports_space"
 
     def __str__(self) -> str:
         return self.value

@@ -46,7 +46,9 @@ class BackendContext:
     extra: dict[str, Any] = field(default_factory=dict)
     #: The policy the backend's capacity evicts through (``capacity_bytes`` and the
     #: like): the backend records its pages' inserts, hits and removals in it and asks
-    #: it for victims. None: the backend's own LRU (the built-in ``lru`` policy). One
+    #: it for victims, unless its ``space_owned`` is True (a storage chain's space
+    #: manager picks them, :mod:`kvtier.core.space`: the backend then refuses a put that
+    #: does not fit). None: the backend's own LRU (the built-in ``lru`` policy). One
     #: instance serves one backend instance.
     eviction: EvictionPolicy | None = field(default=None, compare=False)
 

@@ -29,8 +29,9 @@ a chain of one behaves as its page store did, and more tiers change nothing upst
   the queued cascades, write-backs and promotions of their keys, and a write of them
   still running (or timed out) deletes its copy once its call returned
   (:mod:`kvtier.storage.fences`, counted ``cancelled``).
-- **pins** (:class:`~kvtier.storage.pins.PinSet`): no tier evicts a pinned page, neither
-  the chain's own victim choices nor a backend's capacity (both go through the tier's
+- **space**: each tier's space manager (:mod:`~kvtier.storage.space`) decides what leaves it.
+- **pins** (:class:`~kvtier.storage.pins.PinSet`): no tier evicts a pinned page (the
+  space manager's choices and a backend's own both go through the tier's
   :class:`~kvtier.storage.observed.ObservedEviction`). A running load (TieredCache's
   prefetch, until its handle is released) pins the pages it found.
 - **write-back**: every eviction the chain makes out of a tier whose next tier is
@@ -66,6 +67,7 @@ from kvtier.storage.events import EventKind, EventStream
 from kvtier.storage.fences import Ticket
 from kvtier.storage.late import LateWrite, undo_revoked
 from kvtier.storage.lookup import exists_across
+from kvtier.storage.observed import Departure
 from kvtier.storage.parents import checked_parents
 from kvtier.storage.pins import PinSet
 from kvtier.storage.placement import Placement
@@ -269,14 +271,14 @@ class StorageChain:
             def late(names: list[str], _pages: list[int]) -> LateWrite:
                 return LateWrite(parts.fences, parts.staging, first, names, None, ticket, on_late)
 
-            results, _ = placement.put_into(
+            results, _, arrived = placement.put_into(
                 first, first.store, keys, pages, late=late, must=True, guards=guards
             )
             undone = undo_revoked(parts.fences, first, keys, results, ticket)
             for i, key in enumerate(keys):
                 if key in undone:
                     results[i] = False
-            stored = keys_where(keys, results)
+            stored = keys_where(keys, results, but=arrived)  # (arrived: evicted at once)
             parts.emit(EventKind.STORED, first, stored)
             targets = parts.through_below(0)
             if stored and targets:
@@ -394,7 +396,7 @@ class StorageChain:
         is asked again once its stuck calls returned."""
         return len(self.tiers) > 1 and tier.store.call_counts()["stuck"] > 0
 
-    def removed(self, tier_index: int, key: str, evicted: bool) -> None:
-        """A page left tier ``tier_index`` (evicted: to make room): count it, emit it
-        (see :meth:`~kvtier.storage.placement.Placement.removed`)."""
-        self._placement.removed(tier_index, key, evicted)
+    def removed(self, tier_index: int, key: str, how: Departure) -> None:
+        """A page left tier ``tier_index``: count it, emit it (see
+        :meth:`~kvtier.storage.space.SpaceManager.removed`)."""
+        self._placement.removed(tier_index, key, how)

@@ -1,6 +1,7 @@
-"""Where a page goes and what leaves a tier to make room: descriptions for the tier's
-policies, tenant quotas, admission (and its re-offers after hits), promotions, and the
-room a write-back tier's upper tier makes by handing its victims down.
+"""Where a page goes: descriptions for the tiers' policies, admission (and its re-offers
+after hits), promotions, and the hand-down of a write-back tier's upper tier's victims.
+What leaves a tier (room for a put, tenant quotas) is its space manager's decision
+(:mod:`kvtier.storage.space`); this module routes its puts and removals to it.
 
 A description tells a policy each page's parent (:mod:`kvtier.storage.parents`).
 """
@@ -8,20 +9,20 @@ A description tells a policy each page's parent (:mod:`kvtier.storage.parents`).
 from __future__ import annotations
 
 import logging
-import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.core.bounded import Outcome
 from kvtier.core.pagestore import BatchResult, PageStore
 from kvtier.core.policy import PageInfo
 from kvtier.core.saveguard import SaveGuard
 from kvtier.storage.cascade import Cascade, Job
 from kvtier.storage.events import EventKind
 from kvtier.storage.fences import Ticket
-from kvtier.storage.late import LateWrite, MakeLate, put_call, undo_revoked
+from kvtier.storage.late import LateWrite, MakeLate, undo_revoked
+from kvtier.storage.observed import Departure
 from kvtier.storage.parents import ParentMemo, batch_parents
+from kvtier.storage.space import SpaceManager
 from kvtier.storage.tiers import ChainParts, Tier, keys_where
 
 __all__ = ["Placement"]
@@ -40,13 +41,8 @@ class Placement:
         self.cascade = cascade
         tiers = parts.tiers
         self._refused: list[OrderedDict[str, None]] = [OrderedDict() for _ in tiers]
-        self._quota_evictions: dict[str, int] = {}
-        #: Keys being removed from a tier after they were handed down.
-        self._evicting: set[str] = set()
-        self._lost_warned = False
-        #: Per tier: one make-room-then-put at a time (above a write-back tier), so two
-        #: writers never both count the same free room.
-        self._room_locks = [threading.Lock() for _ in tiers]
+        #: Per tier: the one decider of what leaves it (:mod:`kvtier.storage.space`).
+        self.spaces = [SpaceManager(parts, tier, self._hand_down) for tier in tiers]
         #: The parents pages were described with, for their later moves.
         self.parents = ParentMemo()
 
@@ -73,29 +69,9 @@ class Placement:
                 admission.describe(key, info)
 
     def enforce_quota(self, tier: Tier, keys: list[str]) -> None:
-        """Evict a tenant's own pages from ``tier`` before it goes over its quota."""
-        tenants = self.parts.tenants
-        if tier.eviction is None or not tenants:
-            return
-        incoming: dict[str, int] = {}
-        quotas: dict[str, int] = {}
-        for key in keys:
-            chosen = tenants.quota_of(key)
-            if chosen is not None and key not in tier.eviction:
-                incoming[chosen[0]] = incoming.get(chosen[0], 0) + self.parts.page_bytes
-                quotas[chosen[0]] = chosen[1]
-        mine = set(keys)
-        for tenant, nbytes in incoming.items():
-            excess = tier.eviction.tenant_bytes(tenant) + nbytes - quotas[tenant]
-            if excess <= 0:
-                continue
-            victims = tier.eviction.choose_victims(excess, pinned=mine.__contains__, tenant=tenant)
-            if victims:
-                self.evict(tier, victims, force=True)
-                tier.counters.add("quota_evictions", len(victims))
-                with self.parts.lock:
-                    count = self._quota_evictions.get(tenant, 0) + len(victims)
-                    self._quota_evictions[tenant] = count
+        """Evict a tenant's own pages from ``tier`` before it goes over its quota (the
+        tier's space manager decides, see :meth:`SpaceManager.enforce_quota`)."""
+        self.spaces[tier.index].enforce_quota(keys)
 
     def admits(self, tier: Tier, key: str) -> bool:
         """Whether ``tier``'s admission takes ``key`` now (a refusal of a write-through
@@ -134,7 +110,7 @@ class Placement:
                     tier.eviction.tenant_bytes(name) if tier.eviction is not None else 0
                     for tier in tiers
                 ],
-                "quota_evictions": self._quota_evictions.get(name, 0),
+                "quota_evictions": sum(space.quota_evictions.get(name, 0) for space in self.spaces),
             }
         return out
 
@@ -217,14 +193,14 @@ class Placement:
             return
         names = [key for key, _ in chosen]
         self.describe(tier, names, job.parents_of(names))
-        self.enforce_quota(tier, names)
+        self.spaces[tier.index].enforce_quota(names)
         ticket = job.ticket
         assert ticket is not None  # queued jobs have one until they finish
 
         def late(part: list[str], pages: list[int]) -> LateWrite:
             return LateWrite(parts.fences, parts.staging, tier, part, pages, ticket, None)
 
-        results, dropped = self.put_into(
+        results, dropped, _ = self.put_into(
             tier,
             self.cascade.staging_store(tier),
             names,
@@ -247,7 +223,7 @@ class Placement:
         self.written(tier, written)
         parts.emit(job.kind, tier, written)
 
-    # --- room above a write-back tier -----------------------------------------------------
+    # --- room: each tier's space manager ------------------------------------------------
 
     def put_into(
         self,
@@ -259,94 +235,11 @@ class Placement:
         late: MakeLate,
         must: bool,
         guards: Sequence[SaveGuard | None] | None = None,
-    ) -> tuple[BatchResult, int]:
-        """Put into ``tier`` (through ``store``, the tier's page store or its staging
-        sibling); above a write-back tier, in parts that fit its capacity, each after its
-        victims were handed down. ``must``: the caller's pages, stored whatever happens to
-        victims that could not be handed down (they are lost, counted); otherwise pages
-        that would evict such a victim are not written (counted drops of this tier, the
-        copy they came from is still in its own tier). Returns the results and the drops.
-
-        ``late(keys, pages)`` makes the late side of each backend call (a call that times
-        out keeps its pages and keys fenced until it returns, see
-        :class:`~kvtier.storage.late.LateWrite`).
-        """
-        capacity = tier.plan.capacity_bytes
-        if self.parts.back_below(tier) is None or capacity is None or tier.eviction is None:
-            return put_call(store, keys, pages, late, guards), 0
-        step = max(1, capacity // self.parts.page_bytes)
-        results: list[bool] = []
-        dropped = 0
-        for start in range(0, len(keys), step):
-            part = keys[start : start + step]
-            with self._room_locks[tier.index]:
-                fit = self._make_room(tier, part, force=must)
-                if fit < len(part):
-                    dropped += len(part) - fit
-                    tier.counters.add("drops", len(part) - fit)
-                answer = put_call(
-                    store,
-                    part[:fit],
-                    pages[start : start + fit],
-                    late,
-                    None if guards is None else guards[start : start + fit],
-                )
-            results += answer
-            results += [False] * (len(part) - fit)
-            if answer.outcome is not Outcome.OK:
-                results += [False] * (len(keys) - len(results))
-                return BatchResult(results, answer.outcome), dropped
-        return BatchResult(results), dropped
-
-    def _make_room(self, tier: Tier, keys: list[str], *, force: bool) -> int:
-        """Before ``keys`` enter ``tier`` (above a write-back tier), hand down the victims
-        that make room for them; how many of ``keys`` fit (all with ``force``)."""
-        eviction, capacity = tier.eviction, tier.plan.capacity_bytes
-        assert eviction is not None and capacity is not None
-        page_bytes = self.parts.page_bytes
-        incoming = sum(page_bytes for key in keys if key not in eviction)
-        excess = eviction.nbytes + incoming - capacity
-        if excess <= 0:
-            return len(keys)
-        mine = set(keys)
-        victims = eviction.choose_victims(excess, pinned=mine.__contains__)
-        removed = self.evict(tier, victims, force=force)
-        if force:
-            return len(keys)
-        short = excess - page_bytes * len(removed)
-        if short <= 0:
-            return len(keys)
-        return max(0, len(keys) - -(-short // page_bytes))
-
-    def evict(self, tier: Tier, victims: list[str], *, force: bool) -> list[str]:
-        """Remove ``victims`` from ``tier``; above a write-back tier, each is handed down
-        first (read into staging, queued for the tier below). One that cannot be handed
-        down is removed anyway with ``force`` (a counted drop of the tier below), else it
-        stays. Returns the victims removed."""
-        if not victims:
-            return []
-        parts = self.parts
-        below = parts.back_below(tier)
-        if below is not None:
-            moved = self._hand_down(tier, below, victims)
-            gone = set(moved)
-            stay = [key for key in victims if key not in gone]
-            if stay and not force:
-                assert tier.eviction is not None
-                tier.eviction.forget_choice(stay)
-                victims = moved
-            elif stay:
-                below.counters.add("drops", len(stay))  # lost: counted where it was owed
-        if not victims:
-            return []
-        with parts.lock:
-            self._evicting.update(victims)
-        try:
-            tier.store.delete(victims)
-        finally:
-            with parts.lock:
-                self._evicting.difference_update(victims)
-        return victims
+    ) -> tuple[BatchResult, int, list[str]]:
+        """Put into ``tier`` through its space manager (:meth:`SpaceManager.put`): room
+        made first, victims handed down above a write-back tier; the results, the drops
+        and the caller's pages evicted on arrival."""
+        return self.spaces[tier.index].put(store, keys, pages, late=late, must=must, guards=guards)
 
     def _hand_down(self, tier: Tier, below: Tier, victims: list[str]) -> list[str]:
         """Read ``victims`` into staging and queue them for ``below`` (and the
@@ -366,28 +259,6 @@ class Placement:
         finally:
             fences.leave(ticket)
 
-    def removed(self, tier_index: int, key: str, evicted: bool) -> None:
-        """A page left tier ``tier_index`` (evicted: to make room): count it, emit it.
-
-        A page the tier's backend evicted on its own (not through the chain: its disk
-        filled, or the chain's room estimate was short) above a write-back tier was not
-        written back: a counted drop of the tier below.
-        """
-        parts = self.parts
-        tier = parts.tiers[tier_index]
-        if evicted:
-            tier.counters.add("evictions")
-            below = parts.back_below(tier)
-            if below is not None and key not in self._evicting:
-                below.counters.add("drops")
-                with parts.lock:
-                    first, self._lost_warned = not self._lost_warned, True
-                if first:
-                    log.warning(
-                        "kvtier: tier %s evicted a page on its own (its backend's capacity or "
-                        "free-space guard) that write-back tier %s never received; later such "
-                        "pages are counted in that tier's drops only",
-                        tier.name,
-                        below.name,
-                    )
-        parts.emit(EventKind.EVICTED if evicted else EventKind.REMOVED, tier, [key])
+    def removed(self, tier_index: int, key: str, how: Departure) -> None:
+        """A page left tier ``tier_index``: its space manager counts and emits it."""
+        self.spaces[tier_index].removed(key, how)

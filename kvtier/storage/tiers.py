@@ -130,6 +130,9 @@ class ChainParts:
             self.tiers[target].counters.add("drops", count)
 
 
-def keys_where(keys: Sequence[str], results: Sequence[bool]) -> list[str]:
-    """The keys whose result is True."""
-    return [key for key, ok in zip(keys, results, strict=True) if ok]
+def keys_where(
+    keys: Sequence[str], results: Sequence[bool], *, but: Iterable[str] = ()
+) -> list[str]:
+    """The keys whose result is True (but those in ``but``)."""
+    skip = set(but)
+    return [key for key, ok in zip(keys, results, strict=True) if ok and key not in skip]

@@ -30,6 +30,7 @@ FILE_SPEC = BackendSpec(
             Feature.SHARED_PROCESSES,
             Feature.ZERO_COPY,
             Feature.EXACT_EVICTION,
+            Feature.REPORTS_SPACE,
         }
     ),
     validate_plan=validate_file_plan,

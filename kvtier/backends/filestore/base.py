@@ -24,6 +24,7 @@ from kvtier.backends.filestore.slices import Slices
 from kvtier.backends.filestore.store import FileStore
 from kvtier.core.envelope import BatchEnvelope
 from kvtier.core.errors import StorageError
+from kvtier.core.space import SpaceReport
 from kvtier.core.storage import BackendContext, PageBuffers, StorageBackend
 
 __all__ = ["BeforeWrite", "FileStoreBackend", "Keys", "OnFilled", "OnPayload", "Pages"]
@@ -258,3 +259,13 @@ class FileStoreBackend(StorageBackend, Generic[ConfigT]):
 
     def _close_own(self) -> None:
         """Release what only this backend holds (before the spares and threads go)."""
+
+    # --- space (kvtier.core.space: the chain's space manager owns it) ------------------
+
+    def space(self) -> SpaceReport:
+        """The store's bytes and the room left within capacity and the free-space guard."""
+        return self.index.space()
+
+    def page_cost(self, nbytes: int) -> int:
+        """What a page of ``nbytes`` takes off that room (its file's size)."""
+        return self.index.page_cost(nbytes)

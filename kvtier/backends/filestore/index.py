@@ -1,4 +1,10 @@
-"""The in-memory index of a store: sizes, capacity through a policy, the free-space guard."""
+"""The in-memory index of a store: sizes, capacity through a policy, the free-space guard.
+
+In a storage chain the policy's space is owned (:attr:`EvictionPolicy.space_owned`): the
+tier's space manager reads :meth:`FileIndex.space` and decides what leaves; ``reserve``
+then refuses a page that does not fit (``capacity``, ``min_free_space``) and evicts nothing.
+Opened bare (no chain), the index evicts through its policy itself.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from pathlib import Path
 from kvtier.backends.filestore.debris import Debris, discard
 from kvtier.backends.filestore.paths import check_key, page_path_str
 from kvtier.core.policy import EvictionPolicy, LRUPolicy
+from kvtier.core.space import SpaceReport
 
 __all__ = ["FileIndex"]
 
@@ -22,7 +29,8 @@ class FileIndex:
     """The in-memory index of one store: key -> size, capacity and free space.
 
     Thread-safe. ``reserve`` makes room before a write (evicting the pages ``eviction``
-    chooses: least recently used first when it is None, the built-in ``lru`` policy),
+    chooses: least recently used first when it is None, the built-in ``lru`` policy;
+    none when the policy's space is owned by a chain, see the module docstring),
     ``commit`` records a published page, ``release`` undoes a reservation whose write
     failed. Every page's arrival, read and departure is recorded in the policy.
     """
@@ -84,6 +92,25 @@ class FileIndex:
             "evictions": self.evictions,
             "evicted_bytes": self.evicted_bytes,
         }
+
+    def space(self) -> SpaceReport:
+        """The bytes of the published pages, and the room left before ``reserve`` refuses
+        one: within ``capacity_bytes`` and above ``min_free_bytes`` of the disk (None:
+        neither is set). Reservations in flight are not subtracted (the caller's)."""
+        with self._lock:
+            used = self._bytes
+        room: list[int] = []
+        if self.capacity_bytes is not None:
+            room.append(self.capacity_bytes - used)
+        if self.min_free_bytes > 0:
+            room.append(self._free_bytes() - self.min_free_bytes)
+        return SpaceReport(used, max(0, min(room)) if room else None, self.capacity_bytes)
+
+    @staticmethod
+    def page_cost(nbytes: int) -> int:
+        """A page costs its file's size, as ``capacity_bytes`` and the free-space guard
+        count it (the file system's block rounding and inode are not counted)."""
+        return nbytes
 
     def keys(self) -> list[str]:
         """The indexed keys: least recently used first under the default LRU policy,
@@ -196,18 +223,20 @@ class FileIndex:
     def _reserve_locked(self, key: str, nbytes: int, free: int) -> tuple[str | None, int]:
         """Evict until ``key``'s page of ``nbytes`` fits; why not (or None), and the bytes
         free on disk after the evictions (``free``: before them)."""
+        owned = self.eviction.space_owned  # the chain's space manager makes the room
         if self.capacity_bytes is not None:
             if nbytes > self.capacity_bytes:
                 return "page_larger_than_capacity", free
             replaced = self._sizes.get(key, 0)  # (``key`` itself is never a victim)
             while (over := self._bytes - replaced + self._pending + nbytes) > self.capacity_bytes:
-                freed = self._evict_locked(over - self.capacity_bytes, protect=key)
+                freed = 0 if owned else self._evict_locked(over - self.capacity_bytes, protect=key)
                 if not freed:
                     return "capacity", free
                 free += freed
         if self.min_free_bytes > 0:
             while free - nbytes < self.min_free_bytes:
-                freed = self._evict_locked(self.min_free_bytes + nbytes - free, protect=key)
+                needed = self.min_free_bytes + nbytes - free
+                freed = 0 if owned else self._evict_locked(needed, protect=key)
                 if not freed:
                     return "min_free_space", free
                 free += freed

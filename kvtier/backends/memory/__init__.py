@@ -22,7 +22,7 @@ MEMORY_SPEC = BackendSpec(
     layouts=ALL_LAYOUTS,
     attention=ALL_ATTENTION,
     operations=ALL_OPERATIONS,
-    features=frozenset({Feature.EXACT_EVICTION}),
+    features=frozenset({Feature.EXACT_EVICTION, Feature.REPORTS_SPACE}),
 )
 
 

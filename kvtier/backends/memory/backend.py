@@ -4,7 +4,9 @@ It implements the whole storage contract in the plainest way, so it is the backe
 shows what every other one must do. Pages live in this process only; a put copies the
 page's regions into one ``bytearray`` (the stored object), a get copies it back in place.
 Beyond ``capacity_bytes`` pages leave through the context's eviction policy
-(``BackendContext.eviction``), least recently used first when none is given.
+(``BackendContext.eviction``), least recently used first when none is given; in a storage
+chain the tier's space manager owns that room instead (the backend reports its space,
+:class:`~kvtier.core.space.ReportsSpace`, and refuses a put that does not fit).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 
 from kvtier.backends.memory.config import MemoryConfig
 from kvtier.core.policy import EvictionPolicy, LRUPolicy
+from kvtier.core.space import SpaceReport
 from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBackend
 
 __all__ = ["MemoryBackend"]
@@ -21,7 +24,7 @@ __all__ = ["MemoryBackend"]
 
 class MemoryBackend(StorageBackend):
     """Pages in a dict, evicted through the context's policy (LRU by default) beyond
-    ``capacity_bytes``."""
+    ``capacity_bytes``; none evicted here when the policy's space is owned (a chain)."""
 
     def __init__(
         self, config: MemoryConfig | None = None, context: BackendContext | None = None
@@ -72,7 +75,13 @@ class MemoryBackend(StorageBackend):
                 continue
             with self._lock:
                 old = self._pages.get(key)
-                self._bytes += len(blob) - (len(old) if old is not None else 0)
+                grow = len(blob) - (len(old) if old is not None else 0)
+                if self.eviction.space_owned and self._bytes + grow > self.config.capacity_bytes:
+                    # the chain's space manager decides what leaves, not this: refused
+                    self._counters.add("put_failed_capacity")
+                    results.append(False)
+                    continue
+                self._bytes += grow
                 self._pages[key] = blob  # swapped in whole: a reader sees old or new
                 self.eviction.record_insert(key, len(blob))
                 if self._bytes > self.config.capacity_bytes and not self._make_room(key):
@@ -117,6 +126,18 @@ class MemoryBackend(StorageBackend):
         with self._lock:
             for key in list(self._pages):
                 self._drop(key)
+
+    def space(self) -> SpaceReport:
+        """The bytes held and the room left within ``capacity_bytes``."""
+        capacity = int(self.config.capacity_bytes)
+        with self._lock:
+            used = self._bytes
+        return SpaceReport(used, max(0, capacity - used), capacity)
+
+    def page_cost(self, nbytes: int) -> int:
+        """A page costs its bytes (one ``bytearray``; Python's object header is not
+        counted against ``capacity_bytes``)."""
+        return nbytes
 
     def stats(self) -> dict[str, int | float]:
         with self._lock:

@@ -29,7 +29,9 @@ MOONCAKE_SPEC = BackendSpec(
     layouts=ALL_LAYOUTS,
     attention=ALL_ATTENTION,
     operations=ALL_OPERATIONS,
-    features=frozenset({Feature.SHARED_PROCESSES, Feature.SHARED_NODES, Feature.ZERO_COPY}),
+    features=frozenset(
+        {Feature.SHARED_PROCESSES, Feature.SHARED_NODES, Feature.ZERO_COPY, Feature.REPORTS_SPACE}
+    ),
 )
 
 

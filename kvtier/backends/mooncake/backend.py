@@ -27,7 +27,11 @@ What Mooncake does differently from the contract is handled here:
 * A full store refuses puts (``put_failed.NO_AVAILABLE_HANDLE``): the page is not stored,
   nothing partial is. ``capacity_bytes`` bounds what this client keeps below that: the
   pages the eviction policy chooses are removed first, least recently used first by
-  default (``BackendContext.eviction``; :mod:`kvtier.backends.mooncake.occupancy`).
+  default (``BackendContext.eviction``; :mod:`kvtier.backends.mooncake.occupancy`). In a
+  storage chain the tier's space manager makes that room instead (this backend reports
+  its space, :mod:`kvtier.core.space`) and a put that does not fit is refused here
+  (``put_failed.CAPACITY``); objects the master evicted on its own are reported to the
+  policy as reclaimed when a get or exists finds them gone.
 * A reader's lease also refuses a delete. Such a key is answered as missing by this client
   from then on, never put over, and its removal is retried on the next calls until
   Mooncake removes it (``delete_deferred``, ``delete_deferred_done``;
@@ -61,6 +65,7 @@ from kvtier.backends.mooncake.removals import DeferredRemovals
 from kvtier.backends.mooncake.staging import Direction, StagingBuffer
 from kvtier.core.errors import BackendUnavailableError, StorageError
 from kvtier.core.extents import Extent
+from kvtier.core.space import SpaceReport
 from kvtier.core.storage import BackendContext, Counters, PageBuffers, StorageBackend
 
 if TYPE_CHECKING:
@@ -321,7 +326,8 @@ class MooncakeBackend(StorageBackend):
             else:
                 idx.append(i)
         incoming = [(okeys[i], plans[i].total) for i in idx]
-        self._evict_for(incoming)
+        if not self._occupancy.eviction.space_owned:  # else the chain made the room
+            self._evict_for(incoming)
         admitted: list[int] = []
         fits: list[tuple[str, int]] = []
         for i, pair in zip(idx, incoming, strict=True):
@@ -352,7 +358,7 @@ class MooncakeBackend(StorageBackend):
             if code < 0:
                 self._record("exists", code)
             out.append(code == 1)
-        self._occupancy.forget(k for k, code in zip(okeys, codes, strict=True) if code == 0)
+        self._occupancy.reclaimed(k for k, code in zip(okeys, codes, strict=True) if code == 0)
         return out
 
     def put(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
@@ -515,7 +521,7 @@ class MooncakeBackend(StorageBackend):
                 self._counters.add("get_failed.SIZE_MISMATCH")
         self._counters.add("get_hits", sum(1 for i in idx if results[i]))
         self._counters.add("bytes_read", read)
-        self._occupancy.forget(gone)
+        self._occupancy.reclaimed(gone)
         self._occupancy.touch(okeys[i] for i in idx if results[i])
 
     # --- the rest of the contract ---------------------------------------------------
@@ -564,6 +570,16 @@ class MooncakeBackend(StorageBackend):
         self._counters.add("cleared", code)
         self._occupancy.clear()
         self._removals.clear()
+
+    def space(self) -> SpaceReport:
+        """This client's bytes in the store and the room left within ``capacity_bytes``
+        (:mod:`kvtier.core.space`; a chain's space manager picks the victims)."""
+        return self._occupancy.space()
+
+    def page_cost(self, nbytes: int) -> int:
+        """A page costs its object's bytes, as ``capacity_bytes`` counts them (the
+        master's own allocation overhead is its own, outside this client's bound)."""
+        return nbytes
 
     def stats(self) -> dict[str, int | float]:
         """Counters (hits, misses, bytes, failures by Mooncake error name) and master state."""

@@ -6,7 +6,10 @@ their sizes, so that ``capacity_bytes`` can be enforced here and ``stats()`` can
 ``pages`` / ``bytes``; which pages leave when it is full is the eviction policy's choice
 (``BackendContext.eviction``; least recently used first when none is given), told of
 every put, read and removal. It is this process's view: objects the master evicted on
-its own are forgotten when a get or exists finds them gone.
+its own are forgotten when a get or exists finds them gone, and reported to the policy
+as reclaimed (:meth:`~kvtier.core.policy.EvictionPolicy.record_reclaimed`: a storage
+chain counts them as the tier's external evictions). In a chain the policy's space is
+owned: the tier's space manager reads :meth:`Occupancy.space` and picks the victims.
 
 Objects are named by their Mooncake key (``<key_prefix>/<namespace>/<page key>``); the
 policy sees the page keys, as every other backend's does, so that what a tier describes
@@ -19,6 +22,7 @@ import threading
 from collections.abc import Collection, Iterable, Sequence
 
 from kvtier.core.policy import EvictionPolicy, LRUPolicy
+from kvtier.core.space import SpaceReport
 
 __all__ = ["Occupancy"]
 
@@ -60,6 +64,25 @@ class Occupancy:
                 if size is not None:
                     self._bytes -= size
                     self.eviction.record_remove(self._page(key))
+
+    def reclaimed(self, keys: Iterable[str]) -> None:
+        """The objects were found gone without this client removing them (the master
+        evicted them): forgotten, and told to the policy as reclaimed."""
+        with self._lock:
+            for key in keys:
+                size = self._sizes.pop(key, None)
+                if size is not None:
+                    self._bytes -= size
+                    self.eviction.record_reclaimed(self._page(key))
+
+    def space(self) -> SpaceReport:
+        """This client's bytes and the room left within ``capacity_bytes`` (None: no
+        bound here; the master's memory is its own)."""
+        capacity = self.capacity_bytes
+        with self._lock:
+            used = self._bytes
+        free = None if capacity is None else max(0, capacity - used)
+        return SpaceReport(used, free, capacity)
 
     def touch(self, keys: Iterable[str]) -> None:
         """The objects were just read: a hit for the policy."""

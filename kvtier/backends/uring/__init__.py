@@ -35,6 +35,7 @@ URING_SPEC = BackendSpec(
             Feature.SHARED_PROCESSES,
             Feature.ZERO_COPY,
             Feature.EXACT_EVICTION,
+            Feature.REPORTS_SPACE,
         }
     ),
     validate_plan=validate_uring_plan,
