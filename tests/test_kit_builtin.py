@@ -4,14 +4,11 @@ where the kernel allows it, a Mooncake master on loopback, real child processes.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import pytest
+from test_mooncake import OnTheSessionMaster
 
 from kvtier.backends.uring import URING_SPEC
 from kvtier.testing import BackendKit, ConformanceTests, FaultCampaignTests, require
-from kvtier.testing.mooncake import MooncakeMaster
 
 
 class TestMemoryBackendKit(BackendKit, ConformanceTests):
@@ -62,12 +59,5 @@ class TestSegmentFaults(BackendKit, FaultCampaignTests):
 
 
 @pytest.mark.mooncake
-class TestMooncakeFaults(BackendKit, FaultCampaignTests):
-    backend_name = "mooncake"
-
-    @pytest.fixture(autouse=True)
-    def _master(self, mooncake_master: MooncakeMaster) -> None:
-        self.master_address = mooncake_master.address
-
-    def backend_config(self, tmp: Path) -> dict[str, Any]:
-        return {"master_address": self.master_address, "global_segment_size": 0}
+class TestMooncakeFaults(OnTheSessionMaster, FaultCampaignTests):
+    """The campaign against the session's Mooncake master."""

@@ -754,8 +754,21 @@ def test_close_is_bounded_when_the_master_is_gone(mooncake_master: MooncakeMaste
 # --- the conformance kit --------------------------------------------------------------
 
 
+class OnTheSessionMaster(BackendKit):
+    """A kit class whose Mooncake backend uses the session's master on loopback."""
+
+    backend_name = "mooncake"
+
+    @pytest.fixture(autouse=True)
+    def _master(self, mooncake_master: MooncakeMaster) -> None:
+        self.master_address = mooncake_master.address
+
+    def backend_config(self, tmp: Path) -> dict[str, Any]:
+        return {"master_address": self.master_address, "global_segment_size": 0}
+
+
 class TestMooncakeKit(
-    BackendKit,
+    OnTheSessionMaster,
     RoundTripTests,
     PrefixExistsTests,
     MissTests,
@@ -768,15 +781,6 @@ class TestMooncakeKit(
 ):
     """The kit against the session master: every mixin but PersistenceTests (Mooncake
     keeps pages in memory; the spec does not declare ``persistent``)."""
-
-    backend_name = "mooncake"
-
-    @pytest.fixture(autouse=True)
-    def _master(self, mooncake_master: MooncakeMaster) -> None:
-        self.master_address = mooncake_master.address
-
-    def backend_config(self, tmp: Path) -> dict[str, Any]:
-        return {"master_address": self.master_address, "global_segment_size": 0}
 
 
 def test_docs_config_table_is_generated_from_the_model() -> None:

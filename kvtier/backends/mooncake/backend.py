@@ -348,18 +348,15 @@ class MooncakeBackend(StorageBackend):
             return [False] * len(keys)
         self._retry_removals()
         hidden = self._removals.hidden(okeys)
-        if any(hidden):  # not even asked: asking Mooncake renews the lease that kept them
-            asked = [k for k, deleted in zip(okeys, hidden, strict=True) if not deleted]
-            answers = iter(self.exists([k[len(self._prefix) :] for k in asked]) if asked else ())
-            return [False if deleted else next(answers) for deleted in hidden]
-        codes = self._live_client().batch_is_exist(okeys)
-        out: list[bool] = []
+        # a deleted key still leased is not even asked: asking renews the lease that kept it
+        asked = [k for k, deleted in zip(okeys, hidden, strict=True) if not deleted]
+        codes = self._live_client().batch_is_exist(asked) if asked else []
         for code in codes:
             if code < 0:
                 self._record("exists", code)
-            out.append(code == 1)
-        self._occupancy.reclaimed(k for k, code in zip(okeys, codes, strict=True) if code == 0)
-        return out
+        self._occupancy.reclaimed(k for k, code in zip(asked, codes, strict=True) if code == 0)
+        answers = iter(codes)
+        return [False if deleted else next(answers) == 1 for deleted in hidden]
 
     def put(self, keys: Sequence[str], pages: Sequence[PageBuffers]) -> list[bool]:
         """Store each page's regions as one object, zero-copy from registered memory."""
