@@ -47,6 +47,23 @@ class TestSegmentOverFile(ChainKit, ChainFaultCampaignTests):
     tiers = [_segment("{tmp}/upper"), {**_file("{tmp}/lower"), "write": "through"}]
 
 
+class TestSegmentOverFileWriteBack(ChainKit, ChainFaultCampaignTests):
+    """Segment's reclaim is the tier's choice: what it drops is written back below."""
+
+    tiers = [
+        {
+            **_segment("{tmp}/upper"),
+            "extra_config": {
+                "root": "{tmp}/upper",
+                "min_free_bytes": 0,
+                "segment_bytes": "1MiB",
+                "capacity_bytes": "2MiB",
+            },
+        },
+        {**_file("{tmp}/lower"), "write": "back"},
+    ]
+
+
 @pytest.mark.mooncake
 class TestFileOverMooncake(ChainKit, ChainFaultCampaignTests):
     @pytest.fixture(autouse=True)

@@ -242,6 +242,8 @@ def test_spec_declares_what_the_backend_does() -> None:
         Feature.PERSISTENT,
         Feature.SHARED_PROCESSES,
         Feature.ZERO_COPY,
+        Feature.EXACT_EVICTION,
+        Feature.REPORTS_SPACE,
     }
     assert SEGMENT_SPEC.unavailable_reason() is None
 

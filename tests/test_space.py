@@ -310,28 +310,80 @@ def test_a_policy_that_keeps_its_pages_evicts_the_newcomer_on_arrival_unwritten(
     assert (0, keys[2]) not in stored and (1, keys[2]) not in stored
 
 
-def test_segment_reclaims_on_its_own_and_the_tier_counts_it_external(
-    tmp_path: Path, chains: list[StorageChain]
-) -> None:
-    """The documented exception: ``segment`` does not report its space (it reclaims whole
-    segments), so it keeps its own eviction through the tier's policy; the chain counts
-    every page it reclaimed as an eviction it did not choose."""
-    segment = {
-        "backend": "segment",
-        "extra_config": {
-            "root": str(tmp_path / "segments"),
-            "segment_bytes": "1MiB",
-            "capacity_bytes": "2MiB",
-            "min_free_bytes": 0,
-        },
+def _segment(tmp_path: Path, **more: Any) -> dict[str, Any]:
+    """A segment tier of 1 MiB segments within 2 MiB."""
+    options = {
+        "root": str(tmp_path / "segments"),
+        "segment_bytes": "1MiB",
+        "capacity_bytes": "2MiB",
+        "min_free_bytes": 0,
     }
-    chain = _open([segment])
-    chains.append(chain)
-    assert chain.tiers[0].eviction is not None and not chain.tiers[0].eviction.space_owned
-    keys = _keys(16 * 40)
+    return {"backend": "segment", "extra_config": options, **more}
+
+
+def _fill(chain: StorageChain, keys: list[str], between: Callable[[], object] = list) -> None:
     for start in range(0, len(keys), 16):
         assert _put(chain, keys[start : start + 16]) == [True] * 16
+        between()
+
+
+def test_the_segment_tier_chooses_the_segment_to_reclaim_and_the_backend_never_does(
+    tmp_path: Path, chains: list[StorageChain]
+) -> None:
+    """``segment`` reports its space and its segments: the tier's manager picks the
+    segment that gives back the most (least recently used pages first), the backend
+    reclaims it on that word and never chooses on its own."""
+    chain = _open([_segment(tmp_path)])
+    chains.append(chain)
+    tier = chain.tiers[0]
+    assert tier.eviction is not None and tier.eviction.space_owned
+    keys = _keys(16 * 40)
+    _fill(chain, keys)
     counts = _counts(chain)
-    assert counts.get("evictions", 0) > 0
-    assert counts.get("evictions_external") == counts.get("evictions")
-    assert sum(chain.exists(keys)) == len(keys) - counts["evictions"]
+    assert counts.get("evictions", 0) > 0 and counts.get("evictions_external", 0) == 0
+    assert tier.eviction.refused_choices == 0  # the backend never asked for a victim
+    backend = tier.store.backend
+    assert isinstance(backend, ReportsSpace)
+    assert backend.stats().get("segments_reclaimed", 0) > 0
+    assert backend.space().used_bytes <= 2 << 20
+    held = list(chain.exists(keys))
+    assert sum(held) == len(keys) - counts["evictions"]
+    assert all(held[-16:]) and not any(held[:16])  # the oldest went, the newest stayed
+
+
+def test_a_segment_tier_hands_every_page_it_drops_down_to_write_back(
+    tmp_path: Path, chains: list[StorageChain]
+) -> None:
+    chain = _open([_segment(tmp_path), _tier(tmp_path, "file", root="b", write="back")])
+    chains.append(chain)
+    keys = _keys(16 * 40)
+    _fill(chain, keys)
+    assert chain.flush(JOIN)
+    evicted = _counts(chain, 0).get("evictions", 0)
+    assert evicted > 0 and _counts(chain, 0).get("evictions_external", 0) == 0
+    below = _counts(chain, 1)
+    assert below.get("drops", 0) == 0 and below.get("cascades") == evicted
+    assert all(chain.exists(keys))  # every page is in one tier or the other
+    assert sum(chain.tiers[1].store.exists(keys)) == evicted
+
+
+def test_a_reclaimed_segment_keeps_the_pages_the_policy_keeps_and_a_pinned_one(
+    tmp_path: Path, chains: list[StorageChain]
+) -> None:
+    """The pages the policy would not evict first (read again and again) and a pinned
+    page survive their segment: rewritten into the active one, under the same key."""
+    chain = _open([_segment(tmp_path)])
+    chains.append(chain)
+    keys = _keys(16 * 40)
+    hot, pinned = keys[:4], keys[4]
+    chain.pin([pinned])
+
+    def read_hot() -> None:
+        assert list(chain.get(hot, [12, 13, 14, 15])) == [True] * 4
+
+    _fill(chain, keys, between=read_hot)
+    assert list(chain.exists([*hot, pinned, keys[5]])) == [True] * 5 + [False]
+    backend = chain.tiers[0].store.backend
+    assert backend.stats().get("pages_rewritten", 0) >= 5
+    assert _counts(chain).get("evictions_external", 0) == 0
+    chain.unpin([pinned])

@@ -494,7 +494,7 @@ def _refuse_write_back_under(
 ) -> None:
     """A ``write: back`` tier under one whose backend reclaims space on its own: the
     chain hands a page down only when it evicts the page itself, so every page that
-    backend removes alone (whole segments, a master's memory pressure) would be lost."""
+    backend removes alone (a master's memory pressure) would be lost."""
     exact = sorted(
         name for name, spec in backends.items() if Feature.EXACT_EVICTION in spec.features
     )

@@ -20,6 +20,14 @@ pressure) reports each page it finds gone with
 :meth:`~kvtier.core.policy.EvictionPolicy.record_reclaimed`; the chain counts it
 (``evictions_external`` of the tier) and, above a ``write: back`` tier, as a drop there.
 
+A backend whose space comes back a unit at a time (the segment store: a deleted page
+leaves a dead hole until its whole segment goes) implements :class:`ReclaimsUnits` as
+well: the manager deletes no page of it to make room, it scores the backend's units by
+the bytes the policy would evict first that each holds (and its dead bytes), the live
+pages the policy would keep being the cost (they are rewritten), and tells the backend
+which unit to reclaim and which of its pages to keep; the others are the manager's
+victims, handed down to a ``write: back`` tier below first.
+
 The exceptions, documented: a backend that does not report space keeps evicting through
 the policy it is handed (its capacity is its own; the chain learns each eviction as it
 happens), and so does a backend opened bare, without a chain
@@ -32,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ["ReportsSpace", "SpaceReport"]
+__all__ = ["ReclaimUnit", "ReclaimsUnits", "ReportsSpace", "SpaceReport"]
 
 
 @dataclass(frozen=True)
@@ -62,4 +70,37 @@ class ReportsSpace(Protocol):
     def page_cost(self, nbytes: int) -> int:
         """What storing one page of ``nbytes`` (envelope included) takes off
         ``space().free_bytes``: the page and the backend's own overheads for it."""
+        ...
+
+
+@dataclass(frozen=True)
+class ReclaimUnit:
+    """One unit of a backend's space that comes back whole (a segment)."""
+
+    #: The backend's name for it (a segment's id), passed back to :meth:`ReclaimsUnits.reclaim`.
+    unit: int
+    #: What reclaiming it gives back (its file's bytes).
+    nbytes: int
+    #: Its live pages, (key, bytes), in its order: each is dropped or kept (rewritten).
+    live: tuple[tuple[str, int], ...]
+
+
+@runtime_checkable
+class ReclaimsUnits(Protocol):
+    """A :class:`ReportsSpace` backend whose space comes back a unit at a time."""
+
+    def reclaim_units(self) -> list[ReclaimUnit]:
+        """The units it could reclaim now (none being written), oldest first."""
+        ...
+
+    def rewrite_budget(self) -> int:
+        """The most bytes of kept pages one reclaim rewrites (the others are dropped)."""
+        ...
+
+    def reclaim(self, unit: int, keep: frozenset[str]) -> list[str] | None:
+        """Reclaim ``unit``: its live pages in ``keep`` rewritten (those that find no
+        room then are dropped, each reported with ``record_reclaimed``), the others
+        dropped (removals the policy is told of). The keys dropped on the caller's
+        word, or None when the unit could not be taken (gone, or another process holds
+        it): nothing changed."""
         ...

@@ -61,9 +61,9 @@ class Feature(str, enum.Enum):
     SHARED_PROCESSES = "shared_processes"  # several processes on one host see one store
     SHARED_NODES = "shared_nodes"  # several hosts see one store
     #: removes only what it is told to and what its eviction policy picks (never space it
-    #: reclaims on its own), counting a page as its envelope slot plus its payload: a
-    #: storage chain can then decide alone what leaves it (needed above a ``write: back``
-    #: tier, whose pages arrive only through the chain's evictions)
+    #: reclaims on its own), counting a page (unless it reports its space) as its envelope
+    #: slot plus its payload: a storage chain can then decide alone what leaves it (needed
+    #: above a ``write: back`` tier, whose pages arrive only through the chain's evictions)
     EXACT_EVICTION = "exact_eviction"
     #: reports its space and what a page costs it (:class:`kvtier.core.space.ReportsSpace`):
     #: in a storage chain, the tier's space manager alone then decides what leaves it, and

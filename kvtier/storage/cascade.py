@@ -232,6 +232,17 @@ class Cascade:
             self._queue.put(job)
         return take
 
+    def write_now(self, job: Job) -> None:
+        """Write a job's staged pages in this thread, not queued (a reclaim's hand-down
+        that staging cannot hold at once); its staging is free after. The caller holds
+        and leaves its ``ticket``."""
+        try:
+            self._write(job)
+        finally:
+            if job.staged:
+                self.parts.staging.release(job.staged)
+                job.staged = []
+
     def _run(self) -> None:
         while True:
             job = self._queue.get()

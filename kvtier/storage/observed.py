@@ -173,6 +173,22 @@ class ObservedEviction(EvictionPolicy):
             self._chosen.update(key for key in victims if key not in self._provisional)
         return victims
 
+    def rank(self, nbytes: int, *, pinned: Callable[[str], bool] = never_pinned) -> list[str]:
+        """The victims the policy would pick for ``nbytes`` (never a pinned key), without
+        choosing them: to weigh a backend's units (see :meth:`claim`)."""
+        return self._choose(nbytes, pinned, None)
+
+    def claim(self, keys: Iterable[str]) -> None:
+        """``keys`` are the chain's victims (a unit the manager reclaims drops them):
+        evictions when they leave (see :meth:`forget_choice` for those that stay)."""
+        with self._lock:
+            self._chosen.update(keys)
+
+    def is_pinned(self, key: str) -> bool:
+        """Whether a reader holds ``key`` (it must not leave the tier now)."""
+        pins = self._pins
+        return pins is not None and key in pins
+
     def withdraw(self, keys: Iterable[str]) -> None:
         """Pages inserted ahead (:meth:`pick`) that will not land: out of the policy."""
         for key in keys:

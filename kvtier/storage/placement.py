@@ -241,9 +241,15 @@ class Placement:
         and the caller's pages evicted on arrival."""
         return self.spaces[tier.index].put(store, keys, pages, late=late, must=must, guards=guards)
 
-    def _hand_down(self, tier: Tier, below: Tier, victims: list[str]) -> list[str]:
+    def _hand_down(
+        self, tier: Tier, below: Tier, victims: list[str], *, now: bool = False
+    ) -> list[str]:
         """Read ``victims`` into staging and queue them for ``below`` (and the
-        write-through tiers under it); the victims queued."""
+        write-through tiers under it); the victims queued. ``now``: written in this
+        thread, as many at a time as staging holds (a whole segment's victims); the
+        victims written."""
+        if now:
+            return self._hand_down_now(tier, below, victims)
         fences = self.parts.fences
         ticket = fences.enter(victims)  # a delete from now on cancels the hand-down
         try:
@@ -258,6 +264,29 @@ class Placement:
             return keys[: self.cascade.submit(job, since=ticket)]
         finally:
             fences.leave(ticket)
+
+    def _hand_down_now(self, tier: Tier, below: Tier, victims: list[str]) -> list[str]:
+        fences, staging = self.parts.fences, self.parts.staging
+        targets = [below.index, *self.parts.through_below(below.index)]
+        moved: list[str] = []
+        step = max(1, staging.pool.num_pages)
+        for start in range(0, len(victims), step):
+            chunk = victims[start : start + step]
+            ticket = fences.enter(chunk)  # a delete from now on cancels the hand-down
+            try:
+                staged = self.cascade.stage_from(tier, chunk)
+                keys = [key for key, page in zip(chunk, staged, strict=True) if page is not None]
+                if not keys:
+                    continue
+                job = Job(keys, targets, tier.index, EventKind.STORED, staged=[])
+                job.staged = [page for page in staged if page is not None]
+                job.parents = dict(zip(keys, self.parents.parents_of(keys), strict=True))
+                job.ticket = ticket
+                self.cascade.write_now(job)
+                moved += keys
+            finally:
+                fences.leave(ticket)
+        return moved
 
     def removed(self, tier_index: int, key: str, how: Departure) -> None:
         """A page left tier ``tier_index``: its space manager counts and emits it."""

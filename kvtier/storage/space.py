@@ -10,12 +10,20 @@ deletes them, and reserves the room the put takes until the put returns, so conc
 puts never both count the same free bytes. The backend never evicts on its own; a put
 that still does not fit is refused there (counted by the backend).
 
+Where the backend's space comes back a unit at a time (the segment store,
+:class:`~kvtier.core.space.ReclaimsUnits`), deleting a page frees nothing: the manager
+instead weighs the units (what each gives back less the live pages the policy would
+keep, the cost of rewriting them), hands the pages it drops down to a ``write: back``
+tier below, and tells the backend which unit to reclaim and which pages to keep. Pages
+put into such a tier always enter it (the policy is not offered them ahead, as it is for
+a tier that evicts page by page).
+
 Tenant quotas go through the manager too (:meth:`SpaceManager.enforce_quota`).
 
-The documented exception, a backend that does not report its space (the segment store, a
-third party's): it keeps evicting through the policy handed to it, and the manager makes
-room only above a ``write: back`` tier, within the tier's ``capacity_bytes`` as the policy
-counts it, holding the tier's lock across the put. Whatever leaves a tier is told to
+The documented exception, a backend that does not report its space (a third party's): it
+keeps evicting through the policy handed to it, and the manager makes room only above a
+``write: back`` tier, within the tier's ``capacity_bytes`` as the policy counts it,
+holding the tier's lock across the put. Whatever leaves a tier is told to
 :meth:`SpaceManager.removed` with its :class:`~kvtier.storage.observed.Departure`; an
 eviction the manager did not choose (``evictions_external``: such a backend's own, or a
 reclaim a shared store reported) above a ``write: back`` tier was never handed down: a
@@ -27,12 +35,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Protocol, cast
 
 from kvtier.core.bounded import Outcome
 from kvtier.core.pagestore import BatchResult, PageStore
 from kvtier.core.saveguard import SaveGuard
-from kvtier.core.space import ReportsSpace
+from kvtier.core.space import ReclaimsUnits, ReclaimUnit, ReportsSpace
 from kvtier.storage.events import EventKind
 from kvtier.storage.late import MakeLate, put_call
 from kvtier.storage.observed import Departure
@@ -42,9 +50,16 @@ __all__ = ["HandDown", "SpaceManager"]
 
 log = logging.getLogger("kvtier.cache")
 
-#: Reads victims of a tier into staging and queues them for the write-back tier below;
-#: returns the victims queued (Placement's hand-down).
-HandDown = Callable[[Tier, Tier, list[str]], list[str]]
+
+class HandDown(Protocol):
+    """Reads victims of a tier into staging and queues them for the write-back tier
+    below (``now``: writes them in this thread, a staging's worth at a time); returns the
+    victims handed down (Placement's hand-down)."""
+
+    def __call__(
+        self, tier: Tier, below: Tier, victims: list[str], *, now: bool = False
+    ) -> list[str]: ...
+
 
 #: Rounds of pick-and-delete for one put before the rest is refused room (each round
 #: asks the backend again: a victim may free less than the policy counted).
@@ -61,8 +76,12 @@ class SpaceManager:
         eviction = tier.eviction
         #: The backend, where the manager owns its space (None: the backend's own).
         self.reports: ReportsSpace | None = None
+        #: The backend, where its space comes back a unit at a time (a segment store).
+        self.units: ReclaimsUnits | None = None
         if eviction is not None and eviction.space_owned:
             self.reports = cast(ReportsSpace, tier.store.backend)
+            if isinstance(self.reports, ReclaimsUnits):
+                self.units = self.reports
         #: One room decision at a time (and, without a report, one put).
         self._lock = threading.Lock()
         #: The keys puts in flight write (how many puts each): never victims, and each
@@ -204,12 +223,19 @@ class SpaceManager:
         cost = reports.page_cost(self.parts.page_bytes)
         writing = self._writing
         new = [key for key in dict.fromkeys(keys) if key not in eviction and key not in writing]
-        need = cost * len(new)
+        # a unit backend appends every put, an overwrite too (the old copy turns dead)
+        need = cost * (len(dict.fromkeys(keys)) if self.units is not None else len(new))
         free, capacity = self._free(cost)
         if capacity is not None and cost > capacity:  # never fits: evict nothing for it
             return (everything if force else []), []
         if free is None or need <= free:
             return everything, []
+        if self.units is not None:
+            free = self._reclaim_units(keys, need, free, cost, force=force)
+            if force or free is None or need <= free:
+                return everything, []
+            short = -(-(need - free) // max(1, cost))
+            return everything[: max(0, len(keys) - short)], []
         arriving, refused = set(new), set()
         offer = []
         if self.parts.back_below(self.tier) is None:
@@ -241,6 +267,70 @@ class SpaceManager:
         fit = put[: max(0, len(put) - short)]
         eviction.withdraw(keys[i] for i in put[len(fit) :])
         return fit, gone
+
+    def _reclaim_units(
+        self, keys: list[str], need: int, free: int, cost: int, *, force: bool
+    ) -> int | None:
+        """Under the lock: reclaim the backend's units, best first, until ``need`` bytes
+        are free or none is left to try; the room left then (None: no bound)."""
+        assert self.units is not None and self.tier.eviction is not None
+        units, eviction = self.units, self.tier.eviction
+        held, writing = set(keys), self._writing
+
+        def pinned(key: str) -> bool:
+            return key in held or key in writing or eviction.is_pinned(key)
+
+        tried: set[int] = set()
+        room: int | None = free
+        rounds = 0
+        while room is not None and need > room and rounds < _ROUNDS:
+            candidates = [unit for unit in units.reclaim_units() if unit.unit not in tried]
+            if not candidates:
+                break
+            unit, keep = self._best_unit(candidates, pinned)
+            tried.add(unit.unit)
+            drop = [key for key, _ in unit.live if key not in keep]
+            below = self.parts.back_below(self.tier)
+            if drop and below is not None:
+                moved = set(self._hand_down(self.tier, below, drop, now=True))
+                stay = [key for key in drop if key not in moved]
+                if stay and not force:
+                    keep |= set(stay)  # rewritten rather than lost
+                elif stay:
+                    below.counters.add("drops", len(stay))  # lost: counted where it was owed
+                drop = [key for key in drop if key not in keep]
+            eviction.claim(drop)
+            dropped = units.reclaim(unit.unit, frozenset(keep))
+            if dropped is None:  # another process holds it, or it is gone: try the next
+                eviction.forget_choice(drop)
+                continue
+            eviction.forget_choice(set(drop) - set(dropped))
+            room, rounds = self._free(cost)[0], rounds + 1
+        return room
+
+    def _best_unit(
+        self, units: list[ReclaimUnit], pinned: Callable[[str], bool]
+    ) -> tuple[ReclaimUnit, set[str]]:
+        """The unit that gives back the most for the least rewriting, and the pages to
+        keep of it: the pinned ones, then those the policy would not evict first, in the
+        unit's order, within the backend's rewrite budget. The oldest among equals."""
+        assert self.units is not None and self.tier.eviction is not None
+        cold = set(self.tier.eviction.rank(max(u.nbytes for u in units), pinned=pinned))
+        budget = self.units.rewrite_budget()
+        best: tuple[int, int] | None = None
+        chosen: tuple[ReclaimUnit, set[str]] = (units[0], set())
+        for unit in units:
+            keep = {key for key, _ in unit.live if pinned(key)}
+            left = budget - sum(size for key, size in unit.live if key in keep)
+            for key, size in unit.live:
+                if key not in cold and key not in keep and size <= left:
+                    keep.add(key)
+                    left -= size
+            kept = sum(size for key, size in unit.live if key in keep)
+            score = (unit.nbytes - kept, -unit.unit)
+            if best is None or score > best:
+                best, chosen = score, (unit, keep)
+        return chosen
 
     def _free(self, cost: int) -> tuple[int | None, int | None]:
         """The room the backend reports, less what the puts in flight will take (their

@@ -25,7 +25,15 @@ SEGMENT_SPEC = BackendSpec(
     layouts=ALL_LAYOUTS,
     attention=ALL_ATTENTION,
     operations=ALL_OPERATIONS,
-    features=frozenset({Feature.PERSISTENT, Feature.SHARED_PROCESSES, Feature.ZERO_COPY}),
+    features=frozenset(
+        {
+            Feature.PERSISTENT,
+            Feature.SHARED_PROCESSES,
+            Feature.ZERO_COPY,
+            Feature.EXACT_EVICTION,
+            Feature.REPORTS_SPACE,
+        }
+    ),
 )
 
 

@@ -32,6 +32,7 @@ from kvtier.backends.segment.store import Loc, Segment, SegmentStore
 from kvtier.backends.segment.writer import Appender, Reservation, pwritev_all
 from kvtier.core.errors import StorageError
 from kvtier.core.keys import validate_keys
+from kvtier.core.space import ReclaimUnit, SpaceReport
 from kvtier.core.storage import BackendContext, PageBuffers, StorageBackend
 
 if TYPE_CHECKING:
@@ -97,6 +98,9 @@ class SegmentBackend(StorageBackend):
         self._slices = Slices(config.io_threads, "kvtier-segment")
         self._lock = threading.Lock()
         self._closed = False
+        #: The most a page put costs (:meth:`page_cost`): the room at a segment's end
+        #: that one may not fit into.
+        self._page_cost = 0
         #: Whether reads try the page cache alone first (``RWF_NOWAIT``): off where the
         #: filesystem refuses it.
         self._nowait = hasattr(os, "RWF_NOWAIT")
@@ -567,6 +571,39 @@ class SegmentBackend(StorageBackend):
     def rescan(self) -> None:
         """Look for other processes' segments and records now."""
         self._store.refresh(force=True)
+
+    # --- space (kvtier.core.space: in a chain, its space manager owns it) ---------------
+
+    def space(self) -> SpaceReport:
+        """The segments' bytes and the room left for pages before a put is refused:
+        the active segment's and that of the new segments the bounds still allow."""
+        used, free = self._appender.space(self._page_cost)
+        capacity = self.config.capacity_bytes
+        return SpaceReport(used, free, None if capacity is None else int(capacity))
+
+    def page_cost(self, nbytes: int) -> int:
+        """A page's bytes and its entry in its record's header (the header's fixed part
+        and alignment are counted once per record and segment in :meth:`space`)."""
+        cost = nbytes + fmt.ENTRY_BYTES + 1
+        self._page_cost = max(self._page_cost, cost)
+        return cost
+
+    def reclaim_units(self) -> list[ReclaimUnit]:
+        """The sealed segments no writer of ours fills, oldest first, with their pages."""
+        return [
+            ReclaimUnit(seg.id, seg.size, tuple((key, loc[2]) for key, loc in live))
+            for seg, live in self._appender.candidates()
+        ]
+
+    def rewrite_budget(self) -> int:
+        """``reclaim_rewrite_fraction`` of a segment."""
+        config = self.config
+        return int(config.reclaim_rewrite_fraction * int(config.segment_bytes))
+
+    def reclaim(self, unit: int, keep: frozenset[str]) -> list[str] | None:
+        """Reclaim segment ``unit``, keeping (rewriting) the pages in ``keep``."""
+        self._check_open()
+        return self._appender.reclaim(unit, keep)
 
     def stats(self) -> dict[str, int | float]:
         values = self._store.stats()

@@ -48,7 +48,8 @@ class SegmentConfig(BaseModel):
         gt=0,
         description="Most bytes of segment files kept (all processes sharing the root "
         "together); whole segments are reclaimed beyond it, in the eviction policy's "
-        "order, else oldest first. At least twice segment_bytes. None: bounded only by "
+        "order, else oldest first (in a chain, as the tier's space manager picks). At least "
+        "twice segment_bytes. None: bounded only by "
         "min_free_bytes.",
     )
     min_free_bytes: ByteSize = Field(

@@ -704,15 +704,20 @@ class SegmentStore:
                     self.policy.record_remove(key)
         return out
 
-    def forget(self, key: str, loc: Loc) -> None:
-        """Drop ``key`` if it still lives at ``loc`` (a read found the page gone)."""
+    def forget(self, key: str, loc: Loc, *, reclaimed: bool = False) -> None:
+        """Drop ``key`` if it still lives at ``loc`` (a read found the page gone, or a
+        reclaim dropped it; ``reclaimed``: on the backend's own account, see
+        :meth:`~kvtier.core.policy.EvictionPolicy.record_reclaimed`)."""
         with self.lock:
             if self._where.get(key) is not loc:
                 return
             del self._where[key]
             self._drop_locked(key, loc)
         if self.policy is not None:
-            self.policy.record_remove(key)
+            if reclaimed:
+                self.policy.record_reclaimed(key)
+            else:
+                self.policy.record_remove(key)
 
     def live(self, seg: Segment) -> list[tuple[str, Loc]]:
         """The pages whose newest version is in ``seg``, in file order."""

@@ -35,7 +35,7 @@ import os
 import secrets
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.backends.segment import format as fmt
 from kvtier.backends.segment.config import SegmentConfig
@@ -117,6 +117,8 @@ class Victim:
     size: int
     #: Taken to compact it: if its pages cannot all be copied it stays as it is.
     compact: bool = False
+    #: Its live pages dropped when it was taken (not kept).
+    dropped: list[str] = field(default_factory=list)
 
 
 class Appender:
@@ -302,6 +304,10 @@ class Appender:
                     self.store.refresh(force=True)  # who else still writes, what they sealed
                     refreshed = True
                     continue
+                if self._owned():
+                    # the chain's space manager chooses what leaves (see reclaim): no room
+                    refused = "capacity" if over else "min_free_space"
+                    break
                 taken = {v.seg for v in victims}
                 victim = self._choose_victim(taken)
                 if victim is None and self._full and waits < _SEAL_WAITS:
@@ -345,6 +351,114 @@ class Appender:
                 else:
                     self._cancel(v)  # its pages stay where they are
         return refused
+
+    def _owned(self) -> bool:
+        """Whether a storage chain's space manager owns the space (see :meth:`reclaim`)."""
+        policy = self.store.policy
+        return policy is not None and policy.space_owned
+
+    # --- the space manager's calls (kvtier.core.space.ReclaimsUnits) ---------------
+
+    def space(self, page_cost: int) -> tuple[int, int | None]:
+        """The bytes of every segment, and how many more bytes of pages costing
+        ``page_cost`` each fit before :meth:`reserve` refuses (None: no bound): the active
+        segment's room and that of the new segments ``capacity_bytes`` and
+        ``min_free_bytes`` still allow, each less a record header and a page that does not
+        fit at its end (and the alignment after it)."""
+        config, store = self.config, self.store
+        total = store.total_bytes()
+        seg_bytes = int(config.segment_bytes)
+        slack = fmt.header_bytes(1) + fmt.ALIGN + page_cost
+        active = self._active
+        pending = 0  # what the active segment will still take of the bounds
+        room = 0
+        if active is not None and not active.retired:
+            pending = max(0, active.limit - self._tail)
+            room = max(0, pending - slack)
+        bounds: list[int] = []
+        if config.capacity_bytes is not None:
+            bounds.append(int(config.capacity_bytes) - total - pending)
+        if int(config.min_free_bytes) > 0:
+            bounds.append(self._free_bytes() - int(config.min_free_bytes) - pending)
+        if not bounds:
+            return total, None
+        segments = max(0, min(bounds)) // seg_bytes
+        each = max(0, seg_bytes - fmt.SEGMENT_HEADER_BYTES - slack)
+        return total, room + segments * each
+
+    def candidates(self) -> list[tuple[Segment, list[tuple[str, Loc]]]]:
+        """The segments that could be reclaimed now (sealed, none of ours being written),
+        oldest first, each with its live pages."""
+        self.store.refresh(force=True)  # who else still writes, what they sealed
+        return [
+            (seg, self.store.live(seg))
+            for seg in self.store.segments()
+            if seg.sealed and seg not in self._full and not seg.retired
+        ]
+
+    def reclaim(self, unit: int, keep: frozenset[str]) -> list[str] | None:
+        """Reclaim segment ``unit`` on the space manager's word: its live pages in ``keep``
+        are rewritten (into the active segment, then a new one: the reclaimed segment's
+        space makes room for it), the others dropped; the keys dropped, or None when it
+        could not be taken (nothing changed). Kept pages that find no room are dropped as
+        reclaimed (``record_reclaimed``)."""
+        with self._cond:
+            while self._making:
+                self._cond.wait()
+            self._making = True
+            try:
+                return self._reclaim(unit, keep)
+            finally:
+                self._making = False
+                self._cond.notify_all()
+
+    def _reclaim(self, unit: int, keep: frozenset[str]) -> list[str] | None:
+        seg = next(
+            (
+                seg
+                for seg in self.store.segments()
+                if seg.id == unit and seg.sealed and seg not in self._full and not seg.retired
+            ),
+            None,
+        )
+        took = None if seg is None else self._take(seg, 0, keep=keep)
+        if took is None:
+            return None
+        self.store.counters.add("segments_reclaimed")
+        victims = [took]
+        finished = False
+        try:
+            if took.kept:
+                self._rewrite(victims)  # into the active segment, as far as it fits
+            if took.kept and self._new_segment_fits(took):
+                if self._active is not None:
+                    self._retire_active()
+                limit = max(
+                    int(self.config.segment_bytes),
+                    fmt.SEGMENT_HEADER_BYTES
+                    + fmt.header_bytes(1)
+                    + max(loc[2] for _, loc in took.kept),
+                )
+                if self._create_or_give_up(limit, victims) is None:
+                    self._rewrite(victims)
+            finished = True
+        finally:
+            for v in victims:
+                if finished:
+                    self._release(v, drop=True)  # a kept page not copied is lost: reclaimed
+                else:
+                    self._cancel(v)  # its pages stay where they are
+        return took.dropped
+
+    def _new_segment_fits(self, victim: Victim) -> bool:
+        """Whether a new segment fits once ``victim`` is gone (its kept pages go there)."""
+        config = self.config
+        limit = int(config.segment_bytes)
+        capacity = config.capacity_bytes
+        if capacity is not None and self.store.total_bytes() - victim.size + limit > capacity:
+            return False
+        min_free = int(config.min_free_bytes)
+        return not (min_free > 0 and self._free_bytes() + victim.size - limit < min_free)
 
     def _create_or_give_up(self, limit: int, victims: list[Victim]) -> str | None:
         """Create the new segment; on a full disk, give up copying the victims' kept
@@ -424,10 +538,18 @@ class Appender:
 
         return max(scores, key=score)
 
-    def _take(self, seg: Segment, budget: int, *, keep_all: bool = False) -> Victim | None:
+    def _take(
+        self,
+        seg: Segment,
+        budget: int,
+        *,
+        keep_all: bool = False,
+        keep: frozenset[str] | None = None,
+    ) -> Victim | None:
         """Take ``seg`` for reclamation: exclusively locked, its pages dropped but those
         kept (the ones the policy would not evict first, within ``budget`` bytes; with
-        ``keep_all``, every live page within it). The file stays until
+        ``keep_all``, every live page within it; with ``keep``, those keys: the space
+        manager's choice). The file stays until
         :meth:`_release` (after the kept pages are published elsewhere) or
         :meth:`_cancel`.
 
@@ -457,7 +579,9 @@ class Appender:
         kept: list[tuple[str, Loc]] = []
         policy = store.policy
         live = store.live(seg)
-        if keep_all:
+        if keep is not None:
+            kept = [(key, loc) for key, loc in live if key in keep]
+        elif keep_all:
             for key, loc in live:
                 if loc[2] <= budget:
                     kept.append((key, loc))
@@ -468,18 +592,21 @@ class Appender:
                 if key not in cold and loc[2] <= budget:
                     kept.append((key, loc))
                     budget -= loc[2]
-        keep = {key for key, _ in kept}
+        staying = {key for key, _ in kept}
+        dropped = []
         # the kept pages stay indexed (readable from the segment) until moved
         for key, loc in live:
-            if key not in keep:
+            if key not in staying:
                 self._evict(key, loc)
+                dropped.append(key)
         with store.lock:
             size = seg.size
-        return Victim(seg, fd, kept, size)
+        return Victim(seg, fd, kept, size, dropped=dropped)
 
-    def _evict(self, key: str, loc: Loc) -> None:
-        """Drop a page from the index (reclamation gave up its copy)."""
-        self.store.forget(key, loc)
+    def _evict(self, key: str, loc: Loc, *, reclaimed: bool = False) -> None:
+        """Drop a page from the index (reclamation gave up its copy); ``reclaimed``: a
+        page the space manager did not choose (a kept one that found no room)."""
+        self.store.forget(key, loc, reclaimed=reclaimed and self._owned())
         self.store.counters.add("evictions")
         self.store.counters.add("evicted_bytes", loc[2])
 
@@ -490,7 +617,7 @@ class Appender:
         seg = victim.seg
         if drop:
             for key, loc in victim.kept:
-                self._evict(key, loc)
+                self._evict(key, loc, reclaimed=True)
             victim.kept = []
         with contextlib.suppress(OSError):
             if os.stat(seg.name, dir_fd=store.dir_fd, follow_symlinks=False).st_ino == seg.ino:
