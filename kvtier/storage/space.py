@@ -35,30 +35,21 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Protocol, cast
+from typing import cast
 
 from kvtier.core.bounded import Outcome
 from kvtier.core.pagestore import BatchResult, PageStore
 from kvtier.core.saveguard import SaveGuard
-from kvtier.core.space import ReclaimsUnits, ReclaimUnit, ReportsSpace
+from kvtier.core.space import ReclaimsUnits, ReportsSpace
 from kvtier.storage.events import EventKind
 from kvtier.storage.late import MakeLate, put_call
 from kvtier.storage.observed import Departure
 from kvtier.storage.tiers import ChainParts, Tier
+from kvtier.storage.units import HandDown, UnitRoom
 
 __all__ = ["HandDown", "SpaceManager"]
 
 log = logging.getLogger("kvtier.cache")
-
-
-class HandDown(Protocol):
-    """Reads victims of a tier into staging and queues them for the write-back tier
-    below (``now``: writes them in this thread, a staging's worth at a time); returns the
-    victims handed down (Placement's hand-down)."""
-
-    def __call__(
-        self, tier: Tier, below: Tier, victims: list[str], *, now: bool = False
-    ) -> list[str]: ...
 
 
 #: Rounds of pick-and-delete for one put before the rest is refused room (each round
@@ -76,12 +67,12 @@ class SpaceManager:
         eviction = tier.eviction
         #: The backend, where the manager owns its space (None: the backend's own).
         self.reports: ReportsSpace | None = None
-        #: The backend, where its space comes back a unit at a time (a segment store).
-        self.units: ReclaimsUnits | None = None
+        #: Room made a unit at a time, where the backend's space comes back so (segment).
+        self.units: UnitRoom | None = None
         if eviction is not None and eviction.space_owned:
             self.reports = cast(ReportsSpace, tier.store.backend)
             if isinstance(self.reports, ReclaimsUnits):
-                self.units = self.reports
+                self.units = UnitRoom(parts, tier, self.reports, hand_down)
         #: One room decision at a time (and, without a report, one put).
         self._lock = threading.Lock()
         #: The keys puts in flight write (how many puts each): never victims, and each
@@ -231,7 +222,10 @@ class SpaceManager:
         if free is None or need <= free:
             return everything, []
         if self.units is not None:
-            free = self._reclaim_units(keys, need, free, cost, force=force)
+            writing = self._writing
+            free = self.units.make_room(
+                set(keys), need, free, lambda: self._free(cost)[0], writing, force=force
+            )
             if force or free is None or need <= free:
                 return everything, []
             short = -(-(need - free) // max(1, cost))
@@ -267,70 +261,6 @@ class SpaceManager:
         fit = put[: max(0, len(put) - short)]
         eviction.withdraw(keys[i] for i in put[len(fit) :])
         return fit, gone
-
-    def _reclaim_units(
-        self, keys: list[str], need: int, free: int, cost: int, *, force: bool
-    ) -> int | None:
-        """Under the lock: reclaim the backend's units, best first, until ``need`` bytes
-        are free or none is left to try; the room left then (None: no bound)."""
-        assert self.units is not None and self.tier.eviction is not None
-        units, eviction = self.units, self.tier.eviction
-        held, writing = set(keys), self._writing
-
-        def pinned(key: str) -> bool:
-            return key in held or key in writing or eviction.is_pinned(key)
-
-        tried: set[int] = set()
-        room: int | None = free
-        rounds = 0
-        while room is not None and need > room and rounds < _ROUNDS:
-            candidates = [unit for unit in units.reclaim_units() if unit.unit not in tried]
-            if not candidates:
-                break
-            unit, keep = self._best_unit(candidates, pinned)
-            tried.add(unit.unit)
-            drop = [key for key, _ in unit.live if key not in keep]
-            below = self.parts.back_below(self.tier)
-            if drop and below is not None:
-                moved = set(self._hand_down(self.tier, below, drop, now=True))
-                stay = [key for key in drop if key not in moved]
-                if stay and not force:
-                    keep |= set(stay)  # rewritten rather than lost
-                elif stay:
-                    below.counters.add("drops", len(stay))  # lost: counted where it was owed
-                drop = [key for key in drop if key not in keep]
-            eviction.claim(drop)
-            dropped = units.reclaim(unit.unit, frozenset(keep))
-            if dropped is None:  # another process holds it, or it is gone: try the next
-                eviction.forget_choice(drop)
-                continue
-            eviction.forget_choice(set(drop) - set(dropped))
-            room, rounds = self._free(cost)[0], rounds + 1
-        return room
-
-    def _best_unit(
-        self, units: list[ReclaimUnit], pinned: Callable[[str], bool]
-    ) -> tuple[ReclaimUnit, set[str]]:
-        """The unit that gives back the most for the least rewriting, and the pages to
-        keep of it: the pinned ones, then those the policy would not evict first, in the
-        unit's order, within the backend's rewrite budget. The oldest among equals."""
-        assert self.units is not None and self.tier.eviction is not None
-        cold = set(self.tier.eviction.rank(max(u.nbytes for u in units), pinned=pinned))
-        budget = self.units.rewrite_budget()
-        best: tuple[int, int] | None = None
-        chosen: tuple[ReclaimUnit, set[str]] = (units[0], set())
-        for unit in units:
-            keep = {key for key, _ in unit.live if pinned(key)}
-            left = budget - sum(size for key, size in unit.live if key in keep)
-            for key, size in unit.live:
-                if key not in cold and key not in keep and size <= left:
-                    keep.add(key)
-                    left -= size
-            kept = sum(size for key, size in unit.live if key in keep)
-            score = (unit.nbytes - kept, -unit.unit)
-            if best is None or score > best:
-                best, chosen = score, (unit, keep)
-        return chosen
 
     def _free(self, cost: int) -> tuple[int | None, int | None]:
         """The room the backend reports, less what the puts in flight will take (their
