@@ -48,16 +48,20 @@ class TestSegmentOverFile(ChainKit, ChainFaultCampaignTests):
 
 
 class TestSegmentOverFileWriteBack(ChainKit, ChainFaultCampaignTests):
-    """Segment's reclaim is the tier's choice: what it drops is written back below."""
+    """Segment's reclaim is the tier's choice: what it drops is written back below. The
+    kill -9 comes once the segment tier has filled past its 4 MiB (16 KiB pages); the
+    capacity leaves room for the active segment of each instance the campaign opens."""
 
+    kill_keys = 120
+    kill_after_acks = 300
     tiers = [
         {
-            **_segment("{tmp}/upper"),
+            "backend": "segment",
             "extra_config": {
                 "root": "{tmp}/upper",
                 "min_free_bytes": 0,
                 "segment_bytes": "1MiB",
-                "capacity_bytes": "2MiB",
+                "capacity_bytes": "4MiB",
             },
         },
         {**_file("{tmp}/lower"), "write": "back"},

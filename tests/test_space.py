@@ -19,7 +19,7 @@ from kvtier.backends.uring import URING_SPEC
 from kvtier.core.capabilities import build_host_pool, open_page_store, resolve
 from kvtier.core.config import load_engine_config
 from kvtier.core.envelope import ENVELOPE_BYTES
-from kvtier.core.errors import PluginError
+from kvtier.core.errors import PluginError, UnsupportedCombinationError
 from kvtier.core.policy import LRUPolicy
 from kvtier.core.space import ReportsSpace
 from kvtier.core.specs import (
@@ -387,3 +387,18 @@ def test_a_reclaimed_segment_keeps_the_pages_the_policy_keeps_and_a_pinned_one(
     assert backend.stats().get("pages_rewritten", 0) >= 5
     assert _counts(chain).get("evictions_external", 0) == 0
     chain.unpin([pinned])
+
+
+def test_write_back_under_a_tier_without_an_eviction_policy_is_refused(tmp_path: Path) -> None:
+    """Resolved without the installed policies, the tier above has none: its backend
+    would drop pages on its own and the write-back tier would never receive them."""
+    tiers = [_segment(tmp_path), _tier(tmp_path, "file", root="b", write="back")]
+    registry = _registry()
+    config = load_engine_config({**GEOMETRY, "tiers": tiers})
+    with pytest.raises(UnsupportedCombinationError) as caught:
+        resolve(config, registry.backends, registry.io_backends)
+    assert "tiers[1].write: 'back'" in str(caught.value) and "no eviction policy" in str(
+        caught.value
+    )
+    plan = resolve(config, registry.backends, registry.io_backends, policies=registry.policies)
+    assert plan.storage_tiers()[0].eviction is not None

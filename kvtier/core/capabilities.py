@@ -486,6 +486,18 @@ def _resolve_tiers(
             )
         if plan.write == "back" and Feature.EXACT_EVICTION not in above.backend.features:
             _refuse_write_back_under(above, plan, backends)
+        if plan.write == "back" and above.eviction is None:
+            raise UnsupportedCombinationError(
+                f"tiers[{plan.index}].write: 'back' receives the pages the chain evicts from "
+                f"tiers[{above.index}], but that tier has no eviction policy (the plan was "
+                "resolved without the installed policies), so its backend would drop pages "
+                "on its own and they would be lost",
+                value=plan.write,
+                supported=[
+                    "resolve(..., policies=registry.policies) (kvtier's load_registry)",
+                    f'"write": "through" on tiers[{plan.index}]',
+                ],
+            )
     return tuple(plans)
 
 

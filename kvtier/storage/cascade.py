@@ -65,7 +65,7 @@ class Cascade:
 
     #: Writes a job's staged pages into one target tier (the chain's placement: through
     #: the tier's admission, quotas and room); set by the chain.
-    write_staged: Callable[[Job, Tier, list[str], list[int]], None]
+    write_staged: Callable[[Job, Tier, list[str], list[int]], list[str]]
 
     def __init__(self, parts: ChainParts, queue_pages: int) -> None:
         self.parts = parts
@@ -232,12 +232,13 @@ class Cascade:
             self._queue.put(job)
         return take
 
-    def write_now(self, job: Job) -> None:
+    def write_now(self, job: Job) -> list[str]:
         """Write a job's staged pages in this thread, not queued (a reclaim's hand-down
         that staging cannot hold at once); its staging is free after. The caller holds
-        and leaves its ``ticket``."""
+        and leaves its ``ticket``. Returns the keys settled in its first target (see
+        ``write_staged``)."""
         try:
-            self._write(job)
+            return self._write(job)
         finally:
             if job.staged:
                 self.parts.staging.release(job.staged)
@@ -285,9 +286,10 @@ class Cascade:
 
     # --- the worker's writes -------------------------------------------------------------
 
-    def _write(self, job: Job) -> None:
+    def _write(self, job: Job) -> list[str]:
         """Write one job's pages into its target tiers (from staging, or read back); the
-        keys deleted or tainted since the job was queued are not written (``cancelled``)."""
+        keys deleted or tainted since the job was queued are not written (``cancelled``).
+        Returns the keys settled in the first target (see ``write_staged``)."""
         parts = self.parts
         keys, staged = job.keys, job.staged
         ticket = job.ticket
@@ -302,6 +304,7 @@ class Cascade:
             if job.targets:
                 parts.drop(job.targets[0], len(keys) - len(read))
             keys = read
+        settled: list[str] | None = None
         for target in job.targets:  # (the staged copies are the worker's: nothing to pin)
             tier = parts.tiers[target]
             revoked = parts.fences.revoked(ticket, keys) if ticket is not None else set()
@@ -310,5 +313,8 @@ class Cascade:
                 kept = list(zip(keys, staged, strict=True))
                 keys = [key for key, _ in kept if key not in revoked]
                 staged = [page for key, page in kept if key not in revoked]
-            self.write_staged(job, tier, keys, staged)
+            done = self.write_staged(job, tier, keys, staged)
+            if settled is None:
+                settled = sorted(revoked) + done
             self._target_done(job, target)
+        return settled or []

@@ -180,18 +180,21 @@ class Placement:
                 parents=self.parents.parents_of([keys[i] for i in positions]),
             )
 
-    def write_staged(self, job: Job, tier: Tier, keys: list[str], staged: list[int]) -> None:
+    def write_staged(self, job: Job, tier: Tier, keys: list[str], staged: list[int]) -> list[str]:
         """The cascade's write of a job's staged pages into one target tier: through its
-        admission, its tenants' quotas and the room a write-back tier below makes."""
+        admission, its tenants' quotas and the room a write-back tier below makes. Returns
+        the keys settled there: written, refused by its admission, or deleted meanwhile
+        (the others failed: timed out, an error, no room)."""
         parts = self.parts
         chosen = [
             (key, page)
             for key, page in zip(keys, staged, strict=True)
             if tier.index in job.admitted or self.admits(tier, key)
         ]
-        if not chosen:
-            return
         names = [key for key, _ in chosen]
+        refused = [key for key in keys if key not in set(names)]
+        if not chosen:
+            return refused
         self.describe(tier, names, job.parents_of(names))
         self.spaces[tier.index].enforce_quota(names)
         ticket = job.ticket
@@ -222,6 +225,7 @@ class Placement:
             tier.counters.add("failures", len(names) - len(written) - dropped)
         self.written(tier, written)
         parts.emit(job.kind, tier, written)
+        return refused + written + sorted(undone)
 
     # --- room: each tier's space manager ------------------------------------------------
 
@@ -247,7 +251,7 @@ class Placement:
         """Read ``victims`` into staging and queue them for ``below`` (and the
         write-through tiers under it); the victims queued. ``now``: written in this
         thread, as many at a time as staging holds (a whole segment's victims); the
-        victims written."""
+        victims settled below (written, refused by its admission, or deleted meanwhile)."""
         if now:
             return self._hand_down_now(tier, below, victims)
         fences = self.parts.fences
@@ -282,8 +286,7 @@ class Placement:
                 job.staged = [page for page in staged if page is not None]
                 job.parents = dict(zip(keys, self.parents.parents_of(keys), strict=True))
                 job.ticket = ticket
-                self.cascade.write_now(job)
-                moved += keys
+                moved += self.cascade.write_now(job)
             finally:
                 fences.leave(ticket)
         return moved

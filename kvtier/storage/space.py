@@ -223,9 +223,7 @@ class SpaceManager:
             return everything, []
         if self.units is not None:
             writing = self._writing
-            free = self.units.make_room(
-                set(keys), need, free, lambda: self._free(cost)[0], writing, force=force
-            )
+            free = self.units.make_room(set(keys), need, free, lambda: self._free(cost)[0], writing)
             if force or free is None or need <= free:
                 return everything, []
             short = -(-(need - free) // max(1, cost))

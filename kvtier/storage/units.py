@@ -51,13 +51,11 @@ class UnitRoom:
         free: int,
         free_now: Callable[[], int | None],
         writing: Collection[str],
-        *,
-        force: bool,
     ) -> int | None:
         """Under the tier's lock: reclaim units, best first, until ``need`` bytes are
         free (``free_now`` asks again) or none is left to try; the room left then (None:
-        no bound). ``held`` (the put's own keys) and ``writing`` are never dropped; a page
-        that cannot be handed down is kept unless ``force`` (then a counted drop below)."""
+        no bound). ``held`` (the put's own keys) and ``writing`` are never dropped, nor a
+        page that could not be handed down (see :meth:`_hand_down_drops`)."""
         eviction = self.tier.eviction
         assert eviction is not None  # an owned tier has its policy
 
@@ -73,7 +71,7 @@ class UnitRoom:
                 break
             unit, keep = self._best(candidates, pinned)
             tried.add(unit.unit)
-            drop = self._hand_down_drops(unit, keep, force=force)
+            drop = self._hand_down_drops(unit, keep)
             eviction.claim(drop)
             dropped = self.backend.reclaim(unit.unit, frozenset(keep))
             if dropped is None:  # another process holds it, or it is gone: try the next
@@ -83,22 +81,18 @@ class UnitRoom:
             room, rounds = free_now(), rounds + 1
         return room
 
-    def _hand_down_drops(self, unit: ReclaimUnit, keep: set[str], *, force: bool) -> list[str]:
+    def _hand_down_drops(self, unit: ReclaimUnit, keep: set[str]) -> list[str]:
         """The unit's pages to drop, written into a ``write: back`` tier below first; one
-        that could not be is added to ``keep`` (rewritten), or with ``force`` dropped all
-        the same (a counted drop of the tier below)."""
+        that could not be (its read or write failed, or timed out) is added to ``keep``:
+        rewritten rather than lost, even for the engine's own put (the put is refused
+        room instead, if the rewrite leaves none: a False, never a lost page)."""
         drop = [key for key, _ in unit.live if key not in keep]
         below = self.parts.back_below(self.tier)
         if not drop or below is None:
             return drop
         moved = set(self._hand_down(self.tier, below, drop, now=True))
-        stay = [key for key in drop if key not in moved]
-        if stay and not force:
-            keep.update(stay)  # rewritten rather than lost
-            return [key for key in drop if key in moved]
-        if stay:
-            below.counters.add("drops", len(stay))  # lost: counted where it was owed
-        return drop
+        keep.update(key for key in drop if key not in moved)
+        return [key for key in drop if key in moved]
 
     def _best(
         self, units: list[ReclaimUnit], pinned: Callable[[str], bool]

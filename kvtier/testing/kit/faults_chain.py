@@ -90,6 +90,9 @@ class ChainKitEnv(KitEnv):
         specs = [self.backends[tier["backend"]] for tier in self.tiers]
         super().__init__(_chain_spec(specs), {}, plugins, tmp, io_backends)
         self._chains: list[Any] = []
+        #: The installed eviction and admission policies, by name: a tier's default
+        #: policy comes from them, as kvtier's own opening resolves it.
+        self.policies = load_kit_registry(plugins).policies
 
     def plan(
         self, attention: AttentionKind, layout: Layout, *, verify: VerifyMode = "full"
@@ -106,7 +109,7 @@ class ChainKitEnv(KitEnv):
                 "verify": verify,
             }
         )
-        return resolve(config, self.backends, self.io_backends)
+        return resolve(config, self.backends, self.io_backends, policies=self.policies)
 
     def open(
         self,

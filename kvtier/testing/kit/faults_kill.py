@@ -55,6 +55,9 @@ class KillInFlightTests:
     crash_safe_fsync: ClassVar[frozenset[str] | None] = None
     #: Acknowledged pages to wait for before the kill.
     kill_after_acks: ClassVar[int] = 8
+    #: Keys each writer thread of the child puts (raise it, with ``kill_after_acks``, for
+    #: a store that must fill past its capacity before the kill).
+    kill_keys: ClassVar[int] = _KEYS
     #: Kills per ``fsync`` mode: the first lands wherever the writers are; each further
     #: one while the child holds one ``os`` write call of a put (a later one each round),
     #: so a put is surely mid-write while the others go on (backends that write through
@@ -78,7 +81,7 @@ class KillInFlightTests:
 
     def _kill_round(self, env: KitEnv, ledger: Ledger, mode: str | None, n: int, hold: int) -> None:
         h = env.open(num_pages=2 * _BATCH, seed=100 + n)
-        keys = [h.keys(_KEYS) for _ in range(_THREADS)]
+        keys = [h.keys(self.kill_keys) for _ in range(_THREADS)]
         job = child_job(env, h, keys=keys, seed=_SEED, hold=hold)
         job.update(getattr(env, "child_extra", dict)())
         acked, err = _run_and_kill(job, self.kill_after_acks + n % 10)
