@@ -315,6 +315,6 @@ class Cascade:
                 staged = [page for key, page in kept if key not in revoked]
             done = self.write_staged(job, tier, keys, staged)
             if settled is None:
-                settled = sorted(revoked) + done
+                settled = list(revoked) + done
             self._target_done(job, target)
         return settled or []

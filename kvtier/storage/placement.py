@@ -192,7 +192,8 @@ class Placement:
             if tier.index in job.admitted or self.admits(tier, key)
         ]
         names = [key for key, _ in chosen]
-        refused = [key for key in keys if key not in set(names)]
+        admitted = set(names)
+        refused = [key for key in keys if key not in admitted]
         if not chosen:
             return refused
         self.describe(tier, names, job.parents_of(names))
@@ -225,7 +226,7 @@ class Placement:
             tier.counters.add("failures", len(names) - len(written) - dropped)
         self.written(tier, written)
         parts.emit(job.kind, tier, written)
-        return refused + written + sorted(undone)
+        return refused + written + list(undone)
 
     # --- room: each tier's space manager ------------------------------------------------
 
@@ -253,7 +254,15 @@ class Placement:
         thread, as many at a time as staging holds (a whole segment's victims); the
         victims settled below (written, refused by its admission, or deleted meanwhile)."""
         if now:
-            return self._hand_down_now(tier, below, victims)
+            moved: list[str] = []
+            step = max(1, self.parts.staging.pool.num_pages)
+            for start in range(0, len(victims), step):
+                moved += self._hand_down_part(tier, below, victims[start : start + step], True)
+            return moved
+        return self._hand_down_part(tier, below, victims, False)
+
+    def _hand_down_part(self, tier: Tier, below: Tier, victims: list[str], now: bool) -> list[str]:
+        """:meth:`_hand_down` of what staging holds at once: queued, or written ``now``."""
         fences = self.parts.fences
         ticket = fences.enter(victims)  # a delete from now on cancels the hand-down
         try:
@@ -265,31 +274,12 @@ class Placement:
             targets = [below.index, *self.parts.through_below(below.index)]
             job = Job(keys, targets, tier.index, EventKind.STORED, staged=pages)
             job.parents = dict(zip(keys, self.parents.parents_of(keys), strict=True))
+            if now:
+                job.ticket = ticket
+                return self.cascade.write_now(job)
             return keys[: self.cascade.submit(job, since=ticket)]
         finally:
             fences.leave(ticket)
-
-    def _hand_down_now(self, tier: Tier, below: Tier, victims: list[str]) -> list[str]:
-        fences, staging = self.parts.fences, self.parts.staging
-        targets = [below.index, *self.parts.through_below(below.index)]
-        moved: list[str] = []
-        step = max(1, staging.pool.num_pages)
-        for start in range(0, len(victims), step):
-            chunk = victims[start : start + step]
-            ticket = fences.enter(chunk)  # a delete from now on cancels the hand-down
-            try:
-                staged = self.cascade.stage_from(tier, chunk)
-                keys = [key for key, page in zip(chunk, staged, strict=True) if page is not None]
-                if not keys:
-                    continue
-                job = Job(keys, targets, tier.index, EventKind.STORED, staged=[])
-                job.staged = [page for page in staged if page is not None]
-                job.parents = dict(zip(keys, self.parents.parents_of(keys), strict=True))
-                job.ticket = ticket
-                moved += self.cascade.write_now(job)
-            finally:
-                fences.leave(ticket)
-        return moved
 
     def removed(self, tier_index: int, key: str, how: Departure) -> None:
         """A page left tier ``tier_index``: its space manager counts and emits it."""

@@ -221,36 +221,11 @@ class SpaceManager:
             return (everything if force else []), []
         if free is None or need <= free:
             return everything, []
+        refused: set[str] = set()
         if self.units is not None:
-            writing = self._writing
             free = self.units.make_room(set(keys), need, free, lambda: self._free(cost)[0], writing)
-            if force or free is None or need <= free:
-                return everything, []
-            short = -(-(need - free) // max(1, cost))
-            return everything[: max(0, len(keys) - short)], []
-        arriving, refused = set(new), set()
-        offer = []
-        if self.parts.back_below(self.tier) is None:
-            offer = [(key, self.parts.page_bytes) for key in new]
-        held = set(keys) - arriving
-
-        def pinned(key: str) -> bool:
-            return key in held or key in writing
-
-        rounds = 0
-        while need > free and rounds < _ROUNDS:
-            victims = eviction.pick(need - free, pinned=pinned, incoming=offer)
-            offer = []  # inserted ahead once
-            early = [key for key in victims if key in arriving and key not in refused]
-            eviction.withdraw(early)
-            refused.update(early)
-            need -= cost * len(early)
-            removed = self.evict([key for key in victims if key not in arriving], force=force)
-            later = self._free(cost)[0]
-            if later is None or not (early or removed):
-                free = later
-                break
-            free, rounds = later, rounds + 1
+        else:
+            need, free = self._evict_pages(keys, new, need, free, cost, refused, force=force)
         put = [i for i, key in enumerate(keys) if key not in refused]
         gone = [i for i, key in enumerate(keys) if key in refused]
         if force or free is None or need <= free:
@@ -259,6 +234,50 @@ class SpaceManager:
         fit = put[: max(0, len(put) - short)]
         eviction.withdraw(keys[i] for i in put[len(fit) :])
         return fit, gone
+
+    def _evict_pages(
+        self,
+        keys: list[str],
+        new: list[str],
+        need: int,
+        free: int,
+        cost: int,
+        refused: set[str],
+        *,
+        force: bool,
+    ) -> tuple[int, int | None]:
+        """Under the lock: evict page by page, through the policy, until ``need`` bytes
+        are free or nothing more leaves. ``new`` (the keys not in the tier) are offered to
+        the policy ahead; those it evicts on arrival go into ``refused`` (never written)
+        and out of ``need``. Returns what is still needed and the room left."""
+        eviction = self.tier.eviction
+        assert eviction is not None
+        writing = self._writing
+        arriving = set(new)
+        offer = []
+        if self.parts.back_below(self.tier) is None:
+            offer = [(key, self.parts.page_bytes) for key in new]
+        held = set(keys) - arriving
+
+        def pinned(key: str) -> bool:
+            return key in held or key in writing
+
+        room: int | None = free
+        rounds = 0
+        while room is not None and need > room and rounds < _ROUNDS:
+            victims = eviction.pick(need - room, pinned=pinned, incoming=offer)
+            offer = []  # inserted ahead once
+            early = [key for key in victims if key in arriving and key not in refused]
+            eviction.withdraw(early)
+            refused.update(early)
+            need -= cost * len(early)
+            removed = self.evict([key for key in victims if key not in arriving], force=force)
+            later = self._free(cost)[0]
+            if later is None or not (early or removed):
+                room = later
+                break
+            room, rounds = later, rounds + 1
+        return need, room
 
     def _free(self, cost: int) -> tuple[int | None, int | None]:
         """The room the backend reports, less what the puts in flight will take (their

@@ -391,10 +391,12 @@ class Appender:
         oldest first, each with its live pages."""
         self.store.refresh(force=True)  # who else still writes, what they sealed
         return [
-            (seg, self.store.live(seg))
-            for seg in self.store.segments()
-            if seg.sealed and seg not in self._full and not seg.retired
+            (seg, self.store.live(seg)) for seg in self.store.segments() if self._free_to_take(seg)
         ]
+
+    def _free_to_take(self, seg: Segment) -> bool:
+        """Whether ``seg`` may be reclaimed: sealed, not ours being written, in the store."""
+        return seg.sealed and seg not in self._full and not seg.retired
 
     def reclaim(self, unit: int, keep: frozenset[str]) -> list[str] | None:
         """Reclaim segment ``unit`` on the space manager's word: its live pages in ``keep``
@@ -414,11 +416,7 @@ class Appender:
 
     def _reclaim(self, unit: int, keep: frozenset[str]) -> list[str] | None:
         seg = next(
-            (
-                seg
-                for seg in self.store.segments()
-                if seg.id == unit and seg.sealed and seg not in self._full and not seg.retired
-            ),
+            (seg for seg in self.store.segments() if seg.id == unit and self._free_to_take(seg)),
             None,
         )
         took = None if seg is None else self._take(seg, 0, keep=keep)
