@@ -58,6 +58,14 @@ class TestSegmentBackendKit(BackendKit, ConformanceTests):
     extra_config = {"root": "{tmp}/segments", "min_free_bytes": 0, "segment_bytes": "1MiB"}
 
 
+class TestSegmentBackendKitPythonLoop(BackendKit, ConformanceTests):
+    """The same contract with the compiled data path off (the loop used where it is not
+    built)."""
+
+    backend_name = "segment"
+    extra_config = {"root": "{tmp}/segments", "min_free_bytes": 0, "compiled_io": False}
+
+
 class TestSegmentBackendKitOneThreadFsync(BackendKit, ConformanceTests):
     backend_name = "segment"
     extra_config = {

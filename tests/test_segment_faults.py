@@ -40,6 +40,7 @@ from test_segment import (
     _segments,
 )
 
+from kvtier.backends.segment import compiled
 from kvtier.backends.segment import format as fmt
 from kvtier.backends.segment import writer as seg_writer
 
@@ -74,29 +75,45 @@ def _seeds(keys: list[str], base: int) -> list[int]:
 
 
 class FailingWrites:
-    """``os.pwritev`` that, once armed, writes the first region of one call and then
-    fails the call that follows with ``ENOSPC`` (a disk that fills mid-record)."""
+    """``os.pwritev`` (the Python loop's page writes) and the compiled path's record write
+    that, once armed, write the first region (compiled: the first page) of one call and
+    then fail with ``ENOSPC`` (a disk that fills mid-record): the Python loop at its next
+    call, the compiled write in the same call, which is the whole record's data."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.real = os.pwritev
+        self.real_compiled = compiled.write
         self.armed = 0
         self.fail_next = False
         self.failed = 0
         monkeypatch.setattr(os, "pwritev", self)
+        monkeypatch.setattr(compiled, "write", self.compiled_write)
 
     def arm(self) -> None:
         self.armed = 1
 
+    def _fail(self) -> None:
+        self.failed += 1
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
     def __call__(self, fd: int, buffers: Any, offset: int, *flags: int) -> int:
         if self.fail_next:
             self.fail_next = False
-            self.failed += 1
-            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            self._fail()
         if self.armed:
             self.armed -= 1
             self.fail_next = True
             return self.real(fd, list(buffers)[:1], offset, *flags)
         return self.real(fd, buffers, offset, *flags)
+
+    def compiled_write(
+        self, fd: int, offset: int, keys: Any, pages: list[Any], static: bytes
+    ) -> None:
+        if self.armed:
+            self.armed -= 1
+            self.real_compiled(fd, offset, keys[:1], pages[:1], static)
+            self._fail()
+        self.real_compiled(fd, offset, keys, pages, static)
 
 
 # --- item 6: one failed write, another instance's clear ---------------------------------
@@ -196,8 +213,8 @@ def _child_main() -> None:
 
 
 def _child_concurrent(rig: Rig, job: dict[str, Any]) -> None:
-    """Put A stops mid-write (its pages written, its header not); put B, reserved after
-    it, completes (acknowledged under ``fsync: "batch"``); then this process dies."""
+    """Put A stops mid-write (its pages written, by the Python loop or the compiled
+    path, its header not); put B, reserved after it, completes (acknowledged under ``fsync: "batch"``); then this process dies."""
     writing, never = threading.Event(), threading.Event()
     real = os.pwritev
     stalled = threading.local()
@@ -209,7 +226,16 @@ def _child_concurrent(rig: Rig, job: dict[str, Any]) -> None:
             never.wait()  # mid-put forever: its header is never written
         return done
 
+    real_compiled = compiled.write
+
+    def compiled_write(fd: int, offset: int, *rest: Any) -> None:
+        real_compiled(fd, offset, *rest)
+        if getattr(stalled, "on", False):
+            writing.set()
+            never.wait()
+
     os.pwritev = pwritev  # type: ignore[assignment]
+    compiled.write = compiled_write  # type: ignore[assignment]
 
     def put_a() -> None:
         stalled.on = True
@@ -364,6 +390,7 @@ def test_a_batch_that_runs_out_of_space_is_true_page_by_page(
     batch = rig.keys(2 * BATCH, 2)
     seeds = _seeds(batch, 100)
     real = os.pwritev
+    real_compiled = compiled.write
     calls: list[int] = []
 
     def second_record_fails(fd: int, buffers: Any, offset: int, *flags: int) -> int:
@@ -372,7 +399,14 @@ def test_a_batch_that_runs_out_of_space_is_true_page_by_page(
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         return real(fd, buffers, offset, *flags)
 
+    def second_record_fails_compiled(fd: int, offset: int, *rest: Any) -> None:
+        calls.append(fd)
+        if len(set(calls)) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        real_compiled(fd, offset, *rest)
+
     monkeypatch.setattr(os, "pwritev", second_record_fails)
+    monkeypatch.setattr(compiled, "write", second_record_fails_compiled)
     results = _put_all(rig, batch, seeds, batch=2 * BATCH)
     stored = results.count(True)
     assert 0 < stored < 2 * BATCH, results
@@ -381,6 +415,7 @@ def test_a_batch_that_runs_out_of_space_is_true_page_by_page(
     assert rig.store.exists(batch) == results
     assert _check_hits(rig, batch, seeds) == stored
     monkeypatch.setattr(os, "pwritev", real)
+    monkeypatch.setattr(compiled, "write", real_compiled)
     fresh = _rig(rigs, root, segment_bytes="1MiB")
     assert fresh.store.exists(batch) == results
     assert _put_all(rig, batch, seeds) == [True] * 2 * BATCH  # and the store goes on

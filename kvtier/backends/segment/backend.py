@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING
 
 from kvtier.backends.filestore.slices import CPUS, Slices
 from kvtier.backends.filestore.writes import pieces
+from kvtier.backends.segment import compiled
 from kvtier.backends.segment import format as fmt
 from kvtier.backends.segment.config import SegmentConfig
 from kvtier.backends.segment.format import ERASED
 from kvtier.backends.segment.store import Loc, Segment, SegmentStore
 from kvtier.backends.segment.writer import Appender, Reservation, pwritev_all
+from kvtier.core.envelope import BatchEnvelope
 from kvtier.core.errors import StorageError
 from kvtier.core.keys import validate_keys
 from kvtier.core.space import ReclaimUnit, SpaceReport
@@ -110,6 +112,13 @@ class SegmentBackend(StorageBackend):
                 "the oldest segment is reclaimed first and its pages dropped"
             )
 
+    @property
+    def checks_envelopes(self) -> bool:
+        """Whether batches move through the compiled data path (built, and
+        ``compiled_io`` on), envelopes written and checked there;
+        :class:`~kvtier.core.pagestore.PageStore` asks."""
+        return self.config.compiled_io and compiled.available()
+
     # --- checks ----------------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -147,11 +156,20 @@ class SegmentBackend(StorageBackend):
         return self.get_with(keys, pages, None)
 
     def get_with(
-        self, keys: Keys, pages: Pages, on_filled: OnFilled, on_payload: OnPayload = None
+        self,
+        keys: Keys,
+        pages: Pages,
+        on_filled: OnFilled,
+        on_payload: OnPayload = None,
+        *,
+        envelope: BatchEnvelope | None = None,
     ) -> list[bool]:
         """``get``, calling ``on_filled(i)`` in the thread that just filled page ``i``
         (the core verifies it there, while it is in cache; see
-        :class:`~kvtier.core.pagestore.PerPageHooks`)."""
+        :class:`~kvtier.core.pagestore.PerPageHooks`). With ``envelope`` and the
+        compiled path, the envelopes are checked there instead
+        (:class:`~kvtier.core.pagestore.EnvelopeHooks`): a valid page's index goes into
+        ``envelope.valid``, any other filled page to ``on_filled``."""
         self._check_batch("get", keys, pages)
         if not keys:
             return []
@@ -166,7 +184,10 @@ class SegmentBackend(StorageBackend):
                     locs[i] = loc
             else:
                 self._refresh(False)
-            filled = self._read(keys, pages, locs, on_filled, on_payload)
+            if envelope is not None and self.checks_envelopes:
+                filled = self._read_compiled(keys, pages, locs, envelope, on_filled)
+            else:
+                filled = self._read(keys, pages, locs, on_filled, on_payload)
         finally:
             store.unpin([loc[0] for loc in locs if loc is not None])
         hits = [i for i, ok in enumerate(filled) if ok]
@@ -268,6 +289,84 @@ class SegmentBackend(StorageBackend):
             filled[i] = True
             nbytes += sizes[i]
         self._counters.add("bytes_read", nbytes)
+        return filled
+
+    def _read_compiled(
+        self,
+        keys: Keys,
+        pages: Pages,
+        locs: list[Loc | None],
+        envelope: BatchEnvelope,
+        on_filled: OnFilled,
+    ) -> list[bool]:
+        """Read every located page through the compiled path (:class:`compiled.BatchRead`):
+        first from the page cache alone on no more threads than CPUs, then what would
+        wait for the disk on every I/O thread; envelopes checked as each run lands."""
+        store, counters = self._store, self._counters
+        views = [[e.view for e in page] for page in pages]
+        filled = [False] * len(keys)
+        located: list[tuple[int, int, int]] = []
+        fds: dict[Segment, int | None] = {}
+        total = 0
+        for i, loc in enumerate(locs):
+            if loc is None:
+                continue
+            size = 0
+            for view in views[i]:
+                size += view.nbytes
+            seg = loc[0]
+            if loc[2] != size:
+                counters.add("get_size_mismatch")
+                continue
+            fd = fds[seg] if seg in fds else fds.setdefault(seg, store.fd_of(seg))
+            if fd is None:  # another process reclaimed the segment: its pages are gone
+                store.forget(keys[i], loc)
+                counters.add("get_gone")
+                continue
+            located.append((i, fd, loc[1]))
+            total += size
+        if not located:
+            return filled
+        batch = compiled.BatchRead(keys, views, located, envelope)
+        io_threads = self.config.io_threads
+        warm = min(CPUS, io_threads, len(located), max(1, total // SLICE_BYTES))
+        nowait = self._nowait and io_threads > 1 and len(located) > 1
+        batch.run(self._slices.spread, warm, nowait)
+        blocked = batch.blocked()
+        if blocked:
+            batch.run(self._slices.spread, min(io_threads, len(blocked)), False, blocked)
+        counters.add("read_calls", batch.reads)
+        nbytes = 0
+        valid = envelope.valid
+        for j, code in enumerate(batch.codes):
+            i = batch.which[j]
+            loc = locs[i]
+            assert loc is not None
+            if code == compiled.OK:
+                valid.append(i)
+            elif code == compiled.UNVERIFIED:
+                first = views[i][0]
+                if first.nbytes >= 8 and first[:8] == ERASED:  # deleted by another process
+                    counters.add("get_gone")
+                    store.forget(keys[i], loc)
+                    continue
+                if on_filled is not None:
+                    on_filled(i)
+            elif code == compiled.SHORT_READ:  # the file ends early (truncated under us)
+                counters.add("get_short_reads")
+                store.forget(keys[i], loc)
+                continue
+            else:
+                store.warn_once(
+                    "get_errors",
+                    "segment backend: reading %s failed: %s",
+                    loc[0].name,
+                    os.strerror(-code) if code < 0 else f"code {code}",
+                )
+                continue
+            filled[i] = True
+            nbytes += loc[2]
+        counters.add("bytes_read", nbytes)
         return filled
 
     def _read_run(
@@ -390,9 +489,18 @@ class SegmentBackend(StorageBackend):
     def put(self, keys: Keys, pages: Pages) -> list[bool]:
         return self.put_with(keys, pages, None)
 
-    def put_with(self, keys: Keys, pages: Pages, before_write: BeforeWrite) -> list[bool]:
+    def put_with(
+        self,
+        keys: Keys,
+        pages: Pages,
+        before_write: BeforeWrite,
+        *,
+        envelope: BatchEnvelope | None = None,
+    ) -> list[bool]:
         """``put``, calling ``before_write(i)`` in the thread about to write page ``i``
-        (the core writes its envelope there, just before the bytes are copied).
+        (the core writes its envelope there, just before the bytes are copied). With
+        ``envelope`` and the compiled path, each record's pages are written with their
+        envelopes in one compiled call instead (``before_write`` is not called).
 
         The results are true page by page: a batch is one or more records, and a record
         that fails leaves the pages of the records before it stored (True) and its own
@@ -410,6 +518,7 @@ class SegmentBackend(StorageBackend):
             for view in page:
                 size += view.nbytes
             sizes.append(size)
+        static = envelope.static if envelope is not None and self.checks_envelopes else None
         i = 0
         try:
             while i < count:
@@ -418,7 +527,7 @@ class SegmentBackend(StorageBackend):
                     self._counters.add(f"put_failed_{reservation}", count - i)
                     break
                 n = reservation.count
-                if self._write(reservation, keys, views, sizes, i, before_write):
+                if self._write(reservation, keys, views, sizes, i, before_write, static):
                     results[i : i + n] = [True] * n
                 i += n
         except Exception as exc:
@@ -445,8 +554,10 @@ class SegmentBackend(StorageBackend):
         sizes: list[int],
         first: int,
         before_write: BeforeWrite,
+        static: bytes | None = None,
     ) -> bool:
-        """Write one record: its pages (envelopes first), then its header; index them.
+        """Write one record: its pages (envelopes first: by ``before_write``, or with
+        ``static`` in the compiled call), then its header; index them.
 
         Whatever happens, the reservation is finished (a failed one stops appends to
         its segment, which is then sealed once its other writes are done)."""
@@ -462,7 +573,10 @@ class SegmentBackend(StorageBackend):
         published = False
         try:
             try:
-                self._write_pages(fd, views, lengths, first, last, offset + head, before_write)
+                if static is not None:
+                    compiled.write(fd, offset + head, keys[first:last], views[first:last], static)
+                else:
+                    self._write_pages(fd, views, lengths, first, last, offset + head, before_write)
                 if self.config.fsync == "batch":
                     os.fdatasync(fd)
                 header = fmt.pack_record_header(seg.id, keys[first:last], seqs, lengths)

@@ -71,6 +71,13 @@ class SegmentConfig(BaseModel):
         description="Threads moving one batch when it holds at least 1 MiB, each a "
         "contiguous share of its records; warm copies use at most one per CPU.",
     )
+    compiled_io: bool = Field(
+        default=True,
+        description="Move a batch's pages with the compiled loop when it was built: a "
+        "record's pages written with their envelopes in one call, nearby pages read in "
+        "one preadv and checked in the same pass, the GIL released. false, or when it is "
+        "missing, runs the same steps in Python.",
+    )
     check_disk_on_miss: bool = Field(
         default=True,
         description="On an index miss, look for segments and records other processes "

@@ -424,6 +424,139 @@ open_pages(PyObject *self, PyObject *args)
     return Py_BuildValue("(NN)", out, codes);
 }
 
+/* --- the segment backend's data path (segment.c) ----------------------------------- */
+
+/* The page table of a segment call: each page's regions and its key's digest (a segment
+ * page has no file of its own, so no names). NULL, an exception set, on failure. */
+static Page *
+load_segment_pages(PyObject *keys, PyObject *regions, Py_ssize_t *count_out)
+{
+    Py_ssize_t count = PyList_GET_SIZE(regions);
+    if (PyList_GET_SIZE(keys) != count) {
+        PyErr_SetString(PyExc_ValueError, "_pageio: the per-page lists differ in length");
+        return NULL;
+    }
+    Page *pages = PyMem_Calloc((size_t)(count ? count : 1), sizeof(Page));
+    if (pages == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t p = 0; p < count; p++) {
+        Py_ssize_t length;
+        const char *text = key_arg(PyList_GET_ITEM(keys, p), &length);
+        if (text == NULL || !load_regions(&pages[p], PyList_GET_ITEM(regions, p))) {
+            free_pages(pages, count);
+            return NULL;
+        }
+        blake2b(pages[p].key_digest, KEY_DIGEST_BYTES, (const unsigned char *)text, (size_t)length);
+    }
+    *count_out = count;
+    return pages;
+}
+
+PyDoc_STRVAR(segment_write_doc,
+"segment_write(fd, offset, keys, pages, static) -> int\n\n"
+"Write the pages (each a list of its header slot and payload regions) back to back into\n"
+"fd from offset, one record's data. With static (56 bytes) each page's envelope for its\n"
+"key is first written into its header slot, the payload hashed just before it is\n"
+"copied (None: the slots are written as they are). The bytes written, or -errno. The\n"
+"GIL is released for the whole call.");
+
+static PyObject *
+segment_write_py(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int fd;
+    long long offset;
+    PyObject *keys, *regions, *static_obj;
+    if (!PyArg_ParseTuple(args, "iLO!O!O:segment_write", &fd, &offset, &PyList_Type, &keys,
+                          &PyList_Type, &regions, &static_obj))
+        return NULL;
+    const unsigned char *static_fields;
+    if (!glue_bound(MODULE) || !glue_static_fields(static_obj, 1, MODULE, &static_fields))
+        return NULL;
+    Py_ssize_t count = 0;
+    Page *pages = load_segment_pages(keys, regions, &count);
+    if (pages == NULL) return NULL;
+    XXH3_state_t *state = XXH3_createState();
+    if (state == NULL) {
+        free_pages(pages, count);
+        return PyErr_NoMemory();
+    }
+    long wrote;
+    Py_BEGIN_ALLOW_THREADS
+    wrote = segment_write(fd, (off_t)offset, pages, count, state, static_fields);
+    Py_END_ALLOW_THREADS
+    XXH3_freeState(state);
+    free_pages(pages, count);
+    return PyLong_FromLong(wrote);
+}
+
+PyDoc_STRVAR(segment_read_doc,
+"segment_read(fds, offsets, keys, pages, static, full, nowait=False) -> (list[int], int)\n\n"
+"Read page i from fds[i] at offsets[i] into its regions (header slot first). Pages come\n"
+"in file order: nearby pages of one descriptor (a record header apart at most) are read\n"
+"in one preadv and checked right after it. One code per page: with static (56 bytes)\n"
+"OK means the envelope is valid for the page's key (payload checksum included when\n"
+"full) and UNVERIFIED that the caller must explain the rejection; SHORT_READ: the file\n"
+"ended first; WOULD_BLOCK (nowait): not all in the page cache, nothing checked; or\n"
+"-errno; and the reads made. The GIL is released for the whole call.");
+
+static PyObject *
+segment_read_py(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *fds_obj, *offsets_obj, *keys, *regions, *static_obj;
+    int full, nowait = 0;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!Op|p:segment_read", &PyList_Type, &fds_obj,
+                          &PyList_Type, &offsets_obj, &PyList_Type, &keys, &PyList_Type,
+                          &regions, &static_obj, &full, &nowait))
+        return NULL;
+    const unsigned char *static_fields;
+    if (!glue_bound(MODULE) || !glue_static_fields(static_obj, 1, MODULE, &static_fields))
+        return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(regions);
+    if (PyList_GET_SIZE(fds_obj) != count || PyList_GET_SIZE(offsets_obj) != count) {
+        PyErr_SetString(PyExc_ValueError, "_pageio: the per-page lists differ in length");
+        return NULL;
+    }
+    int *fds = PyMem_Calloc((size_t)(count ? count : 1), sizeof(int));
+    off_t *offsets = PyMem_Calloc((size_t)(count ? count : 1), sizeof(off_t));
+    if (fds == NULL || offsets == NULL) {
+        PyMem_Free(fds);
+        PyMem_Free(offsets);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t p = 0; p < count; p++) {
+        fds[p] = (int)PyLong_AsLong(PyList_GET_ITEM(fds_obj, p));
+        offsets[p] = (off_t)PyLong_AsLongLong(PyList_GET_ITEM(offsets_obj, p));
+        if (PyErr_Occurred() || fds[p] < 0 || offsets[p] < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "_pageio: a descriptor or offset is negative");
+            PyMem_Free(fds);
+            PyMem_Free(offsets);
+            return NULL;
+        }
+    }
+    Page *pages = load_segment_pages(keys, regions, &count);
+    XXH3_state_t *state = pages == NULL ? NULL : XXH3_createState();
+    PyObject *codes = NULL;
+    if (pages != NULL && state == NULL) PyErr_NoMemory();
+    if (state != NULL) {
+        int reads;
+        Py_BEGIN_ALLOW_THREADS
+        reads = segment_read(fds, offsets, pages, count, state, static_fields, full, nowait);
+        Py_END_ALLOW_THREADS
+        PyObject *list = reads < 0 ? PyErr_NoMemory() : glue_int_list(count, result_at, pages);
+        codes = list == NULL ? NULL : Py_BuildValue("(Ni)", list, reads);
+        XXH3_freeState(state);
+    }
+    if (pages != NULL) free_pages(pages, count);
+    PyMem_Free(fds);
+    PyMem_Free(offsets);
+    return codes;
+}
+
 PyDoc_STRVAR(name_doc,
 "name(store, key) -> (path, digest)\n\n"
 "The file a checked key's page has under store, and the key's 16-byte envelope digest,\n"
@@ -459,6 +592,8 @@ static PyMethodDef methods[] = {
     {"open_pages", open_pages, METH_VARARGS, open_pages_doc},
     {"publish_file", publish_file, METH_VARARGS, publish_file_doc},
     {"read_pages", read_pages, METH_VARARGS, read_pages_doc},
+    {"segment_read", segment_read_py, METH_VARARGS, segment_read_doc},
+    {"segment_write", segment_write_py, METH_VARARGS, segment_write_doc},
     {"write_pages", write_pages, METH_VARARGS, write_pages_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -476,6 +611,7 @@ PyInit__pageio(void)
         {"IN_THE_WAY", IN_THE_WAY}, {"NO_EXCHANGE", NO_EXCHANGE},
         {"SAME_PAGE_PREFIX", SAME_PAGE_PREFIX}, {"PIECE", PIECE},
         {"MAX_KEY_LENGTH", MAX_KEY_LENGTH}, {"WRITER_WAIT_NS", WRITER_WAIT_NS},
+        {"SEGMENT_GAP", SEGMENT_GAP}, {"SEGMENT_RUN", SEGMENT_RUN},
     };
     PyObject *module = glue_module(MODULE, module_doc, methods, constants,
                                    sizeof constants / sizeof constants[0]);

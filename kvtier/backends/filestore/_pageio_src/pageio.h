@@ -14,6 +14,8 @@
  *   publish.c   writing one page and publishing it: the publish protocol of
  *               kvtier/backends/filestore/publish.py (steps 2-5 for every writer where
  *               this module is built), and the spare files it recycles
+ *   segment.c   the segment backend's data path: a record's pages written at one
+ *               offset, pages read from segment files in coalesced runs
  *   module.c    the module's functions: arguments in, codes out
  * and, shared with kvtier.core._envelope (one copy of each, in kvtier/_csrc/):
  *   envelope.c  the envelope: writing a page's, and the verdict on one (envelope.h; its
@@ -175,5 +177,25 @@ long publish_one(const char *tmp, const char *final, const struct stat *written,
  * digest, the payload's length), so a page of the key another writer published is told
  * from a foreign file (publish.py, step 4). */
 #define SAME_PAGE_PREFIX PAYLOAD_CHECKSUM_AT
+
+/* --- the segment backend's data path (segment.c) ----------------------------------- */
+
+/* Pages of a segment read in one preadv may lie this far apart (a record header and its
+ * alignment between two records): the gap is read into scratch memory. */
+#define SEGMENT_GAP (64 * 1024)
+/* Most bytes of one such read: its pages are verified right after it, still in cache. */
+#define SEGMENT_RUN (1024 * 1024)
+
+/* Write pages[0..count) back to back from offset of fd, each page's envelope written
+ * into its header slot first (static_fields NULL: none), hashed while in cache: the
+ * bytes written, or -errno. */
+long segment_write(int fd, off_t offset, Page *pages, Py_ssize_t count, XXH3_state_t *state,
+                   const unsigned char *static_fields);
+/* Read page p from fds[p] at offsets[p] (pages in file order: runs of nearby pages are
+ * one read), checking each envelope when static_fields is set (the payload checksum too
+ * when full); each page's code in its result: OK, UNVERIFIED, SHORT_READ, WOULD_BLOCK
+ * (nowait: not all in the page cache) or -errno. The reads made, or -ENOMEM. */
+int segment_read(const int *fds, const off_t *offsets, Page *pages, Py_ssize_t count,
+                 XXH3_state_t *state, const unsigned char *static_fields, int full, int nowait);
 
 #endif /* KVTIER_PAGEIO_H */
