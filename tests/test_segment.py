@@ -512,6 +512,57 @@ def test_overwrites_do_not_grow_the_store_without_bound(rigs: list[Rig], tmp_pat
     assert _check_hits(rig, keys, [1100 + i for i in range(40)]) == 40
 
 
+def _all_bytes(root: Path) -> int:
+    """Every file's bytes in the namespace, hidden ones too (a spare, the instances file)."""
+    return sum(p.stat().st_size for p in (root / NAMESPACE).iterdir() if p.is_file())
+
+
+def test_an_instance_alone_writes_new_segments_into_dead_ones_files(
+    rigs: list[Rig], tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    rig = _rig(rigs, root, segment_bytes="1MiB", capacity_bytes="3MiB")
+    keys = rig.keys(40)
+    for round_ in range(12):
+        assert _put_all(rig, keys, [round_ * 100 + i for i in range(40)]) == [True] * 40
+        assert _all_bytes(root) <= (3 << 20) + 4096  # a spare counts against capacity
+    stats = rig.backend.stats()
+    assert stats["segments_reused"] >= 3 and stats["evictions"] == 0
+    inodes = {p.stat().st_ino for p in _segments(root)}
+    assert _check_hits(rig, keys, [1100 + i for i in range(40)]) == 40
+    rig.close()
+    rigs.remove(rig)
+    # sealed at close, every reused segment was cut at its records' end: a fresh opener
+    # finds every newest page and no hole
+    again = _rig(rigs, root, segment_bytes="1MiB", capacity_bytes="3MiB")
+    assert _check_hits(again, keys, [1100 + i for i in range(40)]) == 40
+    fresh = again.backend.stats()
+    assert fresh["segments_torn"] == 0 and fresh["holes_skipped"] == 0
+    assert {p.stat().st_ino for p in _segments(root)} == inodes
+    assert not [p for p in (root / NAMESPACE).iterdir() if p.name.endswith(".tmp")]
+
+
+def test_no_segment_file_is_reused_while_another_instance_is_open(
+    rigs: list[Rig], tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    rig = _rig(rigs, root, segment_bytes="1MiB")
+    other = _rig(rigs, root, segment_bytes="1MiB")
+    keys = rig.keys(40)
+    for round_ in range(8):
+        seeds = [round_ * 100 + i for i in range(40)]
+        assert _put_all(rig, keys, seeds) == [True] * 40
+        other.backend.rescan()
+        assert _check_hits(other, keys, seeds) == 40  # the other reads every newest page
+    stats = rig.backend.stats()
+    assert stats["segments_compacted"] >= 2 and stats["segments_reused"] == 0
+    other.close()
+    rigs.remove(other)
+    for round_ in range(8, 12):
+        assert _put_all(rig, keys, [round_ * 100 + i for i in range(40)]) == [True] * 40
+    assert rig.backend.stats()["segments_reused"] >= 1  # alone again
+
+
 @pytest.mark.parametrize("policy", [None, "lru"])
 def test_readers_racing_reclamation_see_the_old_page_or_a_miss(
     rigs: list[Rig], tmp_path: Path, policy: str | None
@@ -670,7 +721,7 @@ def test_debris_in_the_root_is_survived(rigs: list[Rig], tmp_path: Path) -> None
     assert stats["debris_dirs"] == 1 and stats["debris_symlinks"] == 2
     assert stats["debris_special"] == 1 and stats["debris_stale_temps"] == 1
     assert stats["debris_modes_fixed"] == 1
-    assert sorted(p.name for p in store.iterdir()) == [seg.name]
+    assert sorted(p.name for p in store.iterdir()) == [fmt.INSTANCES, seg.name]
     assert _check_hits(rig, keys, list(range(16))) == 16
 
 

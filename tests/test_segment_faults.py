@@ -214,7 +214,8 @@ def _child_main() -> None:
 
 def _child_concurrent(rig: Rig, job: dict[str, Any]) -> None:
     """Put A stops mid-write (its pages written, by the Python loop or the compiled
-    path, its header not); put B, reserved after it, completes (acknowledged under ``fsync: "batch"``); then this process dies."""
+    path, its header not); put B, reserved after it, completes (acknowledged under
+    ``fsync: "batch"``); then this process dies."""
     writing, never = threading.Event(), threading.Event()
     real = os.pwritev
     stalled = threading.local()
@@ -250,12 +251,16 @@ def _child_concurrent(rig: Rig, job: dict[str, Any]) -> None:
 
 def _child_compaction(rig: Rig, job: dict[str, Any]) -> None:
     """Fill a segment, overwrite most of it (it becomes mostly dead), then keep putting
-    until a new segment starts and compacts it; die at the job's point of compaction."""
+    until a new segment starts and compacts it; die at the job's point of compaction:
+    while copying its live pages, just before or after it leaves (unlinked, or, as this
+    instance is alone, renamed to become the next segment's file), or while writing into
+    the segment made of its file (its old records still past the new ones)."""
     point = job["point"]
     if point == "copying":
         seg_writer.copy_range = _kill_self  # type: ignore[assignment]
-    else:
+    elif point in ("before_unlink", "after_unlink"):
         real = os.unlink
+        real_rename = os.rename
 
         def unlink(path: Any, *args: Any, **kwargs: Any) -> None:
             segment = fmt.segment_of_name(os.fspath(path)) is not None
@@ -265,12 +270,26 @@ def _child_compaction(rig: Rig, job: dict[str, Any]) -> None:
             if segment and point == "after_unlink":
                 _kill_self()
 
+        def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+            spared = fmt.segment_of_name(os.fspath(src)) is not None  # a segment leaving
+            if spared and point == "before_unlink":
+                _kill_self()
+            real_rename(src, dst, *args, **kwargs)
+            if spared and point == "after_unlink":
+                _kill_self()
+
         os.unlink = unlink  # type: ignore[assignment]
+        os.rename = rename  # type: ignore[assignment]
     assert _put_all(rig, job["keys"], job["seeds"]) == [True] * len(job["keys"])
     assert _put_all(rig, job["over"], job["over_seeds"]) == [True] * len(job["over"])
+    in_reused = 0
     for i, key in enumerate(job["more"]):
         assert _put_all(rig, [key], [job["more_seeds"][i]]) == [True]
         print(key, flush=True)  # acknowledged
+        if point == "writing_reused" and rig.backend.stats()["segments_reused"]:
+            in_reused += 1
+            if in_reused == 3:
+                _kill_self()
 
 
 def test_an_acknowledged_put_survives_a_kill_while_an_earlier_put_is_writing(
@@ -333,7 +352,7 @@ def test_a_scan_looks_past_a_hole_and_never_indexes_it(rigs: list[Rig], tmp_path
 # --- item 8: a kill during compaction ---------------------------------------------------
 
 
-@pytest.mark.parametrize("point", ["copying", "before_unlink", "after_unlink"])
+@pytest.mark.parametrize("point", ["copying", "before_unlink", "after_unlink", "writing_reused"])
 def test_a_kill_during_compaction_keeps_every_live_page_in_its_newest_version(
     rigs: list[Rig], tmp_path: Path, point: str
 ) -> None:

@@ -137,6 +137,11 @@ def segment_of_name(name: str) -> int | None:
     return int(match.group(1), 16) if match else None
 
 
+#: The file every instance of a namespace holds a shared ``flock`` on while it is open,
+#: so one can tell it is alone (``SegmentStore.exclusive``).
+INSTANCES = ".instances"
+
+
 def temp_name(segment_id: int, tag: int, pid: int) -> str:
     """The name a segment has while process ``pid`` creates it (hidden: never read)."""
     return f".{segment_id:016x}-{tag:08x}.{pid}.tmp"

@@ -34,9 +34,10 @@ import fcntl
 import logging
 import os
 import stat
+import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -70,6 +71,7 @@ COUNTERS = (
     "segments_created",
     "segments_reclaimed",
     "segments_compacted",
+    "segments_reused",
     "pages_rewritten",
     "bytes_rewritten",
     "refreshes",
@@ -145,10 +147,28 @@ class Segment:
     retired: bool = False
     #: A sealed segment whose scan stopped before its end (a torn tail).
     torn: bool = False
+    #: An own segment written into the file of a dead one (see the writer's spare): its
+    #: bytes past ``written`` are the old segment's, cut off when it is sealed.
+    reused: bool = False
+    #: Where an own segment's reserved records end.
+    written: int = fmt.SEGMENT_HEADER_BYTES
 
 
 #: Where a key's newest version lives: (segment, data offset, length, seq, state offset).
 Loc: TypeAlias = tuple[Segment, int, int, int, int]
+
+
+#: ``struct flock`` of Linux (type, whence, start, len, pid; 32 bytes on 64-bit ABIs).
+_FLOCK = struct.Struct("hhqqi4x")
+
+
+def _instances_lock(fd: int, kind: int, *, wait: bool) -> None:
+    """Set an open-file-description lock of ``kind`` (``F_RDLCK``, ``F_WRLCK``) on the
+    instances file's first byte: held per open file (each instance its own, threads
+    and forks share it), converted in place (a refused upgrade keeps the read lock);
+    ``OSError`` when refused (``wait=False``) or not supported."""
+    command = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
+    fcntl.fcntl(fd, command, _FLOCK.pack(kind, os.SEEK_SET, 0, 1, 0))
 
 
 def try_lock(fd: int, kind: int) -> bool:
@@ -185,6 +205,8 @@ class SegmentStore:
         self.debris = Debris("segment", log=log)
         self.path = prepare_store(root, namespace, self.debris)
         self.dir_fd = os.open(self.path, _DIR_FLAGS)
+        #: Held with a shared lock while this instance is open (see :meth:`exclusive`).
+        self._instances = self._join()
         self.clock = fmt.Clock()
         self.lock = threading.Lock()
         self._refresh_lock = threading.Lock()
@@ -200,6 +222,52 @@ class SegmentStore:
         found = self._load()
         self.counters.add("pages_found_at_start", found)
         self.counters.add("segments_found_at_start", len(self._segments))
+
+    # --- the instances of this namespace ---------------------------------------------
+
+    def _join(self) -> int | None:
+        """Open :data:`~kvtier.backends.segment.format.INSTANCES` and take a read lock
+        on it (an open-file-description lock: every instance holds its own, in this
+        process too), waiting out an instance that holds it exclusively for a moment.
+        None where the filesystem has no such locks: :meth:`exclusive` is then never
+        true."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._pid = os.getpid()
+        try:
+            fd = os.open(fmt.INSTANCES, flags, 0o600, dir_fd=self.dir_fd)
+        except OSError:
+            os.close(self.dir_fd)
+            raise
+        try:
+            _instances_lock(fd, fcntl.F_RDLCK, wait=True)
+        except OSError:
+            os.close(fd)
+            return None
+        return fd
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[bool]:
+        """Whether this is the only instance of the namespace open (no other process,
+        no other instance in this one), held so while the block runs: no instance opens
+        the namespace (and sees its files) until the block ends.
+
+        False at once when another instance holds its lock (or this is a forked child
+        of the process that opened the store, which shares its lock). The lock goes
+        from shared to exclusive and back without ever being let go.
+        """
+        fd = self._instances
+        if fd is None or self._closed or self._pid != os.getpid():
+            yield False
+            return
+        try:
+            _instances_lock(fd, fcntl.F_WRLCK, wait=False)
+        except OSError:
+            yield False  # another instance holds it: our shared lock stays as it was
+            return
+        try:
+            yield True
+        finally:
+            _instances_lock(fd, fcntl.F_RDLCK, wait=True)
 
     # --- start-up and refresh ------------------------------------------------------
 
@@ -249,6 +317,8 @@ class SegmentStore:
                     new.append(seg)
             elif fmt.temp_writer(name) is not None and regular:
                 self._temp(name, info, path)
+            elif name == fmt.INSTANCES and regular:
+                continue
             else:
                 where = "only segments belong in a segment store"
                 if fmt.segment_of_name(name) is not None:
@@ -542,6 +612,7 @@ class SegmentStore:
         ``seg`` for that write (release with :meth:`unpin`)."""
         with self.lock:
             seg.size = max(seg.size, end)
+            seg.written = max(seg.written, end)
             seg.pins += 1
 
     def retire(self, seg: Segment, *, dropped: bool) -> list[tuple[str, int]]:
@@ -861,5 +932,8 @@ class SegmentStore:
             for seg in self._segments.values():
                 self._close_fd(seg)
             self._open.clear()
+        if self._instances is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._instances)
         with contextlib.suppress(OSError):
             os.close(self.dir_fd)

@@ -121,6 +121,24 @@ class Victim:
     dropped: list[str] = field(default_factory=list)
 
 
+@dataclass
+class Spare:
+    """A dead segment's file kept to become the next new segment: its pages' page cache
+    is written over in place instead of a new file's being allocated while the old
+    one's is freed (an overwrite then costs what a write into existing pages costs).
+
+    Hidden under a temp name of this process, exclusively locked through ``fd``; kept
+    only while this instance was alone on the namespace and no call of its own still
+    read the segment, so nothing can read the old pages from it any more.
+    """
+
+    fd: int
+    name: str
+    pid: int
+    #: Its bytes on disk (counted against the bounds like a segment's).
+    size: int
+
+
 class Appender:
     """The active segment of one backend, its reservations and reclamation."""
 
@@ -136,6 +154,7 @@ class Appender:
         self._tail = 0
         self._inflight: dict[Segment, int] = {}
         self._full: set[Segment] = set()
+        self._spare: Spare | None = None
 
     # --- reservations --------------------------------------------------------------
 
@@ -247,6 +266,8 @@ class Appender:
         try:
             if seg.fd < 0:
                 return  # cleared meanwhile: closed, so unlocked
+            if seg.reused:
+                self._cut_stale_tail(seg)
             if self.config.fsync == "batch":
                 try:
                     os.fdatasync(seg.fd)
@@ -257,15 +278,82 @@ class Appender:
         finally:
             self.store.unpin([seg])
 
+    def _cut_stale_tail(self, seg: Segment) -> None:
+        """Cut a reused segment's file at the end of its records, before it is sealed:
+        past them are the dead segment's old bytes, which a scan of a sealed segment
+        would look through for records (none is ever this segment's)."""
+        store = self.store
+        with store.lock:
+            end = seg.written
+        try:
+            os.ftruncate(seg.fd, end)
+        except OSError as exc:  # the scan then steps over the old bytes (counted holes)
+            store.warn_once(
+                "segment_create_errors", "segment backend: cutting %s: %s", seg.name, exc
+            )
+            return
+        with store.lock:
+            seg.size = end
+
     def reset(self) -> None:
-        """Forget the active segment (``clear`` removed it)."""
+        """Forget the active segment (``clear`` removed it) and any spare file."""
         with self._cond:
             if self._active is not None:
                 self._retire_active()
+            self._drop_spare()
 
     def close(self) -> None:
-        """Seal the active segment."""
+        """Seal the active segment; remove the spare file."""
         self.reset()
+
+    # --- the spare: a dead segment's file, the next new segment --------------------------
+
+    def _keep_spare(self, victim: Victim) -> bool:
+        """Keep a taken segment with no pages left as the spare instead of removing it
+        (lock held): only while this instance is alone on the namespace (no other can
+        still read it, or open it) and no call of this one reads it."""
+        store = self.store
+        seg = victim.seg
+        if self._spare is not None or victim.kept:
+            return False
+        with store.lock:
+            idle = seg.pins == 1 and not seg.keys  # only _take's pin; no page lives there
+        if not idle:
+            return False
+        name = fmt.temp_name(seg.id, secrets.randbits(32), os.getpid())
+        with store.lock:
+            size = seg.size
+        with store.exclusive() as alone:
+            if not alone:
+                return False
+            try:
+                if os.stat(seg.name, dir_fd=store.dir_fd, follow_symlinks=False).st_ino != seg.ino:
+                    return False
+                os.rename(seg.name, name, src_dir_fd=store.dir_fd, dst_dir_fd=store.dir_fd)
+            except OSError:
+                return False
+        self._spare = Spare(victim.fd, name, os.getpid(), size)
+        return True
+
+    def _take_spare(self) -> Spare | None:
+        """The spare, now the caller's (None: none, or a forked child's copy of its
+        parent's, which is closed here and never written)."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.pid != os.getpid():
+            with contextlib.suppress(OSError):
+                os.close(spare.fd)
+            return None
+        return spare
+
+    def _drop_spare(self, spare: Spare | None = None) -> None:
+        """Remove the spare file (``spare``, or the kept one)."""
+        spare = spare or self._take_spare()
+        if spare is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(spare.name, dir_fd=self.store.dir_fd)
+        with contextlib.suppress(OSError):
+            os.close(spare.fd)
 
     # --- new segments and reclamation ----------------------------------------------
 
@@ -296,10 +384,15 @@ class Appender:
         try:
             while True:
                 total = self.store.total_bytes() - sum(v.size for v in victims)
+                total += self._spare.size if self._spare is not None else 0
                 over = capacity is not None and total + limit > capacity
                 low = min_free > 0 and free + freed - limit < min_free
                 if not (over or low):
                     break
+                if self._spare is not None:  # the cheapest room: no page lives there
+                    freed += self._spare.size
+                    self._drop_spare()
+                    continue
                 if not refreshed:
                     self.store.refresh(force=True)  # who else still writes, what they sealed
                     refreshed = True
@@ -339,7 +432,10 @@ class Appender:
                 took = self._take(victim, victim.live_bytes, keep_all=True) if victim else None
                 if took is not None:
                     took.compact = True
-                    victims.append(took)
+                    if took.kept:
+                        victims.append(took)
+                    else:  # all dead: gone now, its file the new segment's where it may be
+                        self._release(took)
                 refused = self._create_or_give_up(limit, victims)
             if refused is None:
                 self._rewrite(victims)
@@ -366,7 +462,7 @@ class Appender:
         ``min_free_bytes`` still allow, each less a record header and a page that does not
         fit at its end (and the alignment after it)."""
         config, store = self.config, self.store
-        total = store.total_bytes()
+        total = store.total_bytes() + (self._spare.size if self._spare is not None else 0)
         seg_bytes = int(config.segment_bytes)
         slack = fmt.header_bytes(1) + fmt.ALIGN + page_cost
         active = self._active
@@ -617,13 +713,16 @@ class Appender:
             for key, loc in victim.kept:
                 self._evict(key, loc, reclaimed=True)
             victim.kept = []
-        with contextlib.suppress(OSError):
-            if os.stat(seg.name, dir_fd=store.dir_fd, follow_symlinks=False).st_ino == seg.ino:
-                os.unlink(seg.name, dir_fd=store.dir_fd)
+        spared = self._keep_spare(victim)
+        if not spared:
+            with contextlib.suppress(OSError):
+                if os.stat(seg.name, dir_fd=store.dir_fd, follow_symlinks=False).st_ino == seg.ino:
+                    os.unlink(seg.name, dir_fd=store.dir_fd)
         if victim.compact:
             store.counters.add("segments_compacted")
         store.retire(seg, dropped=True)
-        os.close(victim.fd)  # releases the reclaimer's lock
+        if not spared:
+            os.close(victim.fd)  # releases the reclaimer's lock
         store.unpin([seg])
 
     def _cancel(self, victim: Victim) -> None:
@@ -632,7 +731,18 @@ class Appender:
         self.store.unpin([victim.seg])
 
     def _create(self, limit: int) -> None:
-        """Create, lock and publish a fresh active segment of at most ``limit`` bytes."""
+        """Create, lock and publish a fresh active segment of at most ``limit`` bytes:
+        in the spare's file when there is one."""
+        spare = self._take_spare()
+        if spare is not None:
+            try:
+                self._create_from(spare, limit)
+                return
+            except OSError as exc:
+                self.store.warn_once(
+                    "segment_create_errors", "segment backend: reusing a segment file: %s", exc
+                )
+                self._drop_spare(spare)
         store = self.store
         segment_id = store.clock.next()
         tag = secrets.randbits(32)
@@ -662,6 +772,44 @@ class Appender:
         self._active = seg
         self._tail = fmt.SEGMENT_HEADER_BYTES
         store.counters.add("segments_created")
+
+    def _create_from(self, spare: Spare, limit: int) -> None:
+        """Publish the spare's file as the new active segment: a new id and header, under
+        a temp name first, then its name (it is still exclusively locked). Its old
+        records past the new ones never parse as this segment's (they carry the old
+        id); sealing cuts them off."""
+        store = self.store
+        segment_id = store.clock.next()
+        tag = secrets.randbits(32)
+        temp = fmt.temp_name(segment_id, tag, os.getpid())
+        name = fmt.segment_name(segment_id, tag)
+        fd = spare.fd
+        os.rename(spare.name, temp, src_dir_fd=store.dir_fd, dst_dir_fd=store.dir_fd)
+        spare.name = temp
+        os.pwrite(fd, fmt.pack_segment_header(segment_id, segment_id, os.getpid()), 0)
+        if self.config.fsync == "batch":
+            os.fdatasync(fd)
+        info = os.fstat(fd)
+        seg = Segment(
+            name,
+            segment_id,
+            info.st_ino,
+            fd,
+            own=True,
+            size=max(info.st_size, fmt.SEGMENT_HEADER_BYTES),  # its old bytes count until cut
+            limit=limit,
+            reused=True,
+        )
+        with store.listing_lock:
+            os.rename(temp, name, src_dir_fd=store.dir_fd, dst_dir_fd=store.dir_fd)
+            store.add_own(seg)
+        if self.config.fsync == "batch":
+            with contextlib.suppress(OSError):
+                os.fsync(store.dir_fd)
+        self._active = seg
+        self._tail = fmt.SEGMENT_HEADER_BYTES
+        store.counters.add("segments_created")
+        store.counters.add("segments_reused")
 
     def _rewrite(self, victims: list[Victim]) -> None:
         """Copy the victims' kept pages into the active segment and publish them, as
