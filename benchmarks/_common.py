@@ -9,6 +9,10 @@ in one run with what users compare kvtier with and with the physical floor:
 - ``rawN``: the same raw calls on N threads (N = the backend's I/O threads, what
   LMCache's local-disk backend does; each thread takes one contiguous slice of a batch,
   the cheapest hand-off);
+- ``aio``: one file per page through glibc's POSIX AIO (``lio_listio``, every region a
+  request, run by glibc's own N threads, no GIL between requests; ``_aio.py``): what
+  NVIDIA NIXL's POSIX backend does, the strongest raw thread-pool side (left out where
+  glibc's AIO does not load);
 - ``floor``: ``pwritev`` / ``preadv`` of the same bytes into one pre-allocated file, one
   call per batch, pages back to back (:class:`PackedFile`): what packed pages cost with
   no envelope, no index and no file per page;
@@ -31,6 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from _aio import PosixAio
+from _aio import available as aio_available
 
 GB = 1e9
 
@@ -203,7 +210,7 @@ def target(size: Size, stored: int, op: str, base: str, cold_raw1: float | None)
         return 0.8 if small else (0.9 if size.label == "8MiB" else None)
     if base == "header":
         return 0.9
-    if base == "rawn":
+    if base in ("rawn", "aio"):
         return 1.0
     if base != "raw1":
         return None  # another store: for information
@@ -417,6 +424,8 @@ class _SizeSuite:
         self.raw_dir.mkdir(mode=0o700)
         self.raw1 = [f"{self.raw_dir}/a{i}" for i in range(n)]
         self.rawn = [f"{self.raw_dir}/b{i}" for i in range(n)]
+        self.rawa = [f"{self.raw_dir}/c{i}" for i in range(n)]
+        self.aio = PosixAio(self.views, threads) if aio_available() else None
         self.packed = PackedFile(f"{self.raw_dir}/packed", self.stored, self.groups, self.views)
         self.label = f"{n}x{size.label}"
         print(
@@ -464,6 +473,13 @@ class _SizeSuite:
 
         return run
 
+    def _aio(self, write: bool) -> dict[str, Callable[[int], None]]:
+        """The POSIX AIO side of a case (none where it does not load)."""
+        aio = self.aio
+        if aio is None:
+            return {}
+        return {"aio": lambda g: aio.move(self.rawa, self.groups[g], write=write)}
+
     def _put(self, name: str) -> Callable[[int], None]:
         _, backend, pages = self.stores[name]
 
@@ -495,7 +511,7 @@ class _SizeSuite:
         def empty_all() -> None:
             for store, backend, _ in self.stores.values():
                 store.empty(backend, self.keys)
-            for path in self.raw1 + self.rawn:
+            for path in self.raw1 + self.rawn + self.rawa:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
 
@@ -506,6 +522,7 @@ class _SizeSuite:
                 **self._stores(self._put),
                 "raw1": self._raw_write(self.raw1, excl, False),
                 "rawn": self._raw_write(self.rawn, excl, True),
+                **self._aio(True),
                 "floor": packed.write,
             },
             n_groups,
@@ -516,6 +533,7 @@ class _SizeSuite:
                 **self._stores(self._get),
                 "raw1": self._raw_read(self.raw1, False),
                 "rawn": self._raw_read(self.rawn, True),
+                **self._aio(False),
                 "floor": packed.read,
                 "header": self._get("ours", header=True),
             },
@@ -527,6 +545,7 @@ class _SizeSuite:
                 **self._stores(self._put),
                 "raw1": self._raw_write(self.raw1, 0, False),
                 "rawn": self._raw_write(self.rawn, 0, True),
+                **self._aio(True),
                 "floor": packed.write,
             },
             n_groups,
@@ -537,15 +556,16 @@ class _SizeSuite:
             name: store.files_of(backend, self.keys)
             for name, (store, backend, _) in self.stores.items()
         }
-        fsync_files([f for files in store_files.values() for f in files] + self.raw1 + self.rawn)
+        raw = self.raw1 + self.rawn + (self.rawa if self.aio is not None else [])
+        fsync_files([f for files in store_files.values() for f in files] + raw)
         packed.sync()
 
         def drop(name: str, g: int) -> None:
             idx = self.groups[g]
             if name == "floor":
                 packed.drop(g)
-            elif name in ("raw1", "rawn"):
-                files = self.raw1 if name == "raw1" else self.rawn
+            elif name in ("raw1", "rawn", "aio"):
+                files = {"raw1": self.raw1, "rawn": self.rawn, "aio": self.rawa}[name]
                 drop_cache([files[i] for i in idx])
             else:
                 store, backend, _ = self.stores[name]
@@ -556,6 +576,7 @@ class _SizeSuite:
                 **self._stores(self._get),
                 "raw1": self._raw_read(self.raw1, False),
                 "rawn": self._raw_read(self.rawn, True),
+                **self._aio(False),
                 "floor": packed.read,
             },
             n_groups,
@@ -582,6 +603,7 @@ class _SizeSuite:
         names = {
             "raw1": f"{call}{how}, one file per page, 1 thread",
             "rawn": f"{call}{how}, one file per page, {self.threads} threads",
+            "aio": f"POSIX AIO{how} (glibc lio_listio), one file per page, {self.threads} threads",
             "floor": f"{call}{how}, packed file, one call per batch",
             "header": "header-only verify",
         }
