@@ -528,14 +528,24 @@ def test_an_instance_alone_writes_new_segments_into_dead_ones_files(
         assert _all_bytes(root) <= (3 << 20) + 4096  # a spare counts against capacity
     stats = rig.backend.stats()
     assert stats["segments_reused"] >= 3 and stats["evictions"] == 0
-    inodes = {p.stat().st_ino for p in _segments(root)}
     assert _check_hits(rig, keys, [1100 + i for i in range(40)]) == 40
+    # past capacity the oldest segment is reclaimed, its pages dropped: its file too
+    # becomes the next segment, and the bound holds on disk
+    more = rig.keys(160, seed=1)
+    for lo in range(0, 160, 40):
+        assert _put_all(rig, more[lo : lo + 40], list(range(lo, lo + 40))) == [True] * 40
+        assert _all_bytes(root) <= (3 << 20) + 4096
+    after = rig.backend.stats()
+    assert after["segments_reclaimed"] >= 1 and after["segments_reused"] > stats["segments_reused"]
+    assert _check_hits(rig, more[-40:], list(range(120, 160))) == 40
+    keys, seeds = more[-40:], list(range(120, 160))
+    inodes = {p.stat().st_ino for p in _segments(root)}
     rig.close()
     rigs.remove(rig)
     # sealed at close, every reused segment was cut at its records' end: a fresh opener
     # finds every newest page and no hole
     again = _rig(rigs, root, segment_bytes="1MiB", capacity_bytes="3MiB")
-    assert _check_hits(again, keys, [1100 + i for i in range(40)]) == 40
+    assert _check_hits(again, keys, seeds) == 40
     fresh = again.backend.stats()
     assert fresh["segments_torn"] == 0 and fresh["holes_skipped"] == 0
     assert {p.stat().st_ino for p in _segments(root)} == inodes

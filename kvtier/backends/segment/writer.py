@@ -384,15 +384,12 @@ class Appender:
         try:
             while True:
                 total = self.store.total_bytes() - sum(v.size for v in victims)
-                total += self._spare.size if self._spare is not None else 0
-                over = capacity is not None and total + limit > capacity
+                # a spare becomes the new segment: its bytes are the new segment's
+                spare = self._spare.size if self._spare is not None else 0
+                over = capacity is not None and total + max(limit, spare) > capacity
                 low = min_free > 0 and free + freed - limit < min_free
                 if not (over or low):
                     break
-                if self._spare is not None:  # the cheapest room: no page lives there
-                    freed += self._spare.size
-                    self._drop_spare()
-                    continue
                 if not refreshed:
                     self.store.refresh(force=True)  # who else still writes, what they sealed
                     refreshed = True
@@ -462,7 +459,8 @@ class Appender:
         ``min_free_bytes`` still allow, each less a record header and a page that does not
         fit at its end (and the alignment after it)."""
         config, store = self.config, self.store
-        total = store.total_bytes() + (self._spare.size if self._spare is not None else 0)
+        total = store.total_bytes()  # a spare (on disk too) is the next segment's room
+        spare = self._spare.size if self._spare is not None else 0
         seg_bytes = int(config.segment_bytes)
         slack = fmt.header_bytes(1) + fmt.ALIGN + page_cost
         active = self._active
@@ -477,10 +475,10 @@ class Appender:
         if int(config.min_free_bytes) > 0:
             bounds.append(self._free_bytes() - int(config.min_free_bytes) - pending)
         if not bounds:
-            return total, None
+            return total + spare, None
         segments = max(0, min(bounds)) // seg_bytes
         each = max(0, seg_bytes - fmt.SEGMENT_HEADER_BYTES - slack)
-        return total, room + segments * each
+        return total + spare, room + segments * each
 
     def candidates(self) -> list[tuple[Segment, list[tuple[str, Loc]]]]:
         """The segments that could be reclaimed now (sealed, none of ours being written),
