@@ -305,3 +305,39 @@ def test_the_calls_round_trip_pages_of_any_number_of_regions(tmp_path: Path, reg
         assert codes == [compiled.UNVERIFIED]
     finally:
         os.close(fd)
+
+
+def _tmpfs() -> Path | None:
+    """/dev/shm where it is a tmpfs (no page-cache-only reads: RWF_NOWAIT is refused)."""
+    shm = Path("/dev/shm")
+    try:
+        with open("/proc/mounts") as mounts:
+            kinds = {line.split()[1]: line.split()[2] for line in mounts if len(line.split()) > 2}
+    except OSError:
+        return None
+    return shm if kinds.get(str(shm)) == "tmpfs" and os.access(shm, os.W_OK) else None
+
+
+@pytest.mark.skipif(_tmpfs() is None, reason="no writable tmpfs at /dev/shm")
+@pytest.mark.parametrize("compiled_io", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize("geometry", [SMALL, LARGE], ids=["16KiB", "1MiB"])
+def test_a_filesystem_without_page_cache_only_reads_is_read_blocking(
+    geometry: KVGeometry, compiled_io: bool
+) -> None:
+    import shutil
+    import tempfile
+
+    shm = _tmpfs()
+    assert shm is not None
+    root = Path(tempfile.mkdtemp(dir=shm, prefix="kvtier-test-"))
+    side = Side(root, geometry, compiled_io=compiled_io)
+    try:
+        keys = side.keys(6)
+        payloads = side.put(keys[:3], 1) + side.put(keys[3:], 4)
+        for _ in range(2):  # the first get finds RWF_NOWAIT refused, the second knows
+            found, got = side.get(keys)
+            assert found == [True] * 6 and got == payloads
+        assert side.backend.stats()["get_errors"] == 0
+    finally:
+        side.close()
+        shutil.rmtree(root, ignore_errors=True)

@@ -332,9 +332,13 @@ class SegmentBackend(StorageBackend):
         warm = min(CPUS, io_threads, len(located), max(1, total // SLICE_BYTES))
         nowait = self._nowait and io_threads > 1 and len(located) > 1
         batch.run(self._slices.spread, warm, nowait)
+        cold = min(io_threads, len(located))
+        if nowait and batch.nowait_refused():
+            self._nowait = False  # the filesystem cannot: blocking reads only from now on
+            cold = warm  # nothing says the pages are not in memory
         blocked = batch.blocked()
         if blocked:
-            batch.run(self._slices.spread, min(io_threads, len(blocked)), False, blocked)
+            batch.run(self._slices.spread, min(cold, len(blocked)), False, blocked)
         counters.add("read_calls", batch.reads)
         nbytes = 0
         valid = envelope.valid
@@ -401,7 +405,15 @@ class SegmentBackend(StorageBackend):
                 index = which[0]
                 start = progress.get(index, 0) if progress is not None else 0
                 flags = os.RWF_NOWAIT if nowait else 0
-                got = self._read_pieces(fd, views[index], offset, index, on_payload, start, flags)
+                try:
+                    got = self._read_pieces(
+                        fd, views[index], offset, index, on_payload, start, flags
+                    )
+                except OSError as exc:
+                    if not nowait or exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    self._nowait = False  # the filesystem cannot: blocking reads only
+                    return None
                 if nowait and got < nbytes:
                     if progress is not None:
                         progress[index] = got

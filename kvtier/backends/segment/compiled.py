@@ -10,6 +10,7 @@ file backends' (:mod:`~kvtier.backends.filestore.extension`); without it, or wit
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,6 +38,10 @@ OK, UNVERIFIED, SHORT_READ, WOULD_BLOCK = (
     if _pageio is None
     else (_pageio.OK, _pageio.UNVERIFIED, _pageio.SHORT_READ, _pageio.WOULD_BLOCK)
 )
+
+
+_NO_NOWAIT = -errno.EOPNOTSUPP
+_NOT_READ = (WOULD_BLOCK, _NO_NOWAIT)
 
 
 def available() -> bool:
@@ -130,5 +135,10 @@ class BatchRead:
         spread(work, len(chosen), threads)
 
     def blocked(self) -> list[int]:
-        """Positions the page-cache pass left for a blocking read."""
-        return [j for j, code in enumerate(self.codes) if code == WOULD_BLOCK]
+        """Positions the page-cache pass left for a blocking read (those it could not
+        try, where the filesystem has no page-cache-only reads, too)."""
+        return [j for j, code in enumerate(self.codes) if code in _NOT_READ]
+
+    def nowait_refused(self) -> bool:
+        """Whether the filesystem refused a page-cache-only read (``RWF_NOWAIT``)."""
+        return _NO_NOWAIT in self.codes

@@ -194,7 +194,8 @@ long segment_write(int fd, off_t offset, Page *pages, Py_ssize_t count, XXH3_sta
 /* Read page p from fds[p] at offsets[p] (pages in file order: runs of nearby pages are
  * one read), checking each envelope when static_fields is set (the payload checksum too
  * when full); each page's code in its result: OK, UNVERIFIED, SHORT_READ, WOULD_BLOCK
- * (nowait: not all in the page cache) or -errno. The reads made, or -ENOMEM. */
+ * (nowait: not all in the page cache) or -errno (-EOPNOTSUPP with nowait: the
+ * filesystem cannot read from the page cache alone). The reads made, or -ENOMEM. */
 int segment_read(const int *fds, const off_t *offsets, Page *pages, Py_ssize_t count,
                  XXH3_state_t *state, const unsigned char *static_fields, int full, int nowait);
 

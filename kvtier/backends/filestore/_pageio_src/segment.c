@@ -106,7 +106,7 @@ read_large(int fd, Page *page, off_t base, XXH3_state_t *state, int nowait)
     long got;
     if (nowait) {
         got = preadv2(fd, &header, 1, base, RWF_NOWAIT);
-        if (got < 0 && errno != EAGAIN && errno != EOPNOTSUPP && errno != EINTR) return -errno;
+        if (got < 0 && errno != EAGAIN && errno != EINTR) return -errno;
         if (got < 0 || (size_t)got != header.iov_len) return WOULD_BLOCK;
     } else {
         got = move_all(fd, &header, 1, base, 0);
@@ -122,7 +122,7 @@ read_large(int fd, Page *page, off_t base, XXH3_state_t *state, int nowait)
         long moved;
         if (nowait) {
             moved = preadv2(fd, iov, n, offset, RWF_NOWAIT);
-            if (moved < 0 && errno != EAGAIN && errno != EOPNOTSUPP && errno != EINTR) return -errno;
+            if (moved < 0 && errno != EAGAIN && errno != EINTR) return -errno;
             if (moved < 0 || (size_t)moved != want) return WOULD_BLOCK;
         } else {
             moved = move_all(fd, iov, n, offset, 0);
@@ -177,7 +177,7 @@ read_run(int fd, Page *pages, const off_t *offsets, Py_ssize_t first, Py_ssize_t
     long got;
     if (nowait) {
         got = preadv2(fd, iov, n, offsets[first], RWF_NOWAIT);
-        if (got < 0 && errno != EAGAIN && errno != EOPNOTSUPP && errno != EINTR) {
+        if (got < 0 && errno != EAGAIN && errno != EINTR) {
             got = -errno;
         } else if (got < 0 || (uint64_t)got != want) {
             for (Py_ssize_t p = first; p < last; p++) pages[p].result = WOULD_BLOCK;
@@ -247,7 +247,8 @@ segment_read(const int *fds, const off_t *offsets, Page *pages, Py_ssize_t count
         } else {
             read_run(fds[p], pages, offsets, p, last, state, static_fields, full, nowait, scratch);
         }
-        reads += pages[p].result != WOULD_BLOCK; /* counted once, by the pass that read it */
+        /* counted once, by the pass that read it */
+        reads += !(nowait && (pages[p].result == WOULD_BLOCK || pages[p].result == -EOPNOTSUPP));
         p = last;
     }
     free(scratch);
