@@ -155,7 +155,8 @@ def test_round_trip_is_bit_exact(
 def test_envelopes_are_byte_identical_to_the_python_writer(
     make: Callable[..., Setup], geometry: KVGeometry
 ) -> None:
-    # (a page over 512 KiB is written piece by piece, its header last)
+    # (a new page over 512 KiB is hashed, then written in one call from offset 0; an
+    # overwrite in place is written piece by piece, its header last)
     setup = make(compiled_io=True, geometry=geometry)
     assert setup.put_all() == [True] * PAGES
     fmt = EnvelopeFormat(geometry.fingerprint, "page_first")

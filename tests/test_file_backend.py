@@ -727,6 +727,19 @@ def test_docs_list_every_option_with_its_description() -> None:
         assert info.description and info.description in doc, f"stale description of {name}"
 
 
+def test_exists_looks_up_only_index_misses_and_refuses_bad_ones(root: Path) -> None:
+    reader, writer = backend(root), backend(root)
+    assert reader.put(["mine"], [make_page(1)]) == [True]
+    assert writer.put(["theirs"], [make_page(2)]) == [True]
+    link = fs_paths.page_path(reader.store, "link")
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(fs_paths.page_path(reader.store, "theirs"))  # never a page
+    assert reader.exists(["mine", "theirs", "link", "absent"]) == [True, True, False, False]
+    assert reader.stats()["pages"] == 2  # the other process's page was adopted
+    with pytest.raises(KvtierError):
+        reader.exists(["mine", "absent", "../etc/passwd"])
+
+
 def test_exists_without_disk_lookups_still_refuses_bad_keys(root: Path) -> None:
     blind = backend(root, check_disk_on_miss=False)
     blind.put(["good"], [make_page(1)])

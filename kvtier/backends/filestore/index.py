@@ -16,7 +16,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from kvtier.backends.filestore.debris import Debris, discard
-from kvtier.backends.filestore.paths import check_key, page_path_str
+from kvtier.backends.filestore.paths import page_path_str, page_path_unchecked
+from kvtier.core.keys import validate_keys
 from kvtier.core.policy import EvictionPolicy, LRUPolicy
 from kvtier.core.space import SpaceReport
 
@@ -131,24 +132,35 @@ class FileIndex:
             return [key in sizes for key in keys]
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        """:meth:`contains` for a batch: one lock for the index lookups, stats for misses.
+        """:meth:`contains` for a batch: one lock for the index lookups, then the misses.
 
-        A key found in the index was checked when it got there; every other key is checked
-        (and a bad one raises) before its file is looked up.
+        A key found in the index was checked when it got there; the other keys are checked
+        together (one pass; a bad one raises) before their files are looked up, each with
+        one ``access`` (no exception raised for a missing file: a cold lookup's keys are
+        mostly missing) and an ``lstat`` only for a file that is there.
         """
         found = self.indexed(keys)
-        for i, hit in enumerate(found):
-            if not hit:
-                if self.check_disk_on_miss:
-                    found[i] = self.adopt(keys[i])
-                else:
-                    check_key(keys[i])
+        misses = [i for i, hit in enumerate(found) if not hit]
+        if not misses:
+            return found
+        validate_keys([keys[i] for i in misses])
+        if self.check_disk_on_miss:
+            store, access, exists = self._store_str, os.access, os.F_OK
+            for i in misses:
+                path = page_path_unchecked(store, keys[i])
+                found[i] = access(path, exists, follow_symlinks=False) and self._adopt(
+                    keys[i], path
+                )
         return found
 
     def adopt(self, key: str) -> bool:
         """Add ``key`` to the index if its file exists (another process wrote it)."""
+        return self._adopt(key, page_path_str(self._store_str, key))
+
+    def _adopt(self, key: str, path: str) -> bool:
+        """:meth:`adopt` of a checked ``key`` whose page name is ``path``."""
         try:
-            info = os.stat(page_path_str(self._store_str, key), follow_symlinks=False)
+            info = os.stat(path, follow_symlinks=False)
         except (FileNotFoundError, NotADirectoryError):
             return False
         if not stat.S_ISREG(info.st_mode):

@@ -325,9 +325,12 @@ put_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int
         long result = overwrite_in_place(page, state, static_fields, total);
         if (result != ABSENT) return result;
     }
-    /* Step 1: write the page under a temp name, into the spare or a fresh file. */
-    int streamed = static_fields != NULL && !page->direct && total > 2 * (uint64_t)PIECE;
-    if (static_fields != NULL && !streamed)
+    /* Step 1: write the page under a temp name, into the spare or a fresh file: its
+     * envelope first (the payload hashed in one pass, which leaves it in cache), then
+     * every region in one call from offset 0, so the page cache holds the file in large
+     * folios (written piece by piece at the header's offset it would hold small ones,
+     * and every read of the page would cost more). */
+    if (static_fields != NULL)
         envelope_write(page->buffers, page->count, page->key_digest, state, static_fields);
     int fd;
     const char *at; /* where the bytes are written: the spare, or a fresh temp file */
@@ -353,8 +356,7 @@ put_one(Page *page, XXH3_state_t *state, const unsigned char *static_fields, int
         }
         at = page->path;
     }
-    long wrote = streamed ? write_streamed(fd, page, state, static_fields)
-                          : move_regions(fd, page, 1, 0);
+    long wrote = move_regions(fd, page, 1, 0);
     long failed = wrote < 0 ? wrote : 0;
     if (failed == 0 && datasync && fdatasync(fd) != 0) failed = -errno;
     if (!recycled && close(fd) != 0 && failed == 0) failed = -errno;
