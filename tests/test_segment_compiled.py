@@ -298,6 +298,10 @@ def test_the_calls_round_trip_pages_of_any_number_of_regions(tmp_path: Path, reg
         assert codes == [compiled.OK] * 3
         assert reads == (3 if regions > 1000 else 1)
         assert [b"".join(bytes(v) for v in page[1:]) for page in back] == written
+        last = offsets[1] + stored - 1  # the middle page's last byte, flipped
+        os.pwrite(fd, bytes([os.pread(fd, 1, last)[0] ^ 0xFF]), last)
+        codes, _ = compiled.read([fd] * 3, offsets, keys, back, static, full=True, nowait=False)
+        assert codes == [compiled.OK, compiled.UNVERIFIED, compiled.OK]
         # another key's envelope at the same bytes is not this page's
         codes, _ = compiled.read(
             [fd], offsets[:1], ["page-x"], back[:1], static, full=True, nowait=False
