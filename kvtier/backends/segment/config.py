@@ -68,8 +68,10 @@ class SegmentConfig(BaseModel):
         default=4,
         ge=1,
         le=64,
-        description="Threads moving one batch when it holds at least 1 MiB, each a "
-        "contiguous share of its records; warm copies use at most one per CPU.",
+        description="Most threads moving one batch: reads from the page cache use at "
+        "most one per CPU and per MiB, reads from the disk one per segment; with the "
+        "compiled path a record is written by one thread (threads writing one file take "
+        "turns), without it by up to this many, each a contiguous share.",
     )
     compiled_io: bool = Field(
         default=True,
