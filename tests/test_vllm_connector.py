@@ -367,6 +367,34 @@ def test_loads_are_asynchronous_on_the_cpu_engine_and_pages_known_answer_at_once
     side.close()
 
 
+def test_a_lookup_starts_when_vllm_admits_the_request(
+    registry: Registry, backend: GatedBackend
+) -> None:
+    side, _ = _scheduler(registry)
+    request = _Request("r", _tokens(4))
+    keys = side.request_keys(request, 4)
+    backend.inner._pages.update({k: b"" for k in keys[:3]})
+    side.add_request(request)  # its exists runs while vLLM admits the others
+    _wait(lambda: bool(backend.calls.get("exists")))
+    gate = backend.hold("exists")  # a lookup asked now would wait: it is answered already
+    _wait(lambda: side._lookups["r"].future.done())
+    assert side.lookup(request, 0) == 3 * BLOCK
+    assert side.stats()["lookup_deferred"] == 0
+    gate.set()
+    # vLLM's own hit is beyond where the early lookup stopped: looked up again from it
+    later = _Request("s", _tokens(6, seed=3))
+    keys = side.request_keys(later, 6)
+    backend.inner._pages.update({k: b"" for k in keys[2:5]})
+    side.add_request(later)
+    _wait(lambda: side._lookups["s"].future.done())
+    assert side.matched_tokens(later, 2 * BLOCK) == 3 * BLOCK
+    assert [len(call) for call in backend.calls["exists"]][-2:] == [6, 4]
+    # a request that cannot hold a whole page before its last token is not looked up
+    side.add_request(_Request("t", _tokens(0)))
+    assert "t" not in side._lookups
+    side.close()
+
+
 def test_the_schedulers_memories_are_bounded(registry: Registry) -> None:
     side, _ = _scheduler(registry, known_keys=10)
     side.learn(Report(failed={f"bad{i}": 1 for i in range(10_000)}))
@@ -437,6 +465,44 @@ def test_a_merged_put_of_several_requests_tells_the_tiers_policy_each_pages_true
     assert [told.parent_of(name) for name in names_a] == [None, names_a[0], names_a[1]]
     # b's second page follows the shared first one, not a's last page
     assert [told.parent_of(name) for name in names_b[1:]] == [names_b[0], names_b[1]]
+    worker.close()
+
+
+def test_a_step_without_a_forward_waits_for_finished_requests_stores(
+    registry: Registry, backend: GatedBackend
+) -> None:
+    worker = _worker(registry)
+    assert worker.finished({"none"}, wait_s=5.0) == set()  # nothing stored: no wait
+    gate = backend.hold("put")
+    worker.submit_saves([PageOp("r", ["k0"], [0], 0)])
+    _wait(lambda: bool(worker._writing))
+    t0 = time.monotonic()
+    assert worker.finished({"r"}, wait_s=0.05) == set()  # bounded: vLLM asks again
+    assert 0.04 <= time.monotonic() - t0 < 2
+    threading.Timer(0.05, gate.set).start()
+    assert worker.finished(set(), wait_s=5.0) == {"r"}  # the engine idles until it is done
+    worker.close()
+
+
+def test_the_storage_threads_yield_the_cores_to_the_model(
+    registry: Registry, backend: GatedBackend
+) -> None:
+    import os
+
+    if not hasattr(os, "getpriority"):
+        pytest.skip("no per-thread priorities here")
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    before = set(threading.enumerate())
+    worker = _worker(registry, storage_nice=5)
+    _saved(worker, ["k0"], [0])
+    worker.start_loads([PageOp("q", ["k0"], [4], 0)])
+    worker.finish_loads()
+    started = {t.name.split("_")[0]: t.native_id for t in set(threading.enumerate()) - before}
+    for name in ("kvtier-vllm-save", "kvtier-vllm-load"):  # and what they started
+        tid = started[name]
+        assert tid is not None
+        assert os.getpriority(os.PRIO_PROCESS, tid) == min(19, base + 5)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the model's
     worker.close()
 
 

@@ -269,9 +269,10 @@ def _layer_index(names: list[str]) -> dict[str, int]:
 
 #: The layout the accelerator path needs (a block's tokens evenly spaced, token-major).
 DEVICE_KV_LAYOUT = "NHD"
-#: In a step without a forward (only loads in flight), how long the worker waits for a
-#: load to end before answering vLLM: the engine has nothing else to do, and an answer
-#: now saves it spinning through empty steps.
+#: In a step without a forward (only loads in flight, or finished requests' stores), how
+#: long the worker waits for a load to end, or a finished request's stores, before
+#: answering vLLM: the engine has nothing else to do, and an answer now saves it
+#: spinning through empty steps (each one holding the interpreter lock the writer needs).
 IDLE_LOAD_WAIT_S = 0.01
 _LAYER_OPERATIONS = {"load_layer", "backup_layer"}
 
@@ -541,12 +542,16 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """Requests whose loads ended (failed ones too, and those vLLM should take as
         failed per request), and finished requests whose stores are done."""
         worker = self._worker()
-        sending = worker.finished(finished_req_ids)
         ended: set[str] = set()
         failed: set[str] = set()
-        if isinstance(worker, WorkerSide):
+        if not isinstance(worker, WorkerSide):
+            sending = worker.finished(finished_req_ids)
+        else:
             idle, self._idle_step = self._idle_step, False
-            ended, failed = worker.poll_loads(IDLE_LOAD_WAIT_S if idle else 0.0)
+            # an idle step waits for what it waits on: a load if one runs, else stores
+            wait = IDLE_LOAD_WAIT_S if idle else 0.0
+            sending = worker.finished(finished_req_ids, 0.0 if worker.loading else wait)
+            ended, failed = worker.poll_loads(wait if not sending else 0.0)
         return KVConnectorTransferResults(
             finished_sending=sending, finished_recving=ended, failed_recving=failed
         )

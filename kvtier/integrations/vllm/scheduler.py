@@ -77,6 +77,10 @@ NULL_BLOCK = 0
 FIRST_CHUNK = 8
 #: Threads that run lookups' ``exists`` (a stuck call holds one until its bound).
 LOOKUP_THREADS = 2
+#: How long the answer of a lookup started when vLLM admitted the request stays good
+#: for a request that stopped short of its last page: past it, the request is looked up
+#: anew when vLLM schedules it (another engine may have stored its pages since).
+PREFETCH_FRESH_S = 0.25
 #: The fewest failed pages the scheduler distrusts at once (``known_keys`` if larger).
 MIN_BAD = 4096
 #: What the first page of a request keyed after a reset folds into its key (with the
@@ -163,6 +167,9 @@ class _Lookup:
     future: Future[int]
     deadline: float
     deferred: bool = False
+    #: Started when vLLM admitted the request (from its first page), not when asked.
+    early: bool = False
+    started: float = 0.0
 
 
 class _Bounded:
@@ -414,8 +421,22 @@ class SchedulerSide:
         return found
 
     def add_request(self, request: RequestLike) -> None:
-        """Remember ``request``: its token ids key its pages until it finishes."""
+        """Remember ``request`` (its token ids key its pages until it finishes) and start
+        its lookup.
+
+        The lookup starts from the first page (vLLM's own hit is not known yet), so its
+        ``exists`` runs while vLLM admits the other requests, and the lookups of requests
+        admitted together run side by side: :meth:`lookup` then finds the answer ready
+        instead of waiting for each request's in turn on the scheduler thread.
+        """
         self._requests[request.request_id] = request
+        req_id = request.request_id
+        usable = (len(request.all_token_ids) - 1) // self._page_size
+        if not self._loads_on or usable <= 0 or req_id in self._stale or req_id in self._lookups:
+            return
+        keys = self._keyed(request, usable)
+        if keys is not None:
+            self._lookups[req_id] = self._begin(keys, 0, usable, early=True)
 
     def lookup(self, request: RequestLike, num_computed_tokens: int) -> int | None:
         """Tokens kvtier holds beyond vLLM's own hit (whole stored pages, one token left),
@@ -447,17 +468,8 @@ class SchedulerSide:
             del self._lookups[req_id]  # vLLM's own hit shrank: look again from there
             pending = None
         if pending is None:
-            known = start
-            while known < usable and self._trusted(keys, known):
-                known += 1
-            limit = next((i for i in range(known, usable) if self._distrusted(keys, i)), usable)
-            if known >= limit:
-                return self._settled(req_id, keys, start, known)
-            now = time.monotonic()
-            future = self._submit(self._probe_names(keys, known, limit), now + self._timeout_s)
-            pending = self._lookups[req_id] = _Lookup(
-                start, usable, known, future, now + self._timeout_s
-            )
+            pending = self._lookups[req_id] = self._begin(keys, start, usable)
+        asked = time.monotonic()
         try:
             found = pending.future.result(timeout=wait) if wait > 0 else None
         except FutureTimeout:
@@ -471,12 +483,39 @@ class SchedulerSide:
                     self.counters.add("lookup_deferred")
                 return None
             self.counters.add("lookup_timeouts")
+            pending.early = False  # a miss, not looked up again
             found = 0
         del self._lookups[req_id]
         end = pending.known + found
+        if pending.early and end < usable:
+            if end < start or time.monotonic() - pending.started > PREFETCH_FRESH_S:
+                # it stopped before vLLM's own hit, or long ago: look again from the hit
+                left = max(0.0, wait - (time.monotonic() - asked))
+                return self._lookup(request, num_computed_tokens, left)
+            while end < usable and self._trusted(keys, end):  # stored since it ran
+                end += 1
         # a worker may have reported a page bad while the lookup ran
         end = next((i for i in range(start, end) if self._distrusted(keys, i)), end)
         return self._settled(req_id, keys, start, max(start, end))
+
+    def _begin(
+        self, keys: list[list[str]], start: int, usable: int, *, early: bool = False
+    ) -> _Lookup:
+        """A lookup of pages ``start``..``usable``: those the workers reported stored are
+        counted at once, the rest go to ``exists`` on a lookup thread (a future already
+        done when memory answers it all)."""
+        known = start
+        while known < usable and self._trusted(keys, known):
+            known += 1
+        limit = next((i for i in range(known, usable) if self._distrusted(keys, i)), usable)
+        now = time.monotonic()
+        deadline = now + self._timeout_s
+        if known >= limit:
+            future: Future[int] = Future()
+            future.set_result(0)
+        else:
+            future = self._submit(self._probe_names(keys, known, limit), deadline)
+        return _Lookup(start, usable, known, future, deadline, early=early, started=now)
 
     def _settled(self, req_id: str, keys: list[list[str]], start: int, end: int) -> int | None:
         """The answer for pages ``start``..``end`` found stored, or None ("ask again") while

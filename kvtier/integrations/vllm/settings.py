@@ -109,6 +109,17 @@ class VLLMSection(EngineSection):
         "of their step, since vLLM frees such blocks while the request runs; beyond it a "
         "save is dropped.",
     )
+    storage_nice: int = Field(
+        0,
+        strict=True,
+        ge=0,
+        le=19,
+        description="vLLM's CPU engine: how much lower than the engine's the CPU priority "
+        "(nice) of a worker's storage threads is (its loads and stores, and the backend "
+        "threads they start), so they take the cores the model leaves idle rather than "
+        "slow its steps; loads then wait longer too (docs/vllm.md, storage threads); 0: "
+        "the same priority.",
+    )
     tiers: TierChain = Field(
         description="A chain of storage tiers, fastest first (docs/tiers.md), instead of "
         "`backend` and `extra_config` (`backend` then reads as the first tier's); each "

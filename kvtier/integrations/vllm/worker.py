@@ -33,6 +33,7 @@ It imports nothing from vLLM.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -146,7 +147,9 @@ class WorkerSide(RankWorker):
         )
         bound = settings.backend_call_timeout_s
         self._wait_s: float | None = None if bound is None else 2 * bound + WAIT_SLACK_S
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-load")
+        self._reader = ThreadPoolExecutor(
+            1, thread_name_prefix="kvtier-vllm-load", initializer=self._lower_priority
+        )
         self._loads: list[_LoadBatch] = []
         self._held: list[_Held] = []
         self._ended_loads: set[str] = set()
@@ -453,6 +456,7 @@ class WorkerSide(RankWorker):
     def _write_loop(self) -> None:
         """The writer thread: the queued stores, up to :data:`WRITE_BATCH_PAGES` pages per
         bounded ``put`` (one call lets the backend overlap the writes)."""
+        self._lower_priority()
         while True:
             with self._cv:
                 while not self._queue and not self._stopping:
@@ -500,6 +504,22 @@ class WorkerSide(RankWorker):
                 with self._cv:
                     self._writing = []
                     self._cv.notify_all()
+
+    def _lower_priority(self) -> None:
+        """Lower the calling thread's CPU priority by ``storage_nice`` (the reader's and
+        the writer's; the backend threads they start inherit it, Linux's nice being per
+        thread). The model's threads keep every core they can use: a step slowed by a
+        store costs the engine more than the store's own time, since every model thread
+        waits for the slowest. Where the system refuses, the priority stays."""
+        step = self.settings.storage_nice
+        if step <= 0 or not hasattr(os, "setpriority"):
+            return
+        try:
+            tid = threading.get_native_id()
+            now = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, now + step))
+        except OSError as exc:  # pragma: no cover - a sandbox without setpriority
+            log.debug("kvtier: storage threads keep their priority: %s", exc)
 
     def _put(self, names: list[str], pages: list[int], batch: list[_Save]) -> Any:
         """One bounded ``put`` of ``batch``'s pages; None if it raised (bad keys or pages)."""
@@ -630,16 +650,31 @@ class WorkerSide(RankWorker):
                 save.op.req_id,
             )
 
-    def finished(self, finished_req_ids: Iterable[str]) -> set[str]:
-        """Of the finished requests with stores, those whose stores are all done."""
+    def finished(self, finished_req_ids: Iterable[str], wait_s: float = 0.0) -> set[str]:
+        """Of the finished requests with stores, those whose stores are all done; waits
+        ``wait_s`` at most for one to be done when none is yet.
+
+        The connector passes a wait only in a step without a forward, when the engine has
+        nothing left but to wait for these stores: it would otherwise spin through empty
+        steps, each taking the interpreter lock from the writer whose work it waits for.
+        """
         with self._cv:
             self._finishing.update(set(finished_req_ids) & self._saving)
-            done = {r for r in self._finishing if self._pending.get(r, 0) == 0}
+            done = self._stores_done()
+            if not done and self._finishing and wait_s > 0:
+                deadline = time.monotonic() + wait_s
+                while not done and (left := deadline - time.monotonic()) > 0:
+                    self._cv.wait(left)
+                    done = self._stores_done()
             for req_id in done:
                 self._finishing.discard(req_id)
                 self._saving.discard(req_id)
                 self._pending.pop(req_id, None)
         return done
+
+    def _stores_done(self) -> set[str]:
+        """The finishing requests with no store queued or running. Called with ``_cv``."""
+        return {r for r in self._finishing if self._pending.get(r, 0) == 0}
 
     # --- housekeeping -------------------------------------------------------------------
 
