@@ -60,3 +60,15 @@ def test_the_check_finds_a_connector_that_disagrees(tmp_path: Path) -> None:
     problems = json.loads(proc.stdout)["problems"]
     assert any(p.startswith("start_load_kv: kvtier requires") for p in problems), problems
     assert any(p.startswith("wait_for_layer_load: vLLM passes") for p in problems), problems
+
+
+def test_the_connector_refuses_sleep_mode() -> None:
+    python = _vllm_python()
+    code = (
+        "from kvtier.integrations.vllm.connector import KvtierConnector as C; "
+        "print(C.supports_sleep_mode(None))"
+    )
+    proc = subprocess.run(
+        [str(python), "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert proc.stdout.strip().splitlines()[-1] == "False", proc.stderr[-2000:]

@@ -487,6 +487,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         return meta.work if isinstance(meta, KvtierConnectorMetadata) else StepWork()
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM 0.33 asks; 0.32 never does): kvtier keeps views of the device KV cache,
+        taken once at :meth:`register_kv_caches`, which sleep mode frees and remaps. vLLM
+        then refuses sleep mode with this connector at start-up, rather than let a load
+        or a save reach memory that moved."""
+        return False
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take vLLM's KV tensors as kvtier pages; refuse a layout kvtier cannot store."""
         config = self._kv_cache_config
