@@ -1013,3 +1013,22 @@ print("ok")
         [str(_vllm_python()), "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
     )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_one_put_of_several_requests_lays_each_requests_pages_side_by_side(
+    backend: GatedBackend, registry: Registry
+) -> None:
+    # a's saves of two steps, with b's between them, queued while the writer is busy: the
+    # next put holds a's pages together (a segment store writes a put as one record, so
+    # a later hit on a's prefix is one read), each request's in its own order
+    worker = _worker(registry, backend_call_timeout_s=10.0)
+    gate = backend.hold("put")
+    worker.submit_saves([PageOp("first", ["z0"], [7], 0)])  # the writer waits in its put
+    _wait(lambda: bool(worker._writing))
+    worker.submit_saves([PageOp("a", ["a0", "a1"], [1, 2], 0)])
+    worker.submit_saves([PageOp("b", ["b0"], [3], 0)])
+    worker.submit_saves([PageOp("a", ["a2"], [4], 2, parent="a1")])
+    gate.set()
+    assert worker.flush()
+    assert worker.names(["a0", "a1", "a2", "b0"]) in backend.calls["put"]
+    worker.close()

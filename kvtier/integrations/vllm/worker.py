@@ -110,6 +110,17 @@ class _Save:
     guard: SaveGuard = field(default_factory=SaveGuard)
 
 
+def by_request(saves: list[_Save]) -> list[_Save]:
+    """``saves`` grouped by request, each request's in their order, the requests in the
+    order they first appear: one put's pages of one request lie side by side (a segment
+    store writes a put as one record), so a later hit on that request's prefix is one
+    read where its steps' saves would otherwise alternate with other requests'."""
+    groups: dict[str, list[_Save]] = {}
+    for save in saves:
+        groups.setdefault(save.op.req_id, []).append(save)
+    return [save for group in groups.values() for save in group]
+
+
 def header_verify_refused(verify: str) -> UnsupportedCombinationError | None:
     """The error for ``verify: "header"`` on the CPU engine (None for ``full``).
 
@@ -469,6 +480,7 @@ class WorkerSide(RankWorker):
                     batch.append(self._queue.popleft())
                     pages += len(batch[-1].names)
                 self._queued_pages -= pages
+                batch = by_request(batch)
                 self._writing = batch
             names = [name for save in batch for name in save.names]
             results = self._put(names, [page for save in batch for page in save.pages], batch)
