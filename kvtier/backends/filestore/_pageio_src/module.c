@@ -66,6 +66,17 @@ copy_text(const char *text, size_t length)
     return copy;
 }
 
+/* The key's envelope digest only: a segment page has no file of its own. */
+static int
+digest_page(Page *page, PyObject *key)
+{
+    Py_ssize_t length;
+    const char *text = key_arg(key, &length);
+    if (text == NULL) return 0;
+    blake2b(page->key_digest, KEY_DIGEST_BYTES, (const unsigned char *)text, (size_t)length);
+    return 1;
+}
+
 /* The page's file name (and, for a put, its temp name) from its key. */
 static int
 name_page(Page *page, const Names *names, PyObject *key, Py_ssize_t index)
@@ -132,7 +143,8 @@ direct_of(PyObject *direct, Py_ssize_t p)
 }
 
 /* Build the page table from the Python arguments: keys and regions of one length, and
- * direct either one flag for every page or a list of one per page. */
+ * direct either one flag for every page or a list of one per page. Without names (a
+ * segment call), each page gets its key's digest only. */
 static Page *
 load_pages(const Names *names, PyObject *keys, PyObject *regions, PyObject *direct,
            Py_ssize_t *count_out)
@@ -152,7 +164,8 @@ load_pages(const Names *names, PyObject *keys, PyObject *regions, PyObject *dire
     for (Py_ssize_t p = 0; p < count; p++) {
         Page *page = &pages[p];
         if (!load_regions(page, PyList_GET_ITEM(regions, p))) goto fail;
-        if (!name_page(page, names, PyList_GET_ITEM(keys, p), p)) goto fail;
+        PyObject *key = PyList_GET_ITEM(keys, p);
+        if (names == NULL ? !digest_page(page, key) : !name_page(page, names, key, p)) goto fail;
         page->direct = direct_of(direct, p);
         if (page->direct < 0) goto fail;
     }
@@ -175,9 +188,10 @@ fd_at(const void *fds, Py_ssize_t p)
     return ((const int *)fds)[p];
 }
 
-/* What both calls start with: xxHash bound, the static fields (56 bytes, or None: no
- * envelopes), the page table named from the store and keys, and a hash state. NULL,
- * with an exception set, when one is missing or malformed. */
+/* What every call starts with: xxHash bound, the static fields (56 bytes, or None: no
+ * envelopes), the page table named from the store and keys (store NULL: a segment call,
+ * digests only), and a hash state. NULL, with an exception set, when one is missing or
+ * malformed. */
 static Page *
 begin_call(PyObject *store, const char *stem, unsigned long long seq, PyObject *keys,
            PyObject *regions, PyObject *direct, PyObject *static_obj,
@@ -185,11 +199,16 @@ begin_call(PyObject *store, const char *stem, unsigned long long seq, PyObject *
 {
     if (!glue_bound(MODULE) || !glue_static_fields(static_obj, 1, MODULE, static_fields))
         return NULL;
-    PyObject *encoded = NULL;
-    if (!PyUnicode_FSConverter(store, &encoded)) return NULL;
-    Names names = {PyBytes_AS_STRING(encoded), (size_t)PyBytes_GET_SIZE(encoded), stem, seq};
-    Page *pages = load_pages(&names, keys, regions, direct, count);
-    Py_DECREF(encoded);
+    Page *pages;
+    if (store == NULL) {
+        pages = load_pages(NULL, keys, regions, direct, count);
+    } else {
+        PyObject *encoded = NULL;
+        if (!PyUnicode_FSConverter(store, &encoded)) return NULL;
+        Names names = {PyBytes_AS_STRING(encoded), (size_t)PyBytes_GET_SIZE(encoded), stem, seq};
+        pages = load_pages(&names, keys, regions, direct, count);
+        Py_DECREF(encoded);
+    }
     if (pages == NULL) return NULL;
     *state = XXH3_createState();
     if (*state == NULL) {
@@ -200,13 +219,20 @@ begin_call(PyObject *store, const char *stem, unsigned long long seq, PyObject *
     return pages;
 }
 
-/* What both calls end with: the per-page codes as a list; the table and state freed. */
+/* The table and state of a call, freed. */
+static void
+free_call(Page *pages, Py_ssize_t count, XXH3_state_t *state)
+{
+    XXH3_freeState(state);
+    free_pages(pages, count);
+}
+
+/* What every call with per-page codes ends with: the codes as a list; then free_call. */
 static PyObject *
 end_call(Page *pages, Py_ssize_t count, XXH3_state_t *state)
 {
-    XXH3_freeState(state);
     PyObject *codes = glue_int_list(count, result_at, pages);
-    free_pages(pages, count);
+    free_call(pages, count, state);
     return codes;
 }
 
@@ -426,34 +452,6 @@ open_pages(PyObject *self, PyObject *args)
 
 /* --- the segment backend's data path (segment.c) ----------------------------------- */
 
-/* The page table of a segment call: each page's regions and its key's digest (a segment
- * page has no file of its own, so no names). NULL, an exception set, on failure. */
-static Page *
-load_segment_pages(PyObject *keys, PyObject *regions, Py_ssize_t *count_out)
-{
-    Py_ssize_t count = PyList_GET_SIZE(regions);
-    if (PyList_GET_SIZE(keys) != count) {
-        PyErr_SetString(PyExc_ValueError, "_pageio: the per-page lists differ in length");
-        return NULL;
-    }
-    Page *pages = PyMem_Calloc((size_t)(count ? count : 1), sizeof(Page));
-    if (pages == NULL) {
-        PyErr_NoMemory();
-        return NULL;
-    }
-    for (Py_ssize_t p = 0; p < count; p++) {
-        Py_ssize_t length;
-        const char *text = key_arg(PyList_GET_ITEM(keys, p), &length);
-        if (text == NULL || !load_regions(&pages[p], PyList_GET_ITEM(regions, p))) {
-            free_pages(pages, count);
-            return NULL;
-        }
-        blake2b(pages[p].key_digest, KEY_DIGEST_BYTES, (const unsigned char *)text, (size_t)length);
-    }
-    *count_out = count;
-    return pages;
-}
-
 PyDoc_STRVAR(segment_write_doc,
 "segment_write(fd, offset, keys, pages, static) -> int\n\n"
 "Write the pages (each a list of its header slot and payload regions) back to back into\n"
@@ -473,22 +471,16 @@ segment_write_py(PyObject *self, PyObject *args)
                           &PyList_Type, &regions, &static_obj))
         return NULL;
     const unsigned char *static_fields;
-    if (!glue_bound(MODULE) || !glue_static_fields(static_obj, 1, MODULE, &static_fields))
-        return NULL;
     Py_ssize_t count = 0;
-    Page *pages = load_segment_pages(keys, regions, &count);
+    XXH3_state_t *state;
+    Page *pages = begin_call(NULL, NULL, 0, keys, regions, Py_False, static_obj,
+                             &static_fields, &count, &state);
     if (pages == NULL) return NULL;
-    XXH3_state_t *state = XXH3_createState();
-    if (state == NULL) {
-        free_pages(pages, count);
-        return PyErr_NoMemory();
-    }
     long wrote;
     Py_BEGIN_ALLOW_THREADS
     wrote = segment_write(fd, (off_t)offset, pages, count, state, static_fields);
     Py_END_ALLOW_THREADS
-    XXH3_freeState(state);
-    free_pages(pages, count);
+    free_call(pages, count, state);
     return PyLong_FromLong(wrote);
 }
 
@@ -511,9 +503,6 @@ segment_read_py(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "O!O!O!O!Op|p:segment_read", &PyList_Type, &fds_obj,
                           &PyList_Type, &offsets_obj, &PyList_Type, &keys, &PyList_Type,
                           &regions, &static_obj, &full, &nowait))
-        return NULL;
-    const unsigned char *static_fields;
-    if (!glue_bound(MODULE) || !glue_static_fields(static_obj, 1, MODULE, &static_fields))
         return NULL;
     Py_ssize_t count = PyList_GET_SIZE(regions);
     if (PyList_GET_SIZE(fds_obj) != count || PyList_GET_SIZE(offsets_obj) != count) {
@@ -538,23 +527,23 @@ segment_read_py(PyObject *self, PyObject *args)
             return NULL;
         }
     }
-    Page *pages = load_segment_pages(keys, regions, &count);
-    XXH3_state_t *state = pages == NULL ? NULL : XXH3_createState();
-    PyObject *codes = NULL;
-    if (pages != NULL && state == NULL) PyErr_NoMemory();
-    if (state != NULL) {
+    const unsigned char *static_fields;
+    XXH3_state_t *state;
+    Page *pages = begin_call(NULL, NULL, 0, keys, regions, Py_False, static_obj,
+                             &static_fields, &count, &state);
+    PyObject *out = NULL;
+    if (pages != NULL) {
         int reads;
         Py_BEGIN_ALLOW_THREADS
         reads = segment_read(fds, offsets, pages, count, state, static_fields, full, nowait);
         Py_END_ALLOW_THREADS
-        PyObject *list = reads < 0 ? PyErr_NoMemory() : glue_int_list(count, result_at, pages);
-        codes = list == NULL ? NULL : Py_BuildValue("(Ni)", list, reads);
-        XXH3_freeState(state);
+        PyObject *codes = end_call(pages, count, state);
+        if (codes != NULL && reads < 0) Py_SETREF(codes, PyErr_NoMemory());
+        out = codes == NULL ? NULL : Py_BuildValue("(Ni)", codes, reads);
     }
-    if (pages != NULL) free_pages(pages, count);
     PyMem_Free(fds);
     PyMem_Free(offsets);
-    return codes;
+    return out;
 }
 
 PyDoc_STRVAR(name_doc,
