@@ -20,7 +20,7 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.backends.filestore.slices import CPUS, Slices
@@ -214,17 +214,9 @@ class SegmentBackend(StorageBackend):
         sizes = [0] * len(keys)
         total = 0
         end = -1
-        for i, loc in enumerate(locs):
-            if loc is None:
-                continue
-            size = 0
-            for view in views[i]:
-                size += view.nbytes
+        for i, loc, size in self._sized(views, locs):
             sizes[i] = size
-            seg, offset, length = loc[0], loc[1], loc[2]
-            if length != size:
-                self._counters.add("get_size_mismatch")
-                continue
+            seg, offset = loc[0], loc[1]
             total += size
             if runs and runs[-1][0] is seg and end == offset and runs[-1][3] + size <= RUN_BYTES:
                 run = runs[-1]
@@ -291,6 +283,22 @@ class SegmentBackend(StorageBackend):
         self._counters.add("bytes_read", nbytes)
         return filled
 
+    def _sized(
+        self, views: list[list[memoryview]], locs: list[Loc | None]
+    ) -> Iterator[tuple[int, Loc, int]]:
+        """The located pages whose stored length is the size of their regions, with that
+        size (index, location, bytes); any other is counted (``get_size_mismatch``)."""
+        for i, loc in enumerate(locs):
+            if loc is None:
+                continue
+            size = 0
+            for view in views[i]:
+                size += view.nbytes
+            if loc[2] != size:
+                self._counters.add("get_size_mismatch")
+                continue
+            yield i, loc, size
+
     def _read_compiled(
         self,
         keys: Keys,
@@ -301,24 +309,18 @@ class SegmentBackend(StorageBackend):
     ) -> list[bool]:
         """Read every located page through the compiled path (:class:`compiled.BatchRead`):
         first from the page cache alone on no more threads than CPUs, then what would
-        wait for the disk on every I/O thread; envelopes checked as each run lands."""
+        wait for the disk on one thread per segment; envelopes checked as each run lands."""
         store, counters = self._store, self._counters
         views = [[e.view for e in page] for page in pages]
         filled = [False] * len(keys)
         located: list[tuple[int, int, int]] = []
         fds: dict[Segment, int | None] = {}
         total = 0
-        for i, loc in enumerate(locs):
-            if loc is None:
-                continue
-            size = 0
-            for view in views[i]:
-                size += view.nbytes
+        for i, loc, size in self._sized(views, locs):
             seg = loc[0]
-            if loc[2] != size:
-                counters.add("get_size_mismatch")
-                continue
-            fd = fds[seg] if seg in fds else fds.setdefault(seg, store.fd_of(seg))
+            if seg not in fds:
+                fds[seg] = store.fd_of(seg)
+            fd = fds[seg]
             if fd is None:  # another process reclaimed the segment: its pages are gone
                 store.forget(keys[i], loc)
                 counters.add("get_gone")
@@ -347,32 +349,32 @@ class SegmentBackend(StorageBackend):
         valid = envelope.valid
         for j, code in enumerate(batch.codes):
             i = batch.which[j]
-            loc = locs[i]
-            assert loc is not None
+            where = locs[i]
+            assert where is not None
             if code == compiled.OK:
                 valid.append(i)
             elif code == compiled.UNVERIFIED:
                 first = views[i][0]
                 if first.nbytes >= 8 and first[:8] == ERASED:  # deleted by another process
                     counters.add("get_gone")
-                    store.forget(keys[i], loc)
+                    store.forget(keys[i], where)
                     continue
                 if on_filled is not None:
                     on_filled(i)
             elif code == compiled.SHORT_READ:  # the file ends early (truncated under us)
                 counters.add("get_short_reads")
-                store.forget(keys[i], loc)
+                store.forget(keys[i], where)
                 continue
             else:
                 store.warn_once(
                     "get_errors",
                     "segment backend: reading %s failed: %s",
-                    loc[0].name,
+                    where[0].name,
                     os.strerror(-code) if code < 0 else f"code {code}",
                 )
                 continue
             filled[i] = True
-            nbytes += loc[2]
+            nbytes += where[2]
         counters.add("bytes_read", nbytes)
         return filled
 
