@@ -742,24 +742,12 @@ class Appender:
                 )
                 self._drop_spare(spare)
         store = self.store
-        segment_id = store.clock.next()
-        tag = secrets.randbits(32)
-        temp = fmt.temp_name(segment_id, tag, os.getpid())
-        name = fmt.segment_name(segment_id, tag)
+        segment_id, temp, name = self._new_names()
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(temp, flags, 0o600, dir_fd=store.dir_fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            os.pwrite(fd, fmt.pack_segment_header(segment_id, segment_id, os.getpid()), 0)
-            if self.config.fsync == "batch":
-                os.fdatasync(fd)
-            ino = os.fstat(fd).st_ino
-            seg = Segment(
-                name, segment_id, ino, fd, own=True, size=fmt.SEGMENT_HEADER_BYTES, limit=limit
-            )
-            with store.listing_lock:
-                os.rename(temp, name, src_dir_fd=store.dir_fd, dst_dir_fd=store.dir_fd)
-                store.add_own(seg)
+            seg = self._publish(fd, segment_id, temp, name, limit, reused=False)
             if self.config.fsync == "batch":
                 os.fsync(store.dir_fd)
         except BaseException:
@@ -767,9 +755,7 @@ class Appender:
             with contextlib.suppress(OSError):
                 os.unlink(temp, dir_fd=store.dir_fd)
             raise
-        self._active = seg
-        self._tail = fmt.SEGMENT_HEADER_BYTES
-        store.counters.add("segments_created")
+        self._activate(seg)
 
     def _create_from(self, spare: Spare, limit: int) -> None:
         """Publish the spare's file as the new active segment: a new id and header, under
@@ -777,37 +763,51 @@ class Appender:
         records past the new ones never parse as this segment's (they carry the old
         id); sealing cuts them off."""
         store = self.store
-        segment_id = store.clock.next()
-        tag = secrets.randbits(32)
-        temp = fmt.temp_name(segment_id, tag, os.getpid())
-        name = fmt.segment_name(segment_id, tag)
-        fd = spare.fd
+        segment_id, temp, name = self._new_names()
         os.rename(spare.name, temp, src_dir_fd=store.dir_fd, dst_dir_fd=store.dir_fd)
         spare.name = temp
+        seg = self._publish(spare.fd, segment_id, temp, name, limit, reused=True)
+        if self.config.fsync == "batch":
+            with contextlib.suppress(OSError):
+                os.fsync(store.dir_fd)
+        self._activate(seg)
+        store.counters.add("segments_reused")
+
+    def _new_names(self) -> tuple[int, str, str]:
+        """A new segment's id, its temp name (this process's) and its name."""
+        segment_id = self.store.clock.next()
+        tag = secrets.randbits(32)
+        return (
+            segment_id,
+            fmt.temp_name(segment_id, tag, os.getpid()),
+            fmt.segment_name(segment_id, tag),
+        )
+
+    def _publish(
+        self, fd: int, segment_id: int, temp: str, name: str, limit: int, *, reused: bool
+    ) -> Segment:
+        """Write the segment header into the exclusively locked file ``fd`` under
+        ``temp`` and rename it to ``name``, into the store. A reused file's old bytes
+        count in its size until sealing cuts them off."""
+        store = self.store
         os.pwrite(fd, fmt.pack_segment_header(segment_id, segment_id, os.getpid()), 0)
         if self.config.fsync == "batch":
             os.fdatasync(fd)
         info = os.fstat(fd)
+        size = max(info.st_size, fmt.SEGMENT_HEADER_BYTES) if reused else fmt.SEGMENT_HEADER_BYTES
         seg = Segment(
-            name,
-            segment_id,
-            info.st_ino,
-            fd,
-            own=True,
-            size=max(info.st_size, fmt.SEGMENT_HEADER_BYTES),  # its old bytes count until cut
-            limit=limit,
-            reused=True,
+            name, segment_id, info.st_ino, fd, own=True, size=size, limit=limit, reused=reused
         )
         with store.listing_lock:
             os.rename(temp, name, src_dir_fd=store.dir_fd, dst_dir_fd=store.dir_fd)
             store.add_own(seg)
-        if self.config.fsync == "batch":
-            with contextlib.suppress(OSError):
-                os.fsync(store.dir_fd)
+        return seg
+
+    def _activate(self, seg: Segment) -> None:
+        """Append into ``seg`` from now on (a segment just published)."""
         self._active = seg
         self._tail = fmt.SEGMENT_HEADER_BYTES
-        store.counters.add("segments_created")
-        store.counters.add("segments_reused")
+        self.store.counters.add("segments_created")
 
     def _rewrite(self, victims: list[Victim]) -> None:
         """Copy the victims' kept pages into the active segment and publish them, as
