@@ -292,6 +292,7 @@ class _Request:
     num_computed_tokens: int = 0
     cache_salt: str | None = None
     lora_request: Any = None
+    kv_transfer_params: Any = None
 
 
 def _scheduler(registry: Registry, **fields: Any) -> tuple[SchedulerSide, Any]:
@@ -1032,3 +1033,160 @@ def test_one_put_of_several_requests_lays_each_requests_pages_side_by_side(
     assert worker.flush()
     assert worker.names(["a0", "a1", "a2", "b0"]) in backend.calls["put"]
     worker.close()
+
+
+# --- prefill and decode through the store: the handoff ------------------------------------------
+
+
+def _side(registry: Registry, *, loads: bool = True, saves: bool = True, **fields: Any) -> Any:
+    settings = _settings(**fields)
+    plan = resolve_plan(_vllm_config(), _kv_cache_config(), settings, registry, tp_rank=0)
+    store = open_lookup(plan, **settings.page_store_options())
+    return SchedulerSide(plan, settings, store, loads=loads, saves=saves)
+
+
+def _prefilled(side: SchedulerSide, request: _Request, blocks: list[int]) -> None:
+    """vLLM admits ``request``, finds nothing, and computes its whole prompt in one step."""
+    side.add_request(request)
+    assert side.matched_tokens(request, 0) == 0
+    side.after_alloc(request, (blocks,), 0)
+    side.step([(request.request_id, (blocks,), 0)], [], {request.request_id: 4 * BLOCK + 1}, [])
+
+
+def test_a_producer_hands_on_the_pages_it_holds_or_is_storing(registry: Registry) -> None:
+    producer = _side(registry, loads=False)
+    request = _Request("r", _tokens(4))
+    keys = producer.request_keys(request, 4)
+    producer.learn(Report(stored={keys[0]: 1}))  # stored earlier: not stored again, counted
+    _prefilled(producer, request, [1, 2, 3, 4, 5])
+    assert producer.handoff("r") == {"kvtier_pages": 4}  # 1 stored, 3 in flight
+    producer.step([], [], {}, ["r"])  # preempted: its queued stores are dropped
+    assert producer.handoff("r") == {"kvtier_pages": 1}
+    assert producer.finished("r") is False
+    # a page a worker reported bad ends the count; nothing saved: nothing handed on
+    other = _Request("s", _tokens(4, seed=1))
+    _prefilled(producer, other, [6, 7, 8, 9, 10])
+    producer.learn(Report(failed={producer.request_keys(other, 4)[2]: 1}))
+    assert producer.handoff("s") == {"kvtier_pages": 2}
+    short = _Request("t", _tokens(0))
+    producer.add_request(short)
+    assert producer.handoff("t") is None
+    assert producer.stats()["handoff_announced_pages"] == 4 + 1 + 2
+    producer.close()
+    consumer = _side(registry, saves=False)
+    _prefilled(consumer, _Request("r", _tokens(4)), [1, 2, 3, 4, 5])
+    assert consumer.handoff("r") is None
+    consumer.close()
+
+
+def test_the_connector_returns_the_handoff_as_vllms_kv_transfer_params() -> None:
+    from test_vllm import _vllm_python
+
+    code = """
+from types import SimpleNamespace
+from kvtier.integrations.vllm import KvtierConnector as C
+class Side:
+    def handoff(self, req_id):
+        return {"kvtier_pages": 3} if req_id == "r" else None
+    def finished(self, req_id):
+        return True
+connector = C.__new__(C)
+connector.scheduler = Side()
+assert connector.request_finished(SimpleNamespace(request_id="r"), [1]) == (
+    True, {"kvtier_pages": 3}
+)
+assert connector.request_finished_all_groups(SimpleNamespace(request_id="s"), ([1],)) == (
+    True, None
+)
+print("ok")
+"""
+    proc = subprocess.run(
+        [str(_vllm_python()), "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def _answer(side: SchedulerSide, request: _Request) -> int:
+    """The first answer of a lookup other than "ask again" (vLLM asks each step)."""
+    deadline = time.monotonic() + 10
+    while (answer := side.lookup(request, 0)) is None:
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+    return answer
+
+
+def test_a_handed_off_request_waits_for_the_announced_pages(
+    registry: Registry, backend: GatedBackend
+) -> None:
+    from kvtier.integrations.vllm.scheduler import HANDOFF_PROBE_S
+
+    side = _side(registry, handoff_timeout_s=5.0)
+    request = _Request("r", _tokens(4), kv_transfer_params={"kvtier_pages": 4})
+    keys = side.request_keys(request, 4)
+    backend.inner._pages.update({k: b"" for k in keys[:2]})  # the others are in flight
+    side.add_request(request)
+    _wait(lambda: side.lookup(request, 0) is None and side.stats()["handoff_waits"] == 1)
+    calls = len(backend.calls["exists"])
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.05:  # vLLM asks again each step: no probe storm
+        assert side.lookup(request, 0) is None
+    assert len(backend.calls["exists"]) - calls <= 0.05 / HANDOFF_PROBE_S + 2
+    backend.inner._pages.update({k: b"" for k in keys[2:]})  # the producer's stores landed
+    assert _answer(side, request) == 4 * BLOCK
+    stats = side.stats()
+    assert (stats["handoff_waits"], stats["handoff_timeouts"]) == (1, 0)
+    side.close()
+
+
+def test_past_its_bound_a_handed_off_request_loads_what_was_found(
+    registry: Registry, backend: GatedBackend
+) -> None:
+    side = _side(registry, handoff_timeout_s=0.2)
+    request = _Request("r", _tokens(4), kv_transfer_params={"kvtier_pages": 9})
+    keys = side.request_keys(request, 4)
+    backend.inner._pages.update({k: b"" for k in keys[:2]})  # the rest was never stored
+    t0 = time.monotonic()
+    assert _answer(side, request) == 2 * BLOCK  # recomputes pages 2 and 3
+    assert time.monotonic() - t0 >= 0.2
+    stats = side.stats()
+    assert (stats["handoff_waits"], stats["handoff_timeouts"]) == (1, 1)
+    side.close()
+
+
+def test_a_malformed_handoff_is_counted_and_ignored(
+    registry: Registry, backend: GatedBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    side = _side(registry, handoff_timeout_s=30.0)
+    tokens = _tokens(4)
+    backend.inner._pages.update({k: b"" for k in side.request_keys(_Request("k", tokens), 2)})
+    t0 = time.monotonic()
+    for i, value in enumerate(["4", -1, True, 2.0, None]):
+        request = _Request(f"r{i}", tokens, kv_transfer_params={"kvtier_pages": value})
+        assert side.matched_tokens(request, 0) == 2 * BLOCK  # never waited for
+    assert time.monotonic() - t0 < 5
+    assert side.matched_tokens(_Request("x", tokens, kv_transfer_params="junk"), 0) == 2 * BLOCK
+    stats = side.stats()
+    assert (stats["handoff_invalid"], stats["handoff_waits"]) == (5, 0)
+    assert "handoff_invalid" in caplog.text
+    side.close()
+
+
+def test_a_page_reported_bad_is_never_waited_for_nor_served(
+    registry: Registry, backend: GatedBackend
+) -> None:
+    side = _side(registry, handoff_timeout_s=30.0)
+    request = _Request("r", _tokens(4), kv_transfer_params={"kvtier_pages": 4})
+    keys = side.request_keys(request, 4)
+    backend.inner._pages.update({k: b"" for k in keys})
+    side.learn(Report(failed={keys[2]: 1}))  # a worker's load found it corrupt
+    t0 = time.monotonic()  # stored again, yet not served: 2 pages, at once
+    assert side.matched_tokens(request, 0) == 2 * BLOCK
+    assert time.monotonic() - t0 < 5 and side.stats()["handoff_waits"] == 0
+    # page 1 still in flight, page 2 bad: waited for up to page 1 only
+    del backend.inner._pages[keys[1]]
+    late = _Request("s", request.all_token_ids, kv_transfer_params={"kvtier_pages": 4})
+    _wait(lambda: side.lookup(late, 0) is None and side.stats()["handoff_waits"] == 1)
+    backend.inner._pages[keys[1]] = bytearray()
+    assert _answer(side, late) == 2 * BLOCK
+    assert side.stats()["handoff_timeouts"] == 0
+    side.close()

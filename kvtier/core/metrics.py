@@ -535,6 +535,26 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
                     "into a faster tier (at most `lookup_timeout_s`).",
                 ),
                 (
+                    "handoff_announced_pages",
+                    "Leading pages a saving engine handed on with finished requests "
+                    "(`kv_transfer_params` `kvtier_pages`): held or being stored.",
+                ),
+                (
+                    "handoff_waits",
+                    "Handed-off requests answered 'ask again' while pages their producer "
+                    "announced were not found yet (at most `handoff_timeout_s`).",
+                ),
+                (
+                    "handoff_timeouts",
+                    "Handed-off requests still missing announced pages after "
+                    "`handoff_timeout_s`: what was found is loaded, the rest recomputed.",
+                ),
+                (
+                    "handoff_invalid",
+                    "Requests whose `kvtier_pages` was not a non-negative int: served as if "
+                    "not handed off.",
+                ),
+                (
                     "vllm_events_emitted",
                     "Storage-tier page events handed to vLLM as KV events (BlockStored / "
                     "BlockRemoved, one per page and tier).",

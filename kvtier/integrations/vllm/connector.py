@@ -14,7 +14,9 @@ scheduler thread) and, on vLLM's CPU engine, has them loaded asynchronously;
 :meth:`build_connector_meta` hands the workers the step's loads and stores;
 :meth:`update_connector_output` learns what the workers stored and failed to load;
 :meth:`request_finished` (:meth:`request_finished_all_groups` under vLLM's hybrid
-allocator, ``SupportsHMA``) keeps a request's blocks until its pages are stored.
+allocator, ``SupportsHMA``) keeps a request's blocks until its pages are stored and, on
+a saving engine, hands on how many leading pages it holds (``kv_transfer_params``
+``kvtier_pages``), which a consumer engine's lookup waits for.
 
 The tiers the router can see: the workers report their storage chains' events (stored,
 promoted, evicted, removed, per tier); :meth:`take_events` hands them to vLLM's KV event
@@ -435,14 +437,22 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Free the blocks now, or once the workers stored this request's pages."""
-        return self._side().finished(request.request_id), None
+        """Free the blocks now, or once the workers stored this request's pages; a saving
+        engine hands on ``{"kvtier_pages": N}`` (the request output's
+        ``kv_transfer_params``) for a consumer engine to wait for (docs/vllm.md, prefill
+        and decode through the store)."""
+        return self._finished(request)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """:meth:`request_finished` under vLLM's hybrid allocator (every group's blocks)."""
-        return self._side().finished(request.request_id), None
+        return self._finished(request)
+
+    def _finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        side = self._side()
+        params = side.handoff(request.request_id)
+        return side.finished(request.request_id), params
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int

@@ -20,6 +20,12 @@ never promised from memory; the same events become vLLM's KV events (``take_even
 and say which tier a hit is read from (``get_external_cache_hit_sources``). A reset
 (vLLM's ``reset_cache``) starts a new key epoch: nothing stored before it is served again.
 
+Prefill and decode through the store: a saving engine hands on, with a finished request,
+how many leading pages of it it holds or is storing (:meth:`SchedulerSide.handoff`, vLLM's
+``kv_transfer_params`` ``{"kvtier_pages": N}``); a request that carries it is answered
+"ask again" while fewer of those pages are found, at most ``handoff_timeout_s`` from its
+first lookup (its producer's stores may still be in flight).
+
 It reads a request through the attributes vLLM's ``Request`` has (``request_id``,
 ``all_token_ids``, ``num_computed_tokens``, ``cache_salt``, and what else changes its KV:
 ``lora_request``, ``mm_features``, ``prompt_embeds``, see :mod:`.inputs`) and imports
@@ -34,7 +40,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -60,6 +66,7 @@ from kvtier.integrations.vllm.plan import KVGroup, plan_strategy, request_namesp
 from kvtier.integrations.vllm.settings import VLLMSection
 
 __all__ = [
+    "HANDOFF_KEY",
     "NULL_BLOCK",
     "RequestLike",
     "SchedulerSide",
@@ -86,6 +93,11 @@ MIN_BAD = 4096
 #: What the first page of a request keyed after a reset folds into its key (with the
 #: epoch's random token), so every page of a new epoch has a key no earlier page has.
 EPOCH_TAG = b"kvtier-vllm-epoch:"
+#: The key of vLLM's ``kv_transfer_params`` that hands a request from a producer engine
+#: to a consumer: how many leading full pages of it the producer holds or is storing.
+HANDOFF_KEY = "kvtier_pages"
+#: How soon a handed-off request whose lookup came up short is looked up again.
+HANDOFF_PROBE_S = 0.005
 
 
 class RequestLike(Protocol):
@@ -172,6 +184,18 @@ class _Lookup:
     started: float = 0.0
 
 
+@dataclass
+class _Handoff:
+    """A request a producer engine handed off: the leading pages it announced."""
+
+    pages: int
+    #: The request's first lookup: it waits for the pages ``handoff_timeout_s`` from then.
+    since: float
+    #: No new lookup before this (the last one came up short a moment ago).
+    probe_after: float = 0.0
+    waited: bool = False
+
+
 class _Bounded:
     """An insertion-ordered map that forgets its oldest entries beyond ``limit``."""
 
@@ -222,6 +246,7 @@ class SchedulerSide:
         self._limit = settings.known_keys
         self._wait_s = float(settings.lookup_wait_s)
         self._timeout_s = float(settings.lookup_timeout_s)
+        self._handoff_s = float(settings.handoff_timeout_s)
         mla = plan.geometry.attention is AttentionKind.MLA
         #: Ranks that report a page before it counts as stored: MLA pages are written by
         #: one rank and shared by all (no rank suffix).
@@ -249,6 +274,13 @@ class SchedulerSide:
         self._tables: dict[str, list[list[int]]] = {}
         self._done: dict[str, int] = {}
         self._has_saves: set[str] = set()
+        #: Per request, the first page from which its pages up to ``_done`` are held by
+        #: kvtier (its loaded hits and planned stores), and the first page a store of it
+        #: skipped (a null block): what a producer announces (:meth:`handoff`).
+        self._held_from: dict[str, int] = {}
+        self._holes: dict[str, int] = {}
+        #: Requests a producer handed off (None: none, or no longer waited for).
+        self._handoffs: dict[str, _Handoff | None] = {}
         #: Requests whose asynchronous load the workers have not reported ended.
         self._loading: set[str] = set()
         self._pending_loads: list[PageOp] = []
@@ -445,12 +477,13 @@ class SchedulerSide:
 
     def matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> int:
         """:meth:`lookup`, waiting for the answer (at most ``lookup_timeout_s``, or until a
-        promotion of the request's pages landed)."""
+        promotion of the request's pages landed, or a handed-off request's pages were
+        found: at most ``handoff_timeout_s``)."""
         while True:
             answer = self._lookup(request, num_computed_tokens, self._timeout_s)
             if answer is not None:
                 return answer
-            time.sleep(0.001)  # a promotion in flight: its bound ends the wait
+            time.sleep(0.001)  # a promotion or a handoff in flight: its bound ends the wait
 
     def _lookup(self, request: RequestLike, num_computed_tokens: int, wait: float) -> int | None:
         req_id = request.request_id
@@ -467,7 +500,10 @@ class SchedulerSide:
         if pending is not None and (pending.start > start or pending.usable != usable):
             del self._lookups[req_id]  # vLLM's own hit shrank: look again from there
             pending = None
+        handoff = self._handoff_of(request)
         if pending is None:
+            if handoff is not None and time.monotonic() < handoff.probe_after:
+                return None  # its pages were looked for a moment ago: not again yet
             pending = self._lookups[req_id] = self._begin(keys, start, usable)
         asked = time.monotonic()
         try:
@@ -496,7 +532,56 @@ class SchedulerSide:
                 end += 1
         # a worker may have reported a page bad while the lookup ran
         end = next((i for i in range(start, end) if self._distrusted(keys, i)), end)
+        if handoff is not None and self._awaits(req_id, handoff, keys, max(start, end), usable):
+            return None
         return self._settled(req_id, keys, start, max(start, end))
+
+    def _handoff_of(self, request: RequestLike) -> _Handoff | None:
+        """The pages a producer engine announced for ``request`` (its ``kv_transfer_params``
+        carry :data:`HANDOFF_KEY`), from its first lookup on; None if none. A value that is
+        not a non-negative int is logged, counted (``handoff_invalid``) and ignored."""
+        req_id = request.request_id
+        if req_id in self._handoffs:
+            return self._handoffs[req_id]
+        handoff = None
+        params = getattr(request, "kv_transfer_params", None)
+        if isinstance(params, Mapping) and HANDOFF_KEY in params:
+            pages = params[HANDOFF_KEY]
+            if type(pages) is not int or pages < 0:
+                self.counters.add("handoff_invalid")
+                level = logging.DEBUG if HANDOFF_KEY in self._warned else logging.WARNING
+                self._warned.add(HANDOFF_KEY)
+                log.log(
+                    level,
+                    "kvtier: request %s has kv_transfer_params %s=%r, not a page count; "
+                    "served as if not handed off (counted as handoff_invalid)",
+                    req_id,
+                    HANDOFF_KEY,
+                    pages,
+                )
+            elif pages and self._handoff_s > 0:
+                handoff = _Handoff(pages, time.monotonic())
+        self._handoffs[req_id] = handoff
+        return handoff
+
+    def _awaits(
+        self, req_id: str, handoff: _Handoff, keys: list[list[str]], end: int, usable: int
+    ) -> bool:
+        """Whether a handed-off request waits ("ask again") for a page its producer
+        announced that the lookup did not find (``end``, the first one): until it is
+        found, reported bad (never waited for), or ``handoff_timeout_s`` passed since
+        the request's first lookup (then the rest is recomputed; ``handoff_timeouts``)."""
+        if end < min(handoff.pages, usable) and not self._distrusted(keys, end):
+            now = time.monotonic()
+            if now - handoff.since < self._handoff_s:
+                if not handoff.waited:
+                    handoff.waited = True
+                    self.counters.add("handoff_waits")
+                handoff.probe_after = now + HANDOFF_PROBE_S
+                return True
+            self.counters.add("handoff_timeouts")
+        self._handoffs[req_id] = None  # settled: not waited for again
+        return False
 
     def _begin(
         self, keys: list[list[str]], start: int, usable: int, *, early: bool = False
@@ -554,6 +639,8 @@ class SchedulerSide:
         start, _ = self._matched.pop(req_id, default)
         pages = num_external_tokens // self._page_size
         self._done[req_id] = start + pages
+        self._held_from[req_id] = start  # below it: vLLM's own hit, held only if known
+        self._holes.pop(req_id, None)
         if pages <= 0:
             return
         keys = self._keyed(request, start + pages)
@@ -594,6 +681,8 @@ class SchedulerSide:
         gone = sorted(preempted)
         for req_id in gone:  # its blocks are vLLM's again; a resumed request plans anew
             self._has_saves.discard(req_id)
+            # its queued stores are dropped: what it planned is held only if known stored
+            self._held_from[req_id] = self._done.get(req_id, 0)
         self.counters.add("requests_preempted", len(gone))
         work = StepWork(loads=self._pending_loads, preempted=gone)
         self._pending_loads = []
@@ -640,6 +729,9 @@ class SchedulerSide:
                 if chain[i] not in self._known and chain[i] not in planning
             ]
             planning.update(chain[i] for i in todo)
+            hole = next((i for i in todo if table[i] == NULL_BLOCK), None)
+            if hole is not None:  # never stored in this group
+                self._holes[req_id] = min(hole, self._holes.get(req_id, hole))
             if todo:
                 self._describe_pages(request, [(group, chain)], todo[0], todo[-1] + 1)
             for lo, hi in _runs(todo, table):
@@ -658,6 +750,33 @@ class SchedulerSide:
         if planned:
             self._has_saves.add(req_id)
             self.counters.add("save_pages_planned", planned)
+
+    def handoff(self, req_id: str) -> dict[str, Any] | None:
+        """What a saving engine hands on with a finished request (vLLM's
+        ``kv_transfer_params`` of its output): ``{"kvtier_pages": N}``, N the leading full
+        pages of it this engine holds or is storing; None when there is none.
+
+        Call it before :meth:`finished`. Conservative: a page counts if every rank
+        reported it stored (and no tier was seen losing it), or if this request loaded it
+        or planned its store since its last admission or preemption and no worker reported
+        it bad; a store skipped (a null block) ends the count. A store the workers drop or
+        fail in the request's last step is not known yet: the consumer's wait for it ends
+        at its ``handoff_timeout_s``.
+        """
+        keys = self._keys.get(req_id)
+        if not self._saves_on or not keys or req_id in self._stale or req_id in self._unkeyed:
+            return None
+        lo = self._held_from.get(req_id, 0)
+        hi = min(self._done.get(req_id, 0), self._holes.get(req_id, len(keys[0])))
+        held = 0
+        while held < len(keys[0]) and (
+            self._trusted(keys, held) or (lo <= held < hi and not self._distrusted(keys, held))
+        ):
+            held += 1
+        if not held:
+            return None
+        self.counters.add("handoff_announced_pages", held)
+        return {HANDOFF_KEY: held}
 
     def learn(self, report: Report) -> None:
         """The workers' report: pages stored by every rank, pages that failed to load, and
@@ -762,6 +881,9 @@ class SchedulerSide:
             self._done,
             self._lookups,
             self._sources,
+            self._held_from,
+            self._holes,
+            self._handoffs,
         ):
             table.pop(req_id, None)
         self._unkeyed.discard(req_id)

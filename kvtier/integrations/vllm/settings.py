@@ -86,6 +86,15 @@ class VLLMSection(EngineSection):
         description="A lookup still unanswered after this long is a miss: the request is "
         "computed without kvtier's pages (counted as lookup_timeouts).",
     )
+    handoff_timeout_s: float = Field(
+        10.0,
+        ge=0,
+        le=600,
+        description="How long, from its first lookup, a request handed off by a producer "
+        "engine (`kv_transfer_params` `kvtier_pages`) waits for the pages the producer "
+        "announced while its stores land; past it what is found is loaded and the rest "
+        "recomputed (counted as handoff_timeouts); 0: never waits.",
+    )
     max_save_pages: int = Field(
         2048,
         strict=True,
