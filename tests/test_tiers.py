@@ -269,6 +269,32 @@ def test_a_tenant_over_its_quota_evicts_its_own_pages_only(tmp_path: Path) -> No
         cache.close()
 
 
+def test_a_put_larger_than_a_tenants_quota_keeps_its_first_pages(tmp_path: Path) -> None:
+    from test_cache import slots
+
+    from kvtier.testing.content import fill_pages
+
+    quota = _capacity(3)
+    cache = _open(
+        [_file(tmp_path / "fast"), _file(tmp_path / "slow")],
+        config={"tenants": {"team-a": {"quota_bytes": quota}}},
+    )
+    try:
+        keys = cache.keys(list(range(16)), tenant="team-a")  # 4 pages, one put
+        where = slots(0, len(keys), cache.geometry.page_size)
+        fill_pages(cache.device_pool, keys, where)
+        cache.backup(keys, where).wait(JOIN)
+        assert cache.flush(JOIN) and cache.page_store.flush(JOIN)
+        for tier in (0, 1):  # the prefix's first 3 pages, never its last without them
+            assert _tier_has(cache, tier, keys) == [True, True, True, False]
+        tenant = cache.stats()["tenants"]["team-a"]
+        assert tenant["bytes"] == [quota, quota] and tenant["quota_evictions"] == 0
+        refused = [t["quota_refused"] for t in cache.page_store.tier_stats()]
+        assert refused == [1, 0]  # the tier below was offered the 3 pages the first took
+    finally:
+        cache.close()
+
+
 def fill_and_backup(cache: TieredCache, keys: list[str]) -> None:
     from test_cache import slots
 

@@ -425,6 +425,13 @@ COUNTERS: Mapping[str, tuple[CounterSpec, ...]] = {
                     _tier("quota_evictions"),
                 ),
                 (
+                    "quota_refused",
+                    "Pages a tier did not take because their tenant's `quota_bytes` could not "
+                    "hold them even after its own older pages left (a put larger than the "
+                    "quota keeps its first pages).",
+                    _tier("quota_refused"),
+                ),
+                (
                     "failures",
                     "Calls to a tier that failed (the chain bypassed it), and pages a cascade "
                     "or promotion failed to write there.",

@@ -264,7 +264,20 @@ class StorageChain:
         first = self.tiers[0]
         placement, parts = self._placement, self._parts
         placement.describe(first, keys, parents)
-        placement.enforce_quota(first, keys)
+        over = placement.enforce_quota(first, keys)
+        if over:  # pages a tenant's quota cannot take, even once its own older ones left
+            kept = [i for i, key in enumerate(keys) if key not in over]
+            part = self.put(
+                [keys[i] for i in kept],
+                [pages[i] for i in kept],
+                on_late=on_late,
+                guards=None if guards is None else [guards[i] for i in kept],
+                parents=[parents[i] for i in kept],
+            )
+            results = BatchResult([False] * len(keys), part.outcome)
+            for i, ok in zip(kept, part, strict=True):
+                results[i] = ok
+            return results
         ticket = self._parts.fences.enter(keys)
         try:
 

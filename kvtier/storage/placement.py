@@ -68,10 +68,11 @@ class Placement:
             if admission is not None:
                 admission.describe(key, info)
 
-    def enforce_quota(self, tier: Tier, keys: list[str]) -> None:
-        """Evict a tenant's own pages from ``tier`` before it goes over its quota (the
-        tier's space manager decides, see :meth:`SpaceManager.enforce_quota`)."""
-        self.spaces[tier.index].enforce_quota(keys)
+    def enforce_quota(self, tier: Tier, keys: list[str]) -> set[str]:
+        """Evict a tenant's own pages from ``tier`` before it goes over its quota; the keys
+        that would not fit even then, refused (the tier's space manager decides, see
+        :meth:`SpaceManager.enforce_quota`)."""
+        return self.spaces[tier.index].enforce_quota(keys)
 
     def admits(self, tier: Tier, key: str) -> bool:
         """Whether ``tier``'s admission takes ``key`` now (a refusal of a write-through
@@ -197,7 +198,13 @@ class Placement:
         if not chosen:
             return refused
         self.describe(tier, names, job.parents_of(names))
-        self.spaces[tier.index].enforce_quota(names)
+        over = self.spaces[tier.index].enforce_quota(names)
+        if over:  # over its tenant's quota: settled as a refusal is, never written
+            refused += [key for key in names if key in over]
+            chosen = [(key, page) for key, page in chosen if key not in over]
+            names = [key for key, _ in chosen]
+            if not chosen:
+                return refused
         ticket = job.ticket
         assert ticket is not None  # queued jobs have one until they finish
 

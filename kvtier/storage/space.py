@@ -309,32 +309,44 @@ class SpaceManager:
             return len(keys)
         return max(0, len(keys) - -(-short // page_bytes))
 
-    def enforce_quota(self, keys: list[str]) -> None:
-        """Evict a tenant's own pages from the tier before ``keys`` take it over its quota."""
+    def enforce_quota(self, keys: list[str]) -> set[str]:
+        """Evict a tenant's own pages from the tier before ``keys`` take it over its quota;
+        the keys refused because even then they would not fit (a put larger than the
+        quota keeps its first pages: a prefix's later pages are worthless without them),
+        counted as ``quota_refused``."""
         tier, tenants = self.tier, self.parts.tenants
         eviction = tier.eviction
         if eviction is None or not tenants:
-            return
-        incoming: dict[str, int] = {}
+            return set()
+        page_bytes = self.parts.page_bytes
+        incoming: dict[str, list[str]] = {}
         quotas: dict[str, int] = {}
         for key in keys:
             chosen = tenants.quota_of(key)
             if chosen is not None and key not in eviction:
-                incoming[chosen[0]] = incoming.get(chosen[0], 0) + self.parts.page_bytes
+                incoming.setdefault(chosen[0], []).append(key)
                 quotas[chosen[0]] = chosen[1]
-        for tenant, nbytes in incoming.items():
+        refused: set[str] = set()
+        for tenant, new in incoming.items():
+            removed: list[str] = []
             with self._lock:
-                excess = eviction.tenant_bytes(tenant) + nbytes - quotas[tenant]
+                excess = eviction.tenant_bytes(tenant) + page_bytes * len(new) - quotas[tenant]
                 if excess <= 0:
                     continue
                 victims = eviction.pick(excess, pinned=self._pinned(keys), tenant=tenant)
                 if victims:
-                    self.evict(victims, force=True)
-            if victims:
-                tier.counters.add("quota_evictions", len(victims))
+                    removed = self.evict(victims, force=True)
+            if removed:
+                tier.counters.add("quota_evictions", len(removed))
                 with self.parts.lock:
-                    count = self.quota_evictions.get(tenant, 0) + len(victims)
+                    count = self.quota_evictions.get(tenant, 0) + len(removed)
                     self.quota_evictions[tenant] = count
+            short = excess - page_bytes * len(removed)
+            if short > 0:
+                over = min(len(new), -(-short // page_bytes))
+                refused.update(new[len(new) - over :])
+                tier.counters.add("quota_refused", over)
+        return refused
 
     # --- what leaves -----------------------------------------------------------------------
 
