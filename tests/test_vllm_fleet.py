@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 from test_vllm import ROOT, TINY_MODEL, _vllm_python
 
+from kvtier.integrations.router import EventFeed, PrefixRouter, Stored, decode_batch
 from kvtier.testing import require
 
 sys.path.insert(0, str(ROOT / "tests" / "vllm_engine"))
@@ -159,18 +160,38 @@ def fleet(
     work = tmp_path_factory.mktemp("fleet")
     roots = {name: work / f"pages-{name}" for name in ("a", "b")}
     page = _page_bytes(model)
+    endpoints = {name: f"ipc://{work}/events-{name}" for name in ("a", "b")}
     engines = {
-        name: _start(python, model, work, name, _fleet_section(roots[name], master, page))
+        name: _start(
+            python,
+            model,
+            work,
+            name,
+            _fleet_section(roots[name], master, page),
+            kv_events_endpoint=endpoints[name],
+        )
         for name in ("a", "b")
     }
     record: dict[str, Any] = {"page": page}
+    router = PrefixRouter(list(engines), block_size=BLOCK)
+    media: set[tuple[str, str | None]] = set()
+
+    def decode(payload: bytes) -> list[Any]:  # the router's, noting each store's locality
+        events = decode_batch(payload)
+        media.update((e.medium or "", e.locality) for e in events if isinstance(e, Stored))
+        return events
+
+    feeds: list[EventFeed] = []
     try:
         for engine in engines.values():
             engine.wait_ready()
+        feeds = [EventFeed(endpoints[name], name, router, decode) for name in engines]
         a, b = engines["a"], engines["b"]
         # 1. a computes the shared prefix; then requests alternate, both engines running
         record["first"] = a.generate([ALTERNATING[0]], MAX_TOKENS)[0]
         a.flush()
+        record["route"] = _routed(router, ALTERNATING[1], len(SHARED) // BLOCK)
+        record["media"] = sorted(media, key=str)
         record["before_b"] = b.stats()
         for i, prompt in enumerate(ALTERNATING[1:], start=1):
             (b if i % 2 else a).submit(f"alt{i}", prompt, MAX_TOKENS)
@@ -207,10 +228,26 @@ def fleet(
         record["recovered"] = _recovered(a, b)
         record["recovered_stats"] = b.stats()
     finally:
+        for feed in feeds:
+            feed.close()
         for engine in engines.values():
             if engine.alive:
                 engine.quit()
     return record
+
+
+def _routed(router: PrefixRouter, prompt: list[int], pages: int, timeout: float = 30.0) -> Any:
+    """The router's choice for ``prompt`` once its events show ``pages`` of it for every
+    engine (vLLM publishes each step's events after the step; the stores land later)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        route = router.route(prompt)
+        router.finished(route.engine)
+        if min(count for count, _ in route.matched.values()) >= pages:
+            return route
+        if time.monotonic() > deadline:
+            return route
+        time.sleep(0.2)
 
 
 def _recovered(a: ServedEngine, b: ServedEngine) -> list[tuple[list[int], dict, dict]]:
@@ -239,6 +276,18 @@ def test_an_engine_loads_what_another_running_engine_stored(
     worker = fleet["after_b"]["worker"]
     assert worker["load_hit_pages"] - fleet["before_b"]["worker"]["load_hit_pages"] >= shared_pages
     assert worker["load_failed_pages"] == 0
+
+
+def test_the_router_sees_each_engines_tiers_through_their_kv_events(fleet: dict[str, Any]) -> None:
+    pages = len(SHARED) // BLOCK
+    route = fleet["route"]
+    # a holds the prefix in its own device cache and file tier, b only through Mooncake
+    assert route.matched["a"] == (pages, pages)
+    assert route.matched["b"] == (pages, 0)
+    assert route.engine == "a"
+    media = dict(fleet["media"])
+    assert media["KVTIER:0:file"] == "LOCAL" and media["KVTIER:1:mooncake"] == "REMOTE"
+    assert "GPU" in media  # vLLM's own blocks, published beside kvtier's
 
 
 def test_a_restarted_engine_serves_what_the_other_wrote_meanwhile(

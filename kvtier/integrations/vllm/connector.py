@@ -52,7 +52,7 @@ from kvtier.core.capabilities import ResolvedPlan
 from kvtier.core.errors import KvtierError
 from kvtier.core.metrics import vllm_metrics
 from kvtier.integrations.vllm.device_worker import DeviceWorkerSide
-from kvtier.integrations.vllm.events import BlockInfo, Describer
+from kvtier.integrations.vllm.events import BlockInfo, Describer, event_locality, tier_medium
 from kvtier.integrations.vllm.messages import Report, StepWork
 from kvtier.integrations.vllm.plan import KVGroup, kv_groups, plan_strategy, resolve_plan
 from kvtier.integrations.vllm.scheduler import SchedulerSide
@@ -479,7 +479,15 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
         classes = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved}
+        if "locality" in getattr(BlockStored, "__struct_fields__", ()):  # vLLM >= 0.32
+            localities = self._localities()
+            for _, fields in rows:
+                fields["locality"] = localities.get(fields["medium"])
         return [classes[kind](**fields) for kind, fields in rows]
+
+    def _localities(self) -> dict[str, str]:
+        """vLLM's ``locality`` of each tier's events, by medium (:func:`event_locality`)."""
+        return {tier_medium(tier): event_locality(tier) for tier in self.plan.storage_tiers()}
 
     def reset_cache(self) -> bool | None:
         """vLLM's connector reset (``reset_prefix_cache(reset_connector=True)``, as after a

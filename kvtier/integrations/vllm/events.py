@@ -36,6 +36,7 @@ __all__ = [
     "Describer",
     "KVEventLog",
     "TierLedger",
+    "event_locality",
     "hit_source",
     "tier_medium",
 ]
@@ -51,6 +52,13 @@ def tier_medium(tier: TierPlan) -> str:
     the tier's name as kvtier's stats and metrics give it, apart from vLLM's own ``GPU`` /
     ``CPU`` / ``STORAGE``, so a router weights each of kvtier's tiers on its own."""
     return f"KVTIER:{tier.name}"
+
+
+def event_locality(tier: TierPlan) -> str:
+    """vLLM's ``locality`` of a tier's KV events: ``REMOTE`` for a store other hosts share
+    (Mooncake: a router counts its pages for every engine), else ``LOCAL`` (this engine's
+    alone)."""
+    return "REMOTE" if tier_locality(tier.backend.features) == "remote" else "LOCAL"
 
 
 def hit_source(tier: TierPlan) -> str:
