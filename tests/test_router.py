@@ -162,6 +162,21 @@ def test_an_engine_much_busier_than_the_least_busy_is_passed_over() -> None:
     assert router.route(PREFIX).engine == "a"
 
 
+def test_weighing_work_spreads_a_hot_prefix_once_its_engine_is_busy() -> None:
+    router = PrefixRouter(["a", "b"], block_size=BS, balance_slack=100, work_weight=1.0)
+    router.apply("a", _stored(PREFIX))  # 24 tokens
+    hot = [*PREFIX, 1, 2, 3]  # a computes 3 of its tokens, b all 27
+    assert router.route(hot, request_id="r1").engine == "a"  # 3 against 27
+    assert router.route(_tokens(30), request_id="r2").engine == "b"  # 30 + 3 against 30
+    assert router.route(hot, request_id="r3").engine == "a"  # 3 + 3 against 27 + 30
+    assert router.route(_tokens(100), request_id="r4").engine == "a"  # 100 + 6 against 130
+    assert router.route(hot, request_id="r5").engine == "b"  # 3 + 106 against 27 + 30
+    router.finished("a", "r4")
+    assert router.route(hot, request_id="r6").engine == "a"  # 3 + 6 against 27 + 57
+    with pytest.raises(InvalidFieldError, match="work_weight"):
+        PrefixRouter(["a"], block_size=BS, work_weight=-1.0)
+
+
 def test_requests_matching_nothing_alternate_between_idle_engines() -> None:
     router = PrefixRouter(["a", "b"], block_size=BS)
     chosen = []

@@ -4,10 +4,11 @@ Each engine is a long-running vLLM CPU engine process (``tests/vllm_engine/serve
 driven by ``served.py``) taking requests while the others run, all on one Mooncake master
 started on loopback by the fixture:
 
-- the *fleet*: engines ``a`` and ``b``, each with its own ``file`` tier above the shared
-  Mooncake store and a tenant with a quota; requests sharing a long prefix alternate
-  between them while both run, an engine is killed (``kill -9``) and restarted while the
-  other writes, and the master is killed and restarted mid-run;
+- the *fleet*: engines ``a`` and ``b``, each with a tier of its own (``file`` on a,
+  ``segment`` on b) above the shared Mooncake store, and a tenant with a quota; requests
+  sharing a long prefix alternate between them while both run, an engine is killed
+  (``kill -9``) and restarted while the other writes, and the master is killed and
+  restarted mid-run; a router follows both through their KV events;
 - *prefill/decode*: a ``kv_producer`` engine computes prompts and stores them, a
   ``kv_consumer`` engine serves them from the store, waiting for the producer's
   announced pages (``kv_transfer_params``), with a page corrupted or missing.
@@ -129,10 +130,15 @@ def _same(reference: dict, prompt: list[int], result: dict[str, Any]) -> bool:
 # --- the fleet: two engines at once on one store ------------------------------------------------
 
 
-def _fleet_section(root: Path, master: Any, page_bytes: int | None = None) -> dict[str, Any]:
-    section: dict[str, Any] = {
-        "tiers": [{"backend": "file", "extra_config": {"root": str(root)}}, _mooncake(master)],
-    }
+#: Each engine's own tier: a file store on a, a segment store on b.
+LOCAL = {"a": "file", "b": "segment"}
+
+
+def _fleet_section(
+    name: str, root: Path, master: Any, page_bytes: int | None = None
+) -> dict[str, Any]:
+    local = {"backend": LOCAL[name], "extra_config": {"root": str(root)}}
+    section: dict[str, Any] = {"tiers": [local, _mooncake(master)]}
     if page_bytes is not None:
         section["tenants"] = {"small": {"quota_bytes": QUOTA_PAGES * page_bytes}}
     return section
@@ -167,7 +173,7 @@ def fleet(
             model,
             work,
             name,
-            _fleet_section(roots[name], master, page),
+            _fleet_section(name, roots[name], master, page),
             kv_events_endpoint=endpoints[name],
         )
         for name in ("a", "b")
@@ -191,7 +197,6 @@ def fleet(
         record["first"] = a.generate([ALTERNATING[0]], MAX_TOKENS)[0]
         a.flush()
         record["route"] = _routed(router, ALTERNATING[1], len(SHARED) // BLOCK)
-        record["media"] = sorted(media, key=str)
         record["before_b"] = b.stats()
         for i, prompt in enumerate(ALTERNATING[1:], start=1):
             (b if i % 2 else a).submit(f"alt{i}", prompt, MAX_TOKENS)
@@ -207,7 +212,7 @@ def fleet(
         record["written"] = [a.result(f"w{i}") for i in range(len(WRITTEN))]
         a.flush()
         b = engines["b"] = _start(
-            python, model, work, "b2", _fleet_section(roots["b"], master, page)
+            python, model, work, "b2", _fleet_section("b", roots["b"], master, page)
         )
         b.wait_ready()
         record["restarted"] = _one_by_one(b, WRITTEN)
@@ -227,6 +232,7 @@ def fleet(
         master.restart()
         record["recovered"] = _recovered(a, b)
         record["recovered_stats"] = b.stats()
+        record["media"] = sorted(media, key=str)
     finally:
         for feed in feeds:
             feed.close()
@@ -286,7 +292,8 @@ def test_the_router_sees_each_engines_tiers_through_their_kv_events(fleet: dict[
     assert route.matched["b"] == (pages, 0)
     assert route.engine == "a"
     media = dict(fleet["media"])
-    assert media["KVTIER:0:file"] == "LOCAL" and media["KVTIER:1:mooncake"] == "REMOTE"
+    assert media["KVTIER:0:file"] == "LOCAL" and media["KVTIER:0:segment"] == "LOCAL"
+    assert media["KVTIER:1:mooncake"] == "REMOTE"
     assert "GPU" in media  # vLLM's own blocks, published beside kvtier's
 
 

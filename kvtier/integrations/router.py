@@ -21,7 +21,8 @@ So a hot prefix is not piled onto one engine, an engine more than ``balance_slac
 requests busier than the least busy one is passed over for it. Requests whose blocks are
 keyed by more than their tokens (a LoRA adapter, multimodal inputs, a cache salt) are not
 matched by this reference router: their events are counted as ``keyed_events`` and left
-out, and such a request is routed by load alone.
+out, and such a request is routed by load alone. With ``work_weight`` the router weighs
+prefill work (tokens to compute, here and queued) instead of the prefix alone.
 
 :class:`EventFeed` subscribes to one engine's ZMQ publisher on a thread and hands each
 decoded event to the router; :func:`decode_batch` reads vLLM's and SGLang's batches alike
@@ -275,7 +276,14 @@ class Route:
 
 class PrefixRouter:
     """Sends each request to the engine whose tiers hold its longest prefix (see the module
-    docstring); :meth:`started` and :meth:`finished` keep each engine's load."""
+    docstring); :meth:`started` and :meth:`finished` keep each engine's load.
+
+    With ``work_weight`` > 0 it weighs the prefill work instead: an engine's cost is the
+    tokens this request would compute there plus ``work_weight`` times the tokens of the
+    requests routed there and not finished yet, and the cheapest engine wins (then the one
+    holding more of the prefix itself, the less busy, round-robin): a hot prefix then
+    spreads once its engine's queue costs more than recomputing it elsewhere.
+    """
 
     def __init__(
         self,
@@ -284,6 +292,8 @@ class PrefixRouter:
         block_size: int,
         shared: Callable[[str | None], bool] = shared_medium,
         balance_slack: int = 4,
+        work_weight: float = 0.0,
+        index: PrefixIndex | None = None,
     ) -> None:
         if block_size <= 0:
             raise InvalidFieldError(
@@ -295,10 +305,23 @@ class PrefixRouter:
                 f"{balance_slack} is not a count of requests (>= 0)",
                 value=balance_slack,
             )
-        self.index = PrefixIndex(engines, shared=shared)
+        if not work_weight >= 0:
+            raise InvalidFieldError(
+                "work_weight", f"{work_weight} is not a weight (>= 0)", value=work_weight
+            )
+        #: what the engines hold (``index``: one another router keeps too, fed once)
+        self.index = index if index is not None else PrefixIndex(engines, shared=shared)
+        if self.index.engines != list(engines):
+            raise InvalidFieldError(
+                "index", f"holds engines {self.index.engines}, not {list(engines)}", value=engines
+            )
         self.block_size = block_size
         self.balance_slack = balance_slack
+        self.work_weight = work_weight
         self._loads = dict.fromkeys(self.index.engines, 0)
+        #: tokens to compute of the requests routed to each engine, not finished yet
+        self._work = dict.fromkeys(self.index.engines, 0)
+        self._routed: dict[str, tuple[str, int]] = {}
         self._turn = 0
         self._lock = threading.Lock()
 
@@ -306,11 +329,17 @@ class PrefixRouter:
         """Record one of ``engine``'s KV events."""
         self.index.apply(engine, event)
 
-    def route(self, tokens: Sequence[int], *, keyed: bool = False) -> Route:
+    def route(
+        self, tokens: Sequence[int], *, keyed: bool = False, request_id: str | None = None
+    ) -> Route:
         """The engine for a request of ``tokens`` (``keyed``: its blocks are keyed by more
-        than its tokens, so it goes by load alone). Counts the request as started there."""
+        than its tokens, so it goes by load alone). Counts the request as started there
+        (``request_id``: :meth:`finished` then also takes back its work)."""
         names = [] if keyed else block_ids(tokens, self.block_size)
         matched = self.index.matched(names)
+        work = {
+            e: max(1, len(tokens) - count * self.block_size) for e, (count, _) in matched.items()
+        }
         with self._lock:
             loads = dict(self._loads)
             least = min(loads.values())
@@ -318,8 +347,18 @@ class PrefixRouter:
             rotated = engines[self._turn % len(engines) :] + engines[: self._turn % len(engines)]
             self._turn += 1
             fair = [e for e in rotated if loads[e] - least <= self.balance_slack]
-            best = max(fair, key=lambda e: (matched[e][0], matched[e][1], -loads[e]))
+            if self.work_weight > 0:
+                weight = self.work_weight
+                best = min(
+                    fair,
+                    key=lambda e: (work[e] + weight * self._work[e], -matched[e][1], loads[e]),
+                )
+            else:
+                best = max(fair, key=lambda e: (matched[e][0], matched[e][1], -loads[e]))
             self._loads[best] += 1
+            if request_id is not None:
+                self._work[best] += work[best]
+                self._routed[request_id] = (best, work[best])
         return Route(best, matched, loads)
 
     def started(self, engine: str) -> None:
@@ -327,10 +366,14 @@ class PrefixRouter:
         with self._lock:
             self._loads[engine] += 1
 
-    def finished(self, engine: str) -> None:
-        """A request routed to ``engine`` finished."""
+    def finished(self, engine: str, request_id: str | None = None) -> None:
+        """A request sent to ``engine`` finished (``request_id``: the one given to
+        :meth:`route`, whose work it takes back)."""
         with self._lock:
             self._loads[engine] = max(0, self._loads[engine] - 1)
+            routed = self._routed.pop(request_id, None) if request_id is not None else None
+            if routed is not None:
+                self._work[routed[0]] = max(0, self._work[routed[0]] - routed[1])
 
 
 # --- engines' ZMQ publishers ------------------------------------------------------------------
@@ -382,9 +425,12 @@ def decode_batch(payload: bytes) -> list[Event]:
 
 class EventFeed:
     """One engine's ZMQ KV event publisher, subscribed on a thread, each event handed to
-    ``router`` (a batch that fails to decode is counted as ``bad_batches`` and skipped)."""
+    ``router``; ``decode`` reads a batch (:func:`decode_batch`: vLLM's and SGLang's). A
+    batch that fails to decode is counted as ``bad_batches`` and skipped."""
 
-    def __init__(self, endpoint: str, engine: str, router: PrefixRouter, decode: Decoder) -> None:
+    def __init__(
+        self, endpoint: str, engine: str, router: PrefixRouter, decode: Decoder = decode_batch
+    ) -> None:
         import zmq
 
         self.endpoint = endpoint
