@@ -75,6 +75,31 @@ def _connector_config(job: dict[str, Any]) -> dict[str, Any] | None:
     return config
 
 
+def engine_options(job: dict[str, Any]) -> dict[str, Any]:
+    """The ``LLM`` arguments every test engine shares, with the job's sizes: the model,
+    greedy-ready bfloat16 without CUDA graphs, block size 32, prefix caching on, seed 0."""
+    options: dict[str, Any] = {
+        "model": job["model"],
+        "skip_tokenizer_init": not job.get("multimodal"),
+        "dtype": "bfloat16",
+        "enforce_eager": True,
+        "block_size": job.get("block_size", 32),
+        "max_model_len": job.get("max_model_len", 1024),
+        "enable_prefix_caching": bool(job.get("prefix_caching", True)),
+        "disable_log_stats": not job.get("log_stats", False),
+        "seed": 0,
+    }
+    for key, arg in (
+        ("max_num_batched_tokens", "max_num_batched_tokens"),
+        ("max_num_seqs", "max_num_seqs"),
+        ("num_gpu_blocks", "num_gpu_blocks_override"),
+        ("tp", "tensor_parallel_size"),
+    ):
+        if key in job:
+            options[arg] = job[key]
+    return options
+
+
 def _connectors() -> tuple[Any, Any]:
     """The scheduler's and this process's worker connector (in-process engine only)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
@@ -93,9 +118,12 @@ def _scheduler_connector() -> Any:
         return None
 
 
-def _flip_bit(scheduler: Any, worker: Any, tokens: list[int], page: int, group: int = 0) -> str:
+def _damage_page(
+    scheduler: Any, worker: Any, tokens: list[int], page: int, *, how: str = "flip", group: int = 0
+) -> str:
     """Flip one payload bit of ``tokens``' stored page ``page`` (of KV cache group
-    ``group``), through the backend itself."""
+    ``group``), or delete it (``how="delete"``), through the backend itself, once the
+    worker's stores landed; the page's storage key."""
     from kvtier.core.envelope import ENVELOPE_BYTES
     from kvtier.core.extents import extent_of_view
 
@@ -103,15 +131,36 @@ def _flip_bit(scheduler: Any, worker: Any, tokens: list[int], page: int, group: 
     key = side.names([scheduler.scheduler.keyers(None, None, group).keys(tokens)[page]])[0]
     backend = side.store.backend
     side.flush()  # every queued store has landed
+    if how == "delete":
+        _rewrite(backend, key, None)
+        return key
     header = bytearray(ENVELOPE_BYTES)
     payload = bytearray(side.plan.geometry.bytes_per_page)
     regions = [extent_of_view(memoryview(header)), extent_of_view(memoryview(payload))]
     if not backend.get([key], [regions])[0]:
         raise RuntimeError(f"page {page} ({key}) is not stored; nothing to corrupt")
     payload[len(payload) // 2] ^= 0x10
-    if not backend.put([key], [regions])[0]:
-        raise RuntimeError(f"could not write the corrupted page {key} back")
+    _rewrite(backend, key, regions)
     return key
+
+
+def _rewrite(backend: Any, key: str, regions: Any, timeout: float = 30.0) -> None:
+    """Delete ``key`` and write ``regions`` under it (None: leave it deleted). A store may
+    keep the first value of a key (Mooncake) and refuse to remove a page read a moment
+    ago (its read lease), so the delete is retried until the key is gone, and the write
+    until the store takes it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        backend.delete([key])
+        if not backend.exists([key])[0]:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"page {key} could not be removed within {timeout} s")
+        time.sleep(0.2)
+    while regions is not None and not backend.put([key], [regions])[0]:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"could not write the damaged page {key} back")
+        time.sleep(0.2)
 
 
 def _flush(worker: Any) -> None:
@@ -276,32 +325,12 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             "publisher": "zmq",
             "endpoint": events.endpoint,
         }
-    for key, arg in (
-        ("max_num_batched_tokens", "max_num_batched_tokens"),
-        ("max_num_seqs", "max_num_seqs"),
-        ("num_gpu_blocks", "num_gpu_blocks_override"),
-        ("tp", "tensor_parallel_size"),
-    ):
-        if key in job:
-            kwargs[arg] = job[key]
     if job.get("multimodal"):
         kwargs["limit_mm_per_prompt"] = {"image": 1}
         if "mm_processor_cache_gb" in job:
             kwargs["mm_processor_cache_gb"] = job["mm_processor_cache_gb"]
     try:
-        _LLM = LLM(
-            model=job["model"],
-            skip_tokenizer_init=not job.get("multimodal"),
-            dtype="bfloat16",
-            enforce_eager=True,
-            block_size=job.get("block_size", 32),
-            max_model_len=job.get("max_model_len", 1024),
-            enable_prefix_caching=bool(job.get("prefix_caching", True)),
-            **_lora_options(job),
-            disable_log_stats=not job.get("log_stats", False),
-            seed=0,
-            **kwargs,
-        )
+        _LLM = LLM(**engine_options(job), **_lora_options(job), **kwargs)
     except Exception as exc:
         cause: BaseException = exc
         while cause.__cause__ is not None and type(cause).__module__.startswith("vllm"):
@@ -331,7 +360,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             flip = phase["flip"]
             pages = flip["pages"] if "pages" in flip else [flip["page"]]
             group = flip.get("group", 0)
-            flipped = [_flip_bit(scheduler, worker, flip["tokens"], p, group) for p in pages]
+            flipped = [
+                _damage_page(scheduler, worker, flip["tokens"], p, group=group) for p in pages
+            ]
             entry["flipped"] = flipped[0] if "page" in flip else flipped
         params = SamplingParams(
             temperature=0, max_tokens=phase.get("max_tokens", 8), detokenize=False

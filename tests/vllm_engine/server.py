@@ -99,25 +99,7 @@ def _build(job: dict[str, Any], helpers: ModuleType) -> Any:
             "publisher": "zmq",
             "endpoint": job["kv_events_endpoint"],
         }
-    for key, arg in (
-        ("max_num_batched_tokens", "max_num_batched_tokens"),
-        ("max_num_seqs", "max_num_seqs"),
-        ("num_gpu_blocks", "num_gpu_blocks_override"),
-    ):
-        if key in job:
-            kwargs[arg] = job[key]
-    return LLM(
-        model=job["model"],
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        enforce_eager=True,
-        block_size=job.get("block_size", 32),
-        max_model_len=job.get("max_model_len", 1024),
-        enable_prefix_caching=bool(job.get("prefix_caching", True)),
-        disable_log_stats=not job.get("log_stats", False),
-        seed=0,
-        **kwargs,
-    )
+    return LLM(**helpers.engine_options(job), **kwargs)
 
 
 class _Request:
@@ -280,27 +262,13 @@ class Server:
         """Flip one payload bit of each of ``prompt``'s stored ``pages`` (``how``: "flip"),
         or delete them ("delete"), in the store the worker writes, once its stores landed;
         ``damaged`` with the storage keys."""
-        from kvtier.core.envelope import ENVELOPE_BYTES
-        from kvtier.core.extents import extent_of_view
-
         scheduler, worker = self.helpers._connectors()
-        side = worker.worker
-        side.flush()
-        keyer = scheduler.scheduler.keyers(None, None, 0)
-        all_keys = keyer.keys(list(command["prompt"]))
-        keys = side.names([all_keys[page] for page in command["pages"]])
-        backend = side.store.backend
-        for key in keys:
-            if command.get("how", "flip") == "delete":
-                _rewrite(backend, key, None)
-                continue
-            header = bytearray(ENVELOPE_BYTES)
-            payload = bytearray(side.plan.geometry.bytes_per_page)
-            regions = [extent_of_view(memoryview(header)), extent_of_view(memoryview(payload))]
-            if not backend.get([key], [regions])[0]:
-                raise RuntimeError(f"page {key} is not stored; nothing to damage")
-            payload[len(payload) // 2] ^= 0x10
-            _rewrite(backend, key, regions)
+        how = str(command.get("how", "flip"))
+        prompt = list(command["prompt"])
+        keys = [
+            self.helpers._damage_page(scheduler, worker, prompt, page, how=how)
+            for page in command["pages"]
+        ]
         self.out.emit("damaged", keys=keys)
 
     def _reset(self, read: float, command: dict[str, Any]) -> None:
@@ -326,24 +294,6 @@ class Server:
             self.out.emit("bye")
             sys.stderr.flush()
             os._exit(0)
-
-
-def _rewrite(backend: Any, key: str, regions: Any, timeout: float = 30.0) -> None:
-    """Delete ``key`` and write ``regions`` under it (None: leave it deleted). A store may
-    keep the first value of a key (Mooncake) and refuse to remove a page read a moment
-    ago (its read lease), so the delete is retried until the key is gone."""
-    deadline = time.monotonic() + timeout
-    while True:
-        backend.delete([key])
-        if not backend.exists([key])[0]:
-            break
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"page {key} could not be removed within {timeout} s")
-        time.sleep(0.2)
-    while regions is not None and not backend.put([key], [regions])[0]:
-        if time.monotonic() > deadline:  # (a removed key may take a moment to be free)
-            raise RuntimeError(f"could not write the damaged page {key} back")
-        time.sleep(0.2)
 
 
 def main() -> None:
