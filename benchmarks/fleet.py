@@ -2,14 +2,17 @@
 engine alone, on a slice of the Mooncake FAST'25 synthetic trace.
 
 Usage: ``python benchmarks/fleet.py [--quick] [--requests N] [--start I] [--speed S]
-[--tiers local|shared]``, with any python (it runs itself again with the vLLM
-environment's, ``scripts/install-vllm.sh``: ``.venv-vllm`` or ``$KVTIER_VLLM_VENV``).
+[--tiers local|shared] [--model small|tiny] [--reps N] [--work-weight W]``, with any
+python (the engines run with the vLLM environment's, ``scripts/install-vllm.sh``:
+``.venv-vllm`` or ``$KVTIER_VLLM_VENV``).
 One JSON object per replay on stdout, then one per deployment with the medians over its
 ``--reps`` replays (run in rotating order, interleaved), then the router's ratios against
 round-robin; a table of the medians on stderr. The run fails (exit 1) if a request failed.
 
 The fleet: two real vLLM CPU engines (``tests/vllm_engine/server.py``, a random-weight
-tiny Llama built here, block size 32, each bound to its own core), each with vLLM's
+Llama built here: ``--model small``, 4 layers, hidden 512, 8 heads, 4 KV heads, pages of
+128 KiB; ``tiny`` with ``--quick``, 2 layers, hidden 256; block size 32; each engine
+bound to its own core), each with vLLM's
 prefix cache held to ``--gpu-blocks`` blocks and kvtier's connector over a chain of
 tiers: a ``file`` tier of its own (``--file-capacity``), and with ``--tiers shared`` (the
 default) one Mooncake store below both, on one master on loopback. Both engines publish
@@ -32,10 +35,12 @@ can hit another's pages), in one run on the same two engines:
 Reported per deployment: prefix hit ratio (prompt tokens vLLM did not compute, its own
 cache and kvtier's tiers, over prompt tokens), time to first token p50 and p99 (from the
 moment the engine read the request), throughput (prompt and generated tokens over the
-replay's makespan), requests per engine, and kvtier's load failures (pages whose check
-failed: recomputed); and the slice's ceiling, the hit ratio of one cache that never
-forgets (no placement can beat it). Targets: the router's hit ratio at least 1.5 x
-round-robin's, its p50 time to first token lower.
+replay's makespan), requests per engine, and kvtier's load failures (pages missing at
+the read, such as evicted from a full tier since the lookup, or refused by their check:
+recomputed, never served) with the refused ones apart (``invalid_pages``); and the
+slice's ceiling, the hit ratio of one cache that never forgets (no placement beats it).
+Targets: the router's hit ratio at least 1.5 x round-robin's, its p50 time to first
+token lower.
 """
 
 from __future__ import annotations
@@ -62,16 +67,19 @@ VENV = Path(os.environ.get("KVTIER_VLLM_VENV", ROOT / ".venv-vllm"))
 TRACE = Path(os.environ.get("KVTIER_TRACE", ROOT.parent / "shared" / "traces"))
 TRACE_FILE = "mooncake_fast25_synthetic_trace.jsonl"
 BLOCK = 32
-MODEL = {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512}
+MODELS = {
+    "small": {"layers": 4, "hidden": 512, "heads": 8, "kv_heads": 4, "intermediate": 1024},
+    "tiny": {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512},
+}
 DEPLOYMENTS = ("one engine", "round-robin", "event router")
 TARGET_HIT = 1.5
 
 
-def _model(python: Path, work: Path) -> Path:
+def _model(python: Path, work: Path, size: str) -> Path:
     model = work / "model"
     subprocess.run(
         [str(python), str(ROOT / "tests" / "vllm_engine" / "tiny_model.py"), str(model)]
-        + [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()],
+        + [f"--{k.replace('_', '-')}={v}" for k, v in MODELS[size].items()],
         check=True,
         capture_output=True,
     )
@@ -237,18 +245,22 @@ def _medians(runs: list[dict[str, Any]], deployments: list[str]) -> list[dict[st
         row["completed"] = sum(r["completed"] for r in mine)
         row["requests"] = sum(r["requests"] for r in mine)
         row["load_failed_pages"] = sum(r["load_failed_pages"] for r in mine)
+        row["invalid_pages"] = sum(r["invalid_pages"] for r in mine)
         row["errors"] = [e for r in mine for e in r["errors"]][:5]
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
 
 
-def _failures(engines: dict[str, Any]) -> int:
-    total = 0
+def _failures(engines: dict[str, Any]) -> tuple[int, int]:
+    """Pages whose load failed (missing at the read, such as evicted since the lookup, or
+    invalid), and of those the ones a check refused (invalid: corrupt, torn, foreign)."""
+    failed = invalid = 0
     for engine in engines.values():
         worker = engine.stats().get("worker") or {}
-        total += int(worker.get("load_failed_pages", 0))
-    return total
+        failed += int(worker.get("load_failed_pages", 0))
+        invalid += sum(int(v) for k, v in worker.items() if k.startswith("store_invalid_"))
+    return failed, invalid
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -262,7 +274,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if not python.exists():
         raise SystemExit(f"no vLLM environment at {VENV}: run scripts/install-vllm.sh")
     work = Path(tempfile.mkdtemp(prefix="kvtier-fleet-"))
-    model = _model(python, work)
+    model = _model(python, work, args.model)
     rows = load_slice(args.start, args.requests, args.max_blocks)
     master = None
     address = None
@@ -315,7 +327,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 prompts = prompts_of(rows, seed)
                 chooser = routers.get(deployment)
                 row = replay(deployment, chosen, chooser, rows, prompts, args, f"d{seed}")
-                row["load_failed_pages"] = _failures(engines) - failed
+                now = _failures(engines)
+                row["load_failed_pages"] = now[0] - failed[0]
+                row["invalid_pages"] = now[1] - failed[1]
                 row["tiers"] = args.tiers
                 row["rep"] = rep
                 runs.append(row)
@@ -371,16 +385,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--quick", action="store_true", help="60 requests, one replay each: a smoke run"
+        "--quick", action="store_true", help="60 requests, the tiny model, one replay each"
     )
     parser.add_argument("--requests", type=int, default=None, help="trace rows (200)")
     parser.add_argument("--start", type=int, default=3700, help="first trace row (3700)")
-    parser.add_argument("--speed", type=float, default=4.0, help="arrival time divisor (4)")
+    parser.add_argument("--speed", type=float, default=2.0, help="arrival time divisor (2)")
     parser.add_argument("--max-blocks", type=int, default=16, help="blocks per request (16)")
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated, at most")
     parser.add_argument("--gpu-blocks", type=int, default=192, help="vLLM's blocks per engine")
     parser.add_argument("--file-capacity", default="64MiB", help="each engine's file tier")
     parser.add_argument("--tiers", choices=("local", "shared"), default="shared")
+    parser.add_argument("--model", choices=tuple(MODELS), default=None, help="(small)")
     parser.add_argument("--slack", type=int, default=4, help="the router's balance slack (4)")
     parser.add_argument("--reps", type=int, default=3, help="replays of each deployment (3)")
     parser.add_argument(
@@ -394,6 +409,8 @@ def main() -> None:
         args.requests = 60 if args.quick else 200
     if args.quick:
         args.reps = 1
+    if args.model is None:
+        args.model = "tiny" if args.quick else "small"
     rows = run(args)
     if any(row["completed"] < row["requests"] or row["errors"] for row in rows):
         raise SystemExit("fleet: some requests failed (see the rows' errors)")
