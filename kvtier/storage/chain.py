@@ -262,23 +262,39 @@ class StorageChain:
         keys, pages = list(keys), list(pages)
         parents = checked_parents(keys, parents)
         first = self.tiers[0]
-        placement, parts = self._placement, self._parts
-        placement.describe(first, keys, parents)
-        over = placement.enforce_quota(first, keys)
-        if over:  # pages a tenant's quota cannot take, even once its own older ones left
-            kept = [i for i, key in enumerate(keys) if key not in over]
-            part = self.put(
+        self._placement.describe(first, keys, parents)
+        over = self._placement.enforce_quota(first, keys)
+        if not over:
+            return self._put_first(keys, pages, parents, on_late, guards)
+        # pages a tenant's quota cannot take, even once its own older ones left: refused
+        kept = [i for i, key in enumerate(keys) if key not in over]
+        results = BatchResult([False] * len(keys))
+        if kept:
+            part = self._put_first(
                 [keys[i] for i in kept],
                 [pages[i] for i in kept],
-                on_late=on_late,
-                guards=None if guards is None else [guards[i] for i in kept],
-                parents=[parents[i] for i in kept],
+                [parents[i] for i in kept],
+                on_late,
+                None if guards is None else [guards[i] for i in kept],
             )
-            results = BatchResult([False] * len(keys), part.outcome)
+            results.outcome = part.outcome
             for i, ok in zip(kept, part, strict=True):
                 results[i] = ok
-            return results
-        ticket = self._parts.fences.enter(keys)
+        return results
+
+    def _put_first(
+        self,
+        keys: list[str],
+        pages: list[int],
+        parents: list[str | None],
+        on_late: Callable[[Any], None] | None,
+        guards: Sequence[SaveGuard | None] | None,
+    ) -> BatchResult:
+        """:meth:`put`'s pages that the first tier's quotas take, described there
+        already: into the first tier now, then the write-through cascade."""
+        first = self.tiers[0]
+        placement, parts = self._placement, self._parts
+        ticket = parts.fences.enter(keys)
         try:
 
             def late(names: list[str], _pages: list[int]) -> LateWrite:
@@ -299,7 +315,7 @@ class StorageChain:
                 job.parents = dict(zip(keys, parents, strict=True))
                 self._cascade.submit(job, since=ticket)
         finally:
-            self._parts.fences.leave(ticket)
+            parts.fences.leave(ticket)
         return results
 
     def delete(self, keys: Sequence[str]) -> BatchResult:
