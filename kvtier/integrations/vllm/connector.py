@@ -324,6 +324,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 # every tier's exists; the scheduler never reads or writes a page
                 store = open_lookup(self.plan, **self.settings.page_store_options())
                 self._events_on = _kv_events_on(vllm_config)
+                #: vLLM's ``locality`` of each tier's events, by medium
+                self._localities = {
+                    tier_medium(tier): event_locality(tier) for tier in self.plan.storage_tiers()
+                }
                 self.scheduler = SchedulerSide(
                     self.plan,
                     self.settings,
@@ -480,14 +484,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
         classes = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved}
         if "locality" in getattr(BlockStored, "__struct_fields__", ()):  # vLLM >= 0.32
-            localities = self._localities()
             for _, fields in rows:
-                fields["locality"] = localities.get(fields["medium"])
+                fields["locality"] = self._localities.get(fields["medium"])
         return [classes[kind](**fields) for kind, fields in rows]
-
-    def _localities(self) -> dict[str, str]:
-        """vLLM's ``locality`` of each tier's events, by medium (:func:`event_locality`)."""
-        return {tier_medium(tier): event_locality(tier) for tier in self.plan.storage_tiers()}
 
     def reset_cache(self) -> bool | None:
         """vLLM's connector reset (``reset_prefix_cache(reset_connector=True)``, as after a
