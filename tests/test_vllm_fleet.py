@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_vllm import ROOT, TINY_MODEL, _vllm_python
+from test_vllm import ROOT, _vllm_python
+from test_vllm_production import _build
 
-from kvtier.integrations.router import EventFeed, PrefixRouter, Stored, decode_batch
+from kvtier.integrations.router import EventFeed, PrefixRouter, Stored, block_ids, decode_batch
 from kvtier.testing import require
 
 sys.path.insert(0, str(ROOT / "tests" / "vllm_engine"))
@@ -63,16 +64,7 @@ def python() -> Path:
 
 @pytest.fixture(scope="module")
 def model(python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import subprocess
-
-    target = tmp_path_factory.mktemp("fleet-model")
-    subprocess.run(
-        [str(python), str(TINY_MODEL), str(target), "--kind", "llama", "--layers", "2"],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return target
+    return _build(python, tmp_path_factory.mktemp("fleet-model"), "llama")
 
 
 @pytest.fixture(scope="module")
@@ -245,15 +237,15 @@ def fleet(
 def _routed(router: PrefixRouter, prompt: list[int], pages: int, timeout: float = 30.0) -> Any:
     """The router's choice for ``prompt`` once its events show ``pages`` of it for every
     engine (vLLM publishes each step's events after the step; the stores land later)."""
+    names = block_ids(prompt, router.block_size)
     deadline = time.monotonic() + timeout
-    while True:
-        route = router.route(prompt)
-        router.finished(route.engine)
-        if min(count for count, _ in route.matched.values()) >= pages:
-            return route
-        if time.monotonic() > deadline:
-            return route
+    while time.monotonic() < deadline:
+        if min(count for count, _ in router.index.matched(names).values()) >= pages:
+            break
         time.sleep(0.2)
+    route = router.route(prompt)
+    router.finished(route.engine)  # asked, not sent
+    return route
 
 
 def _recovered(a: ServedEngine, b: ServedEngine) -> list[tuple[list[int], dict, dict]]:

@@ -15,7 +15,8 @@ as "KV Transfer metrics: ...", on stdout, where vLLM's logger writes). With
 ``tiny_mm_model.py``), and a prompt may be ``{"text": T, "image": SEED}``: text with that
 seeded image; each output then also carries its prompt's token ids.
 
-vLLM's prefix cache is on (its default) unless the job says ``"prefix_caching": false``;
+The connector's ``kv_role`` is ``kv_both`` unless the job gives ``"kv_role"``. vLLM's
+prefix cache is on (its default) unless the job says ``"prefix_caching": false``;
 a phase with ``"reset_prefix_cache": true`` first empties it (once kvtier's stores are done
 and vLLM freed their blocks), as memory pressure would, so the phase's hits are kvtier's.
 With ``"hooks": {...}`` the connector is ``tests/vllm_engine/hooks.py``'s, and a phase's
@@ -64,7 +65,7 @@ def _connector_config(job: dict[str, Any]) -> dict[str, Any] | None:
     config = {
         "kv_connector": "KvtierConnector",
         "kv_connector_module_path": "kvtier.integrations.vllm",
-        "kv_role": "kv_both",
+        "kv_role": job.get("kv_role", "kv_both"),
         "kv_load_failure_policy": job.get("kv_load_failure_policy", "recompute"),
         "kv_connector_extra_config": {"kvtier": job["kvtier"]},
     }
@@ -73,6 +74,11 @@ def _connector_config(job: dict[str, Any]) -> dict[str, Any] | None:
         config["kv_connector_module_path"] = "hooks"
         config["kv_connector_extra_config"]["kvtier_test"] = job["hooks"]
     return config
+
+
+def kv_events_config(endpoint: str) -> dict[str, Any]:
+    """vLLM's ``kv_events_config``: publish its KV cache events over ZMQ at ``endpoint``."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
 
 
 def engine_options(job: dict[str, Any]) -> dict[str, Any]:
@@ -320,11 +326,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         kwargs["kv_transfer_config"] = transfer
     events = _KVEvents() if job.get("kv_events") else None
     if events is not None:
-        kwargs["kv_events_config"] = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": events.endpoint,
-        }
+        kwargs["kv_events_config"] = kv_events_config(events.endpoint)
     if job.get("multimodal"):
         kwargs["limit_mm_per_prompt"] = {"image": 1}
         if "mm_processor_cache_gb" in job:

@@ -91,14 +91,9 @@ def _build(job: dict[str, Any], helpers: ModuleType) -> Any:
     kwargs: dict[str, Any] = {}
     transfer = helpers._connector_config(job)
     if transfer is not None:
-        transfer["kv_role"] = job.get("kv_role", "kv_both")
         kwargs["kv_transfer_config"] = transfer
     if job.get("kv_events_endpoint"):
-        kwargs["kv_events_config"] = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": job["kv_events_endpoint"],
-        }
+        kwargs["kv_events_config"] = helpers.kv_events_config(job["kv_events_endpoint"])
     return LLM(**helpers.engine_options(job), **kwargs)
 
 
