@@ -50,6 +50,7 @@ SPECS = [DIRECT_SPEC, KERNEL_SPEC]
 DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn"]
 DEVICES = [
     "cpu",
+    "cpu-staged",  # the CUDA path's batched crossings (TransferPlan.staged), run on CPU
     pytest.param(
         "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
     ),
@@ -62,6 +63,14 @@ ALL_CAPS = [
     for layout, attention, op in itertools.product(Layout, AttentionKind, Operation)
 ]
 BACKUPS = (Operation.BACKUP_ALL, Operation.BACKUP_LAYER)
+
+
+def on(io: IOBackend, device: str) -> str:
+    """The torch device for a ``DEVICES`` entry; ``cpu-staged`` makes ``io`` stage its copies."""
+    if device == "cpu-staged":
+        io.stage_always = True
+        return "cpu"
+    return device
 
 
 def make_geometry(attention: AttentionKind, dtype: str = "bfloat16") -> KVGeometry:
@@ -155,6 +164,7 @@ def test_declared_capability_moves_exactly_the_right_bytes(
 ) -> None:
     g = make_geometry(cap.attention, dtype)
     io = build(spec, g, cap.layout)
+    device = on(io, device)
     gen = torch.Generator().manual_seed(sorted(spec.capabilities).index(cap) * 31 + len(dtype))
     host = HostPool(g, cap.layout, num_pages=NUM_PAGES)
     dev = TorchDevicePool(g, NUM_SLOTS, device)
@@ -202,6 +212,7 @@ def test_backup_then_load_into_other_slots_is_bit_exact(
 ) -> None:
     g = make_geometry(attention, dtype)
     io = build(spec, g, layout)
+    device = on(io, device)
     gen = torch.Generator().manual_seed(7)
     source = TorchDevicePool(g, NUM_SLOTS, device).fill_random_(gen)
     target = TorchDevicePool(g, NUM_SLOTS, device)
@@ -258,12 +269,14 @@ class ListDevicePool:
         return self.layers[layer][0]
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["direct-copies", "staged"])
 @pytest.mark.parametrize(("spec", "layout", "attention"), ROUND_TRIPS)
 def test_per_layer_tensors_that_do_not_stack_round_trip_too(
-    spec: IOBackendSpec, layout: Layout, attention: AttentionKind
+    spec: IOBackendSpec, layout: Layout, attention: AttentionKind, staged: bool
 ) -> None:
     g = make_geometry(attention, "bfloat16")
     io = build(spec, g, layout)
+    io.stage_always = staged
     gen = torch.Generator().manual_seed(3)
     source, target = ListDevicePool(g, NUM_SLOTS, gen), ListDevicePool(g, NUM_SLOTS, gen)
     host = HostPool(g, layout, num_pages=NUM_PAGES)

@@ -20,6 +20,7 @@ from kvtier.cache.workers import Job
 from kvtier.cache.writes import StorageWriter
 from kvtier.core.errors import CacheClosedError, KvtierError
 from kvtier.core.metrics import Cause
+from kvtier.core.streams import Fence
 from kvtier.storage.parents import batch_parents
 
 __all__ = ["Backups"]
@@ -42,15 +43,18 @@ class Backups:
         #: pages of per-layer backups still waiting for layers; the transfer worker's alone
         self._layered: dict[str, _Layered] = {}
 
-    def start(self, keys: list[str], slots: torch.Tensor, layer: int | None) -> BackupHandle:
-        """Queue the backup of checked ``keys`` from checked, private ``slots``."""
+    def start(
+        self, keys: list[str], slots: torch.Tensor, layer: int | None, after: Fence
+    ) -> BackupHandle:
+        """Queue the backup of checked ``keys`` from checked, private ``slots``, to be
+        copied once ``after`` (the caller's stream when it asked) has passed."""
         handle = BackupHandle(keys)
         if not keys:
             handle.finish()
             return handle
         started = time.monotonic()
         job = Job(
-            lambda: self._run(handle, keys, slots, started, layer),
+            lambda: self._run(handle, keys, slots, started, layer, after),
             lambda: self._cancel(handle, len(keys)),
         )
         ctx = self.ctx
@@ -81,9 +85,10 @@ class Backups:
         slots: torch.Tensor,
         started: float,
         layer: int | None,
+        after: Fence,
     ) -> None:
         try:
-            self._copy(handle, keys, slots, layer)
+            self._copy(handle, keys, slots, layer, after)
         except BaseException as exc:
             if not handle.host_done.is_set():
                 handle.record_failure(len(keys) - handle.pages_copied - handle.pages_cached, exc)
@@ -131,9 +136,17 @@ class Backups:
         return targets, existing
 
     def _copy(
-        self, handle: BackupHandle, keys: list[str], slots: torch.Tensor, layer: int | None
+        self,
+        handle: BackupHandle,
+        keys: list[str],
+        slots: torch.Tensor,
+        layer: int | None,
+        after: Fence,
     ) -> None:
-        """Place the pages, copy the new ones batch by batch, hand whole pages on."""
+        """Place the pages, copy the new ones batch by batch, hand whole pages on.
+
+        On a CUDA pool each batch is queued on the save stream after ``after``, and this
+        worker (never the model's thread) waits for it before the pages go on."""
         ctx = self.ctx
         ps = ctx.geometry.page_size
         if layer is None:
@@ -158,14 +171,18 @@ class Backups:
                 source = slots.view(-1, ps)[positions].reshape(-1)
             t0 = time.monotonic()
             try:
-                ctx.io_backend.backup(
+                copied = ctx.io_backend.backup(
                     ctx.device_pool,
                     ctx.host_pool,
                     source,
                     [e.page for e in entries],
                     layer=layer,
                     checked=True,  # the facade checked the slots and the layer
+                    stream=ctx.save_stream,
+                    after=after,
                 )
+                if isinstance(copied, Fence):  # a plugin's own backup() may return None
+                    copied.synchronize()
             except Exception as exc:
                 rest = list(dict.fromkeys(entry for _, entry in targets[start:]))
                 for entry in rest:

@@ -22,6 +22,7 @@ from kvtier.core.geometry import KVGeometry
 from kvtier.core.host_pool import HostPool
 from kvtier.core.io import IOBackend
 from kvtier.core.metrics import Cause
+from kvtier.core.streams import CopyStream
 from kvtier.storage import StorageChain
 
 if TYPE_CHECKING:
@@ -56,6 +57,11 @@ class CacheContext:
         self.host_pool = host_pool
         self.io_backend = io_backend
         self.page_store = page_store
+        #: Where device <-> host copies run: one stream per direction on a CUDA pool, so
+        #: loads and backups overlap the model's kernels and each other (the calling
+        #: thread elsewhere).
+        self.load_stream = CopyStream(device_pool.device)
+        self.save_stream = CopyStream(device_pool.device)
         #: MLA ranks hold the same latent: only rank 0 writes it to storage.
         self.writes_storage = writes_storage
         self.stats = CacheStats()

@@ -16,6 +16,7 @@ from typing import Protocol
 from kvtier.cache.index import Entry, EntryState
 from kvtier.cache.options import CacheOptions
 from kvtier.core.errors import InvalidFieldError
+from kvtier.core.streams import Fence
 
 __all__ = ["BackupHandle", "HostPins", "PrefetchHandle"]
 
@@ -141,6 +142,8 @@ class PrefetchHandle:
         self._released = False
         self._usable: int | None = None
         self._layers_loaded: set[int] = set()
+        #: Copies out of the handle's host pages still running (CUDA), by layer (None: all).
+        self._fences: dict[int | None, Fence] = {}
         self._lock = threading.Lock()
         self.finished = threading.Event()  # set by the fetch job (or at once if none)
 
@@ -216,12 +219,33 @@ class PrefetchHandle:
         usable = self.settle()
         return [entry.page for entry in self._entries[:usable]]
 
+    def order(self, layer: int | None = None) -> None:
+        """Make the caller's current stream wait for the loads of ``layer`` (None: every
+        load so far): what a caller of ``load(..., ordered=False)`` does before it uses a
+        layer. The host does not wait; off CUDA there is nothing to wait for."""
+        fences: list[Fence | None]
+        with self._lock:
+            if layer is None:
+                fences = list(self._fences.values())
+            else:  # that layer's load, or a load of every layer
+                fences = [self._fences.get(layer), self._fences.get(None)]
+        for fence in fences:
+            if fence is not None:
+                fence.order()
+
     def release(self) -> None:
-        """Unpin the handle's host pages; idempotent. Loading all layers does it for you."""
+        """Unpin the handle's host pages; idempotent. Loading all layers does it for you.
+
+        Copies still reading the pages (CUDA loads) are waited for first: an unpinned
+        page may be evicted and overwritten at once."""
         with self._lock:
             if self._released:
                 return
             self._released = True
+            fences, self._fences = list(self._fences.values()), {}
+        for fence in fences:
+            fence.synchronize()
+        with self._lock:
             entries, self._entries = self._entries, []
             self._usable = 0 if self._usable is None else self._usable
             on_release, self._on_release = self._on_release, None
@@ -236,6 +260,13 @@ class PrefetchHandle:
     def layers_loaded(self) -> int:
         """How many distinct layers of the settled prefix were loaded (per-layer loads)."""
         return len(self._layers_loaded)
+
+    def add_fence(self, layer: int | None, fence: Fence) -> None:
+        """A load of ``layer`` (None: all layers) from these pages was queued up to ``fence``."""
+        if fence.passed:
+            return
+        with self._lock:
+            self._fences[layer] = fence
 
     def layer_loaded(self, layer: int) -> int:
         """Record that ``layer`` was loaded; return :attr:`layers_loaded`."""

@@ -51,6 +51,7 @@ from kvtier.core.keys import PageKeyer, layout_namespace, validate_key
 from kvtier.core.metrics import Cause
 from kvtier.core.specs import Operation
 from kvtier.core.storage import StorageBackend
+from kvtier.core.streams import current_fence
 from kvtier.storage import StorageChain
 
 if TYPE_CHECKING:
@@ -197,6 +198,11 @@ class TieredCache:
         are taken as one sequence's consecutive pages: each page's parent, told to the
         storage tiers' policies, is the key before it (the first page has none).
 
+        On a CUDA pool the copy runs on the cache's save stream after the work queued so
+        far on the caller's current stream (the kernels that wrote these pages), so the
+        call never waits for the device; the worker waits for the copy before it hands
+        the pages on.
+
         ``layer`` copies one layer (``backup_layer``, for layer-sharded pools): call it
         once per layer for the same keys; a page becomes ready, and is written to storage,
         when its last layer has arrived, and stays pinned until then (or until close).
@@ -210,7 +216,8 @@ class TieredCache:
             num_slots=self.device_pool.num_slots,
         )
         # a private copy: the job runs later, and the IO backend is told it was checked
-        return self._backups.start(keys, slots.detach().clone(), layer)
+        after = current_fence(self.device_pool.device)
+        return self._backups.start(keys, slots.detach().clone(), layer, after)
 
     def prefetch(self, keys: Sequence[str]) -> PrefetchHandle:
         """Find the longest cached prefix of ``keys`` and start bringing it into the host pool.
@@ -227,6 +234,7 @@ class TieredCache:
         device_slots: torch.Tensor,
         *,
         layer: int | None = None,
+        ordered: bool = True,
     ) -> int:
         """Copy the prefetched prefix into ``device_slots``; return the pages loaded.
 
@@ -235,6 +243,15 @@ class TieredCache:
         ``device_slots`` holds token slots for at least the pages to load; extra slots
         are left alone. ``layer`` loads one layer; the handle stays pinned until every
         layer was loaded once.
+
+        On a CUDA pool the copy is queued on the cache's load stream, after the work
+        queued so far on the caller's current stream, and the call returns without
+        waiting for it. ``ordered=True`` makes the caller's current stream wait for it,
+        so kernels queued next see the pages. ``ordered=False`` (a handle, not keys) is
+        for a caller that queues every layer at once and waits per layer with
+        ``handle.order(layer)``; such a handle is not released here, so release it once
+        its layers are used (the release waits for the copies before the host pages
+        are unpinned). Off CUDA the copy is done when the call returns either way.
         """
         self._check_call(Operation.LOAD_ALL, Operation.LOAD_LAYER, "load", layer)
         if isinstance(handle, PrefetchHandle):
@@ -242,10 +259,10 @@ class TieredCache:
                 raise InvalidFieldError(
                     "handle", "this prefetch handle belongs to another TieredCache", value=handle
                 )
-            return self._loader.load(handle, device_slots, layer, own=False)
+            return self._loader.load(handle, device_slots, layer, own=False, ordered=ordered)
         prefetched = self.prefetch(handle)
         prefetched.wait(self.options.max_load_wait_s)
-        return self._loader.load(prefetched, device_slots, layer, own=True)
+        return self._loader.load(prefetched, device_slots, layer, own=True, ordered=True)
 
     def discard(self, keys: Sequence[str]) -> int:
         """Drop ``keys``' pages from the host pool (L2) at once: no later prefetch serves

@@ -29,7 +29,7 @@ import functools
 import itertools
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from kvtier.core.geometry import AttentionKind, KVGeometry
 from kvtier.core.host_pool import HostPool, check_host_page
 from kvtier.core.layout import Layout, check_layout, layouts_for, page_axes, page_view
 from kvtier.core.specs import Capability, EmptyConfig, IOBackendSpec, Operation
+from kvtier.core.streams import PASSED, CopyStream, Fence, current_fence, is_cuda
 
 __all__ = [
     "DIRECT_SPEC",
@@ -171,6 +172,14 @@ def _raw(tensor: torch.Tensor) -> torch.Tensor:
     return raw
 
 
+def _split_tokens(tensor: torch.Tensor, axis: int, pages: int, page_size: int) -> torch.Tensor:
+    """``tensor`` with its token axis ``axis`` split into ``[pages, page_size]`` (a view)."""
+    shape, strides = list(tensor.shape), list(tensor.stride())
+    shape[axis : axis + 1] = [pages, page_size]
+    strides[axis : axis + 1] = [strides[axis] * page_size, strides[axis]]
+    return tensor.as_strided(shape, strides, tensor.storage_offset())
+
+
 def _permutation(source: Sequence[str], target: Sequence[str]) -> list[int]:
     return [list(source).index(axis) for axis in target]
 
@@ -207,16 +216,31 @@ class TransferPlan:
     """A validated, non-empty transfer: what :meth:`IOBackend.run_backup` / ``run_load`` get.
 
     Every page id, slot and layer is in range and no destination repeats; ``slots`` is
-    int64 on the device pool's device, page ``i`` of ``pages`` holding
-    ``slots[i*ps:(i+1)*ps]``. ``layer`` is None for an all-layer operation.
+    int64 where the caller had them (host memory, so checking them never waits for a
+    device), page ``i`` of ``pages`` holding ``slots[i*ps:(i+1)*ps]``. ``layer`` is None
+    for an all-layer operation. ``staged``: the pools are on different devices (a CUDA
+    pool), so pages cross in contiguous batches through device memory (see
+    :meth:`IOBackend.staged_copies`); ``non_blocking``: those crossings are DMA from or
+    to pinned memory and need not hold the calling thread.
     """
 
     device: DevicePool
     host: HostPool
-    slots: torch.Tensor  # int64, on the device pool's device
+    slots: torch.Tensor  # int64
     pages: list[int]
     layer: int | None
     device_pages: list[int] | None = None  # set by ``direct``: the device page of each page
+    staged: bool = False
+    non_blocking: bool = False
+
+    def on_device(self, index: torch.Tensor) -> torch.Tensor:
+        """``index`` on the device pool's device (pinned first, so the move does not block)."""
+        target = torch.device(self.device.device)
+        if index.device == target:
+            return index
+        if self.non_blocking and index.device.type == "cpu":
+            return index.pin_memory().to(target, non_blocking=True)
+        return index.to(target)
 
 
 class IOBackend(ABC):
@@ -233,9 +257,18 @@ class IOBackend(ABC):
     for this device pool, as int64) and ``layer`` through :func:`check_layer`, as
     TieredCache does; those two checks are then skipped and every other one still runs.
     Called directly, leave it False: nothing reaches an implementation unchecked.
+
+    On a CUDA device pool, ``stream`` (a :class:`~kvtier.core.streams.CopyStream`) queues
+    the copies on that stream after ``after`` (default: after the caller's current
+    stream) and returns at once with a :class:`~kvtier.core.streams.Fence` to wait on;
+    the host pages and the slots must stay as they are until it has passed. Without
+    ``stream`` a call returns when the data is in place, as on every other device.
     """
 
     name = "io"
+    #: Take the staged path (:attr:`TransferPlan.staged`) even between pools on one
+    #: device: how the CUDA path's batching is tested without a GPU.
+    stage_always = False
 
     def __init__(
         self,
@@ -270,12 +303,15 @@ class IOBackend(ABC):
         *,
         layer: int | None = None,
         checked: bool = False,
-    ) -> None:
+        stream: CopyStream | None = None,
+        after: Fence | None = None,
+    ) -> Fence:
         """Copy the KV of ``device_slots`` into ``host_pages`` (one layer, or all)."""
         op = Operation.BACKUP_ALL if layer is None else Operation.BACKUP_LAYER
         plan = self._validate(op, device, host, device_slots, host_pages, layer, checked)
-        if plan is not None:
-            self.run_backup(plan)
+        if plan is None:
+            return PASSED
+        return self._execute(plan, self.run_backup, stream, after)
 
     def load(
         self,
@@ -286,12 +322,36 @@ class IOBackend(ABC):
         *,
         layer: int | None = None,
         checked: bool = False,
-    ) -> None:
+        stream: CopyStream | None = None,
+        after: Fence | None = None,
+    ) -> Fence:
         """Copy ``host_pages`` into the device pool at ``device_slots`` (one layer, or all)."""
         op = Operation.LOAD_ALL if layer is None else Operation.LOAD_LAYER
         plan = self._validate(op, device, host, device_slots, host_pages, layer, checked)
-        if plan is not None:
-            self.run_load(plan)
+        if plan is None:
+            return PASSED
+        return self._execute(plan, self.run_load, stream, after)
+
+    @staticmethod
+    def _execute(
+        plan: TransferPlan,
+        run: Callable[[TransferPlan], None],
+        stream: CopyStream | None,
+        after: Fence | None,
+    ) -> Fence:
+        """Run ``plan``: on the calling thread, or queued on a CUDA ``stream``."""
+        device = plan.device.device
+        if not is_cuda(device):
+            run(plan)
+            return PASSED
+        if stream is None:  # in place when the call returns, as off CUDA
+            run(plan)
+            done = current_fence(device)
+            done.synchronize()
+            return PASSED
+        with stream.active(current_fence(device) if after is None else after):
+            run(plan)
+        return stream.fence()
 
     def supports(self, operation: Operation) -> bool:
         """Whether this backend executes ``operation`` for its layout and attention kind."""
@@ -319,6 +379,56 @@ class IOBackend(ABC):
                     "must be written once",
                     value=value,
                 )
+
+    def staged_copies(self, plan: TransferPlan, *, to_host: bool) -> None:
+        """Move a staged plan: each run of consecutive host pages crosses in one copy per kv.
+
+        A backup gathers the run's token slots on the device (``index_select``, or a
+        strided view when the slots are one ascending range) into one contiguous block
+        and copies it to the host pages in one DMA; a load copies the run's host pages to
+        the device in one DMA and scatters them (``index_copy_``). That is one launch and
+        one copy per run per kv, for all layers when the device buffers stack, else per
+        layer: the fewest a CUDA pool allows, whatever its block table looks like. Both
+        built-in IO backends take this path across devices (``direct``'s pages are whole
+        pages, so their slots are ranges more often). Where a run over all layers is not
+        one contiguous host block (``layer_first``), it crosses layer by layer.
+        """
+        ps = self.geometry.page_size
+        rows = plan.slots.view(-1, ps)
+        runs = _page_runs(plan.pages)
+        ranges = [_slot_range(rows[i0 : i0 + n]) for i0, _, n in runs]
+        indices: dict[int, torch.Tensor] = {}
+        # a DMA needs a contiguous host block: where a run of pages over all layers is not
+        # one (layer_first, padded pages), the run crosses layer by layer
+        whole = self._host_pages(plan.host, 0, None)[:2].is_contiguous()
+        for layer, device_views in self._device_views(plan, by_layer=not whole):
+            token_axis = self._native_axes(layer).index("token")
+            for kv, dev in enumerate(device_views):
+                host_view = self._host_pages(plan.host, kv, layer)
+                for (i0, h0, n), start in zip(runs, ranges, strict=True):
+                    host_run = host_view[h0 : h0 + n]  # [n, *native axes with ps tokens]
+                    if start is not None:
+                        block = dev.narrow(token_axis, start, n * ps)
+                        if to_host:
+                            pages = _split_tokens(block, token_axis, n, ps).movedim(token_axis, 0)
+                            host_run.copy_(pages, non_blocking=plan.non_blocking)
+                        else:
+                            incoming = host_run.to(dev.device, non_blocking=plan.non_blocking)
+                            _split_tokens(block, token_axis, n, ps).copy_(
+                                incoming.movedim(0, token_axis)
+                            )
+                        continue
+                    index = indices.get(i0)
+                    if index is None:
+                        index = indices[i0] = plan.on_device(rows[i0 : i0 + n].reshape(-1))
+                    if to_host:
+                        gathered = dev.index_select(token_axis, index)
+                        pages = _split_tokens(gathered, token_axis, n, ps).movedim(token_axis, 0)
+                        host_run.copy_(pages, non_blocking=plan.non_blocking)
+                    else:
+                        incoming = host_run.to(dev.device, non_blocking=plan.non_blocking)
+                        tokens = incoming.movedim(0, token_axis).flatten(token_axis, token_axis + 1)
+                        dev.index_copy_(token_axis, index, tokens)
 
     # --- validation -----------------------------------------------------------------
 
@@ -379,7 +489,16 @@ class IOBackend(ABC):
                 "page must be written once",
                 value=duplicate,
             )
-        plan = TransferPlan(device, host, slots.to(device.device), pages, layer)
+        across = torch.device(device.device) != host.kv_buffers[0].device
+        plan = TransferPlan(
+            device,
+            host,
+            slots,
+            pages,
+            layer,
+            staged=across or self.stage_always,
+            non_blocking=across and host.pin_memory,
+        )
         self.check_slots(plan, operation)
         return plan
 
@@ -424,15 +543,18 @@ class IOBackend(ABC):
     def _native_axes(self, layer: int | None) -> tuple[str, ...]:
         return page_axes(self.layout, without_layer=layer is not None)
 
-    def _device_views(self, plan: TransferPlan) -> list[tuple[int | None, list[torch.Tensor]]]:
+    def _device_views(
+        self, plan: TransferPlan, *, by_layer: bool = False
+    ) -> list[tuple[int | None, list[torch.Tensor]]]:
         """Device memory per kv in host-native axis order, as (layer, [tensor per kv]).
 
-        One entry covering all layers when the pool's layer buffers stack, else one per layer.
+        One entry covering all layers when the pool's layer buffers stack (and not
+        ``by_layer``), else one per layer.
         """
         g = self.geometry
         layers = range(g.num_layers) if plan.layer is None else [plan.layer]
         per_layer = [layer_buffers(plan.device, layer) for layer in layers]
-        if plan.layer is None:
+        if plan.layer is None and not by_layer:
             stacked = [_stack_layers([bufs[kv] for bufs in per_layer]) for kv in range(g.kv_count)]
             if all(s is not None for s in stacked):
                 perm = _permutation(_DEVICE_AXES, self._native_axes(None))
@@ -585,10 +707,16 @@ class DirectIOBackend(IOBackend):
         return moves
 
     def run_backup(self, plan: TransferPlan) -> None:
-        self._copy(plan, to_host=True)
+        if plan.staged:
+            self.staged_copies(plan, to_host=True)
+        else:
+            self._copy(plan, to_host=True)
 
     def run_load(self, plan: TransferPlan) -> None:
-        self._copy(plan, to_host=False)
+        if plan.staged:
+            self.staged_copies(plan, to_host=False)
+        else:
+            self._copy(plan, to_host=False)
 
 
 class KernelIOBackend(IOBackend):
@@ -608,7 +736,11 @@ class KernelIOBackend(IOBackend):
     def run_backup(self, plan: TransferPlan) -> None:
         """Gather the pages; a run of consecutive host pages whose slots are one ascending
         range (the usual case) is one strided ``copy_`` per kv, any other page a gather
-        of its own (see :meth:`run_load` for why few, large ops matter)."""
+        of its own (see :meth:`run_load` for why few, large ops matter). Across devices
+        (a CUDA pool): :meth:`IOBackend.staged_copies`."""
+        if plan.staged:
+            self.staged_copies(plan, to_host=True)
+            return
         ps = self.geometry.page_size
         rows = plan.slots.view(-1, ps)
         chunks = rows.unbind(0)
@@ -661,9 +793,12 @@ class KernelIOBackend(IOBackend):
         one ``index_put_`` of all its pages. Few, large ops matter on a CPU device: a
         per-page ``index_copy_`` runs on torch's intra-op threads, and on a shared host
         each of those calls waits for its slowest thread, so loads swung 0.3-10 GB/s
-        between calls while backups held steady. Pages on another device than the pool
-        (a CUDA pool) still go page by page, each copied to the device first.
+        between calls while backups held steady. Across devices (a CUDA pool):
+        :meth:`IOBackend.staged_copies`.
         """
+        if plan.staged:
+            self.staged_copies(plan, to_host=False)
+            return
         ps = self.geometry.page_size
         rows = plan.slots.view(-1, ps)
         runs = _page_runs(plan.pages)
@@ -673,11 +808,6 @@ class KernelIOBackend(IOBackend):
             lead: tuple[slice | torch.Tensor, ...] = (slice(None),) * token_axis
             for kv, dev in enumerate(device_views):
                 host_view = self._host_pages(plan.host, kv, layer)
-                if host_view.device != dev.device:
-                    chunks = rows.unbind(0)
-                    for page, index in zip(plan.pages, chunks, strict=True):
-                        dev.index_copy_(token_axis, index, host_view[page].to(dev.device))
-                    continue
                 if contiguous is None:
                     contiguous = [_slot_range(rows[i0 : i0 + n]) for i0, _, n in runs]
                 for (i0, h0, n), start in zip(runs, contiguous, strict=True):
