@@ -191,6 +191,23 @@ def test_auto_pins_when_cuda_is_available() -> None:
     assert pool.pin_memory and pool.buffer.is_pinned()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_large_pools_are_pinned_by_registration_at_their_own_size() -> None:
+    from kvtier.core.host_pool import REGISTER_FROM_BYTES
+
+    size = REGISTER_FROM_BYTES + (REGISTER_FROM_BYTES >> 1)  # 1.5x: no power of two
+    pool = HostPool(TINY_MHA, "page_first", size_bytes=size)
+    assert pool.pin_memory and pool.buffer.is_pinned()
+    assert pool.nbytes <= size
+    # registered memory, not torch's pinned allocator (which would round up to 2x)
+    assert pool._backing.numel() <= pool._payload.numel() + 4096
+    device = torch.empty(pool._payload.numel(), dtype=torch.uint8, device="cuda")
+    device.random_(0, 256)
+    pool._payload.copy_(device, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(pool._payload.cuda(), device)
+
+
 # --- allocator ------------------------------------------------------------------------
 
 

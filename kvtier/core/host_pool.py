@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import threading
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -34,14 +35,29 @@ from kvtier.core.layout import (
 __all__ = ["HostPool", "aligned_empty", "check_host_page"]
 
 
+#: Pools from this size up are pinned by registering ordinary memory with CUDA
+#: (``cudaHostRegister``) rather than taken from torch's pinned allocator, which rounds
+#: each block up to a power of two: a 40 GiB pool would pin 64 GiB.
+REGISTER_FROM_BYTES = 64 << 20
+
+
 def aligned_empty(nbytes: int, *, pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(backing, slab)``: a uint8 slab of ``nbytes`` starting on a 4096 boundary.
 
     torch aligns CPU tensors only to 64 bytes, so we over-allocate by 4096 and slice.
-    Pinned memory comes page-aligned from the CUDA host allocator, which also rounds
-    sizes up to a power of two, so it is tried at the exact size first (over-allocating
-    a 2 GiB pool by 4 KiB would pin 4 GiB). The slab's storage keeps ``backing`` alive.
+    Pinned memory from ``REGISTER_FROM_BYTES`` up is ordinary memory registered with CUDA
+    (:func:`register_pinned`; unregistered when ``backing`` is freed); smaller slabs, or
+    where registration fails, come page-aligned from the CUDA host allocator, tried at
+    the exact size first since it rounds sizes up to a power of two. The slab's storage
+    keeps ``backing`` alive.
     """
+    if pin_memory and nbytes >= REGISTER_FROM_BYTES:
+        backing = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
+        offset = (-backing.data_ptr()) % ALIGNMENT
+        slab = backing[offset : offset + nbytes]
+        if register_pinned(backing):
+            return backing, slab
+        del backing, slab
     if pin_memory:
         exact = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         if exact.data_ptr() % ALIGNMENT == 0:
@@ -51,6 +67,30 @@ def aligned_empty(nbytes: int, *, pin_memory: bool = False) -> tuple[torch.Tenso
     offset = (-backing.data_ptr()) % ALIGNMENT
     slab = backing[offset : offset + nbytes]
     return backing, slab
+
+
+def register_pinned(tensor: torch.Tensor) -> bool:
+    """Page-lock ``tensor``'s memory for DMA (``cudaHostRegister``) until it is freed.
+
+    Returns False, pinning nothing, where CUDA refuses (no driver support, the locked
+    memory limit): the caller then takes memory from torch's pinned allocator instead.
+    """
+    try:
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        ptr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        if int(cudart.cudaHostRegister(ptr, size, 0)) != 0:
+            return False
+    except (AttributeError, RuntimeError):
+        return False
+    weakref.finalize(tensor, _unregister, cudart, ptr)
+    return True
+
+
+def _unregister(cudart: object, ptr: int) -> None:
+    """Undo :func:`register_pinned` (the memory is still there: the tensor is being freed)."""
+    unregister = getattr(cudart, "cudaHostUnregister", None)
+    if unregister is not None:
+        unregister(ptr)
 
 
 def check_host_page(page: object, num_pages: int, *, error: type[KvtierError] = PageError) -> int:
