@@ -751,20 +751,17 @@ class KernelIOBackend(IOBackend):
             token_axis = axes.index("token")
             for kv, dev in enumerate(device_views):
                 host_view = self._host_pages(plan.host, kv, layer)
-                same_device = dev.device == host_view.device
-                todo: list[int] | range = range(len(plan.pages))
-                if same_device:
-                    if contiguous is None:
-                        contiguous = [_slot_range(rows[i0 : i0 + n]) for i0, _, n in runs]
-                    todo = []
-                    for (i0, h0, n), start in zip(runs, contiguous, strict=True):
-                        if start is None:
-                            todo.extend(range(i0, i0 + n))
-                            continue
-                        source = dev.narrow(token_axis, start, n * ps)
-                        shape = list(source.shape)
-                        shape[token_axis : token_axis + 1] = [n, ps]
-                        host_view[h0 : h0 + n].movedim(0, token_axis).copy_(source.view(shape))
+                if contiguous is None:
+                    contiguous = [_slot_range(rows[i0 : i0 + n]) for i0, _, n in runs]
+                todo: list[int] = []
+                for (i0, h0, n), start in zip(runs, contiguous, strict=True):
+                    if start is None:
+                        todo.extend(range(i0, i0 + n))
+                        continue
+                    source = dev.narrow(token_axis, start, n * ps)
+                    shape = list(source.shape)
+                    shape[token_axis : token_axis + 1] = [n, ps]
+                    host_view[h0 : h0 + n].movedim(0, token_axis).copy_(source.view(shape))
                 if self.layout is Layout.PAGE_HEAD:
                     # gather in the device's own axis order, then permute into head-major
                     natural_axes = [a for a in _DEVICE_AXES if a in axes]
@@ -775,13 +772,13 @@ class KernelIOBackend(IOBackend):
                         gathered = natural.index_select(natural_token, chunks[i])
                         host_view[plan.pages[i]].copy_(gathered.permute(back))
                     continue
-                per_layer = layer is None and self.layout is Layout.LAYER_FIRST and same_device
+                per_layer = layer is None and self.layout is Layout.LAYER_FIRST
                 for i in todo:
                     target, index = host_view[plan.pages[i]], chunks[i]
                     if per_layer:
                         for sub_target, sub_dev in zip(target, dev, strict=True):
                             torch.index_select(sub_dev, 0, index, out=sub_target)
-                    elif same_device and target.is_contiguous():
+                    elif target.is_contiguous():
                         torch.index_select(dev, token_axis, index, out=target)
                     else:
                         target.copy_(dev.index_select(token_axis, index))
