@@ -338,7 +338,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                     describe=self._describe if self._events_on else None,
                 )
             elif plan_strategy(self.plan) == "device":
-                self.worker = DeviceWorkerSide(self.plan, self.settings, groups=groups)
+                self.worker = DeviceWorkerSide(
+                    self.plan, self.settings, groups=groups, kv_groups=self.groups
+                )
             else:
                 self.worker = WorkerSide(self.plan, self.settings, groups=groups)
         except KvtierError as exc:

@@ -22,8 +22,26 @@ to be recomputed, is counted, and is reported to the scheduler, as on the CPU pa
 (:mod:`.worker`); the pages after it are recomputed too (chained keys) but kept, and
 nothing is deleted (the cache gives no per-page verdict; the recomputed page is written
 over a bad one). Loads run inside the step (vLLM's ``load_async`` is False here), one
-layer per call. Keys are the scheduler's chained keys plus this rank's suffix. MLA and
-hybrid models are refused on this path. Nothing here imports vLLM.
+layer per call. Keys are the scheduler's chained keys plus this rank's suffix.
+
+The page kinds of the CPU path are stored here too:
+
+- **MLA**: the pool is a latent view of vLLM's tensors; every rank holds the same latent,
+  so rank 0 alone writes storage (the cache's ``writes_storage``) and reports pages
+  stored, while every rank backs its pages up into its own host pool and loads.
+- **hybrid** (vLLM's hybrid allocator, several KV cache groups): one pool over the
+  distinct layer positions (groups overlay one memory; a page is a block across every
+  position and only its key names the group); each op carries its group's keys and
+  blocks. A layer's backup copies that position of its own group's blocks only (another
+  group's layer at the position may not have run yet). A sliding-window group's blocks,
+  which vLLM frees while the request runs, are host-copied before :meth:`end_step`
+  returns (at most ``preempt_wait_s``, else tainted as a preemption's). vLLM takes no
+  block errors with several groups, so failed loads go back per request in the report
+  (``failed_from``: the scheduler distrusts the page and re-plans the stores). vLLM
+  fails a load per request only while the request waits for an asynchronous load, which
+  this path's in-step loads are not: the step computes over that block as it was.
+
+Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -49,8 +67,10 @@ from kvtier.integrations.vllm.paged import (
     DEVICE_SUPPORTED,
     VLLMPagedPool,
     block_slots,
+    positions_of,
     strategy_of,
 )
+from kvtier.integrations.vllm.plan import KVGroup, reader_plan
 from kvtier.integrations.vllm.rank import Deleter, RankWorker, no_pages_yet
 from kvtier.integrations.vllm.settings import VLLMSection
 
@@ -109,21 +129,48 @@ class _Save:
 class DeviceWorkerSide(RankWorker):
     """Loads and stores of one vLLM worker whose KV cache is on an accelerator."""
 
-    def __init__(self, plan: ResolvedPlan, settings: VLLMSection, *, groups: int = 1) -> None:
-        if plan.geometry.attention is not AttentionKind.MHA or groups > 1:
+    def __init__(
+        self,
+        plan: ResolvedPlan,
+        settings: VLLMSection,
+        *,
+        groups: int = 1,
+        kv_groups: Sequence[KVGroup] = (),
+    ) -> None:
+        """``groups``: vLLM's KV cache groups; ``kv_groups``: those groups, whose layer
+        names let a layer's backup copy its own group's blocks (without them, a model of
+        several groups backs every position up at the step's end)."""
+        mla = plan.geometry.attention is AttentionKind.MLA
+        if mla and groups > 1:
             raise refuse(
-                "vLLM KV cache: the accelerator path stores one KV cache group of MHA/GQA "
-                f"attention, and this model has {groups} group(s) of "
-                f"{plan.geometry.attention.value.upper()}; MLA and hybrid models are served "
-                "on vLLM's CPU engine only",
-                plan.geometry.attention.value,
+                f"vLLM KV cache: an MLA model with {groups} KV cache groups (MLA beside other "
+                "attention, or sliding-window MLA); kvtier stores one group of MLA",
+                groups,
+                DEVICE_SUPPORTED,
+            )
+        if kv_groups and len(kv_groups) != groups:
+            raise refuse(
+                f"vLLM KV cache: {len(kv_groups)} KV cache groups given for a model of "
+                f"{groups}; pass kv_groups(kv_cache_config) from kvtier.integrations.vllm.plan",
+                len(kv_groups),
                 DEVICE_SUPPORTED,
             )
         super().__init__(plan, settings, groups=groups)
         self.cache: TieredCache | None = None
         self.pool: VLLMPagedPool | None = None
-        #: vLLM's layer name -> kvtier layer index (model order).
+        #: vLLM's layer name -> kvtier layer index (its position, in model order; layers
+        #: of several groups that alias one tensor share it).
         self.layers: dict[str, int] = {}
+        #: Distinct layer positions (the pool's layers).
+        self.positions = 0
+        #: vLLM's layer name -> its KV cache group (several groups only).
+        self.group_of: dict[str, int] = (
+            {name: group.index for group in kv_groups for name in group.layer_names}
+            if groups > 1
+            else {}
+        )
+        #: MLA pages are the same on every rank: rank 0 writes and reports them.
+        self.writes_pages = not mla or int(plan.context.tp_rank) == 0
         self.per_layer_load = plan.declares(Operation.LOAD_LAYER)
         self.per_layer_save = plan.declares(Operation.BACKUP_LAYER)
         self._loads: list[_Load] = []
@@ -150,16 +197,20 @@ class DeviceWorkerSide(RankWorker):
                 str(layers[0][1].device) if layers else None,
                 DEVICE_SUPPORTED,
             )
-        pool = VLLMPagedPool(layers, num_blocks=num_blocks, geometry=self.plan.geometry)
+        positions, where = positions_of(layers)
+        pool = VLLMPagedPool(positions, num_blocks=num_blocks, geometry=self.plan.geometry)
         bounds = self.settings.page_store_options()
         options = {
             **CACHE_OPTIONS,
             "backend_call_timeout_s": bounds["backend_call_timeout_s"],
             "max_abandoned_calls": bounds["max_abandoned_calls"],
         }
-        cache = TieredCache.open(self.plan, pool, options=options)  # the connector's plan
+        # the connector's plan; an MLA rank that writes nothing promotes nothing either:
+        # the writer, reading the same shared pages, promotes them once
+        plan = self.plan if self.writes_pages else reader_plan(self.plan)
+        cache = TieredCache.open(plan, pool, options=options)
         self.pool, self.cache = pool, cache
-        self.layers = {name: i for i, (name, _) in enumerate(layers)}
+        self.layers, self.positions = where, len(positions)
         self.watch(cache.page_store.events)
 
     def _require(self) -> TieredCache:
@@ -208,7 +259,7 @@ class DeviceWorkerSide(RankWorker):
             return
         for item in self._loads:
             self._load_layer(item, layer)
-        if all(item.failed or len(item.layers) == len(self.layers) for item in self._loads):
+        if all(item.failed or len(item.layers) == self.positions for item in self._loads):
             self._settle()
 
     def _load_layer(self, item: _Load, layer: int | None) -> None:
@@ -225,13 +276,13 @@ class DeviceWorkerSide(RankWorker):
             item.handle.release()
             return
         item.loaded = count if item.loaded is None else min(item.loaded, count)
-        item.layers.update(range(len(self.layers)) if layer is None else (layer,))
+        item.layers.update(range(self.positions) if layer is None else (layer,))
 
     def finish_loads(self) -> None:
         """Load every layer not loaded yet, then record the blocks whose page did not load."""
         for item in self._loads:
             if self.per_layer_load:
-                for layer in range(len(self.layers)):
+                for layer in range(self.positions):
                     self._load_layer(item, layer)
             else:
                 self._load_layer(item, None)
@@ -242,8 +293,11 @@ class DeviceWorkerSide(RankWorker):
         the first one missing is the failed page; those after it were not read (chained
         keys: of no use past a hole) and are neither failed nor distrusted, only recomputed.
         Nothing is deleted: the cache gives no per-page verdict, and a recomputed page is
-        written over a bad one."""
+        written over a bad one. With several KV cache groups vLLM takes no block errors
+        (vLLM 0.32 raises on them): the request goes to the scheduler as failed from its
+        first failed page (the report's ``failed_from``) instead."""
         loads, self._loads = self._loads, []
+        failed: set[str] = set()
         for item in loads:
             count = len(item.op.keys)
             good = 0 if item.failed else min(item.loaded or 0, count)
@@ -253,16 +307,21 @@ class DeviceWorkerSide(RankWorker):
             self.counters.add("load_hit_pages", good)
             if good < count:
                 self._failed(item.op, [good])
+                failed.add(item.op.req_id)
                 skipped = item.op.blocks[good + 1 :]
                 self.counters.add("load_skipped_pages", len(skipped))
-                with self._lock:
-                    self._load_errors.update(skipped)
+                if self.groups == 1:
+                    with self._lock:
+                        self._load_errors.update(skipped)
+        if self.groups > 1:  # failed per request, the only way with several groups
+            self.counters.add("load_failed_requests", len(failed))
 
     # --- saves --------------------------------------------------------------------------
 
     def _records(self, saves: Sequence[PageOp]) -> list[_Save]:
+        """This step's backups, one per op, made at the step's first save call."""
         if self._current is None:
-            ps, layers = self.plan.geometry.page_size, len(self.layers)
+            ps, layers = self.plan.geometry.page_size, self.positions
             self._current = [
                 _Save(op, self.names(op.keys), block_slots(op.blocks, ps), layers) for op in saves
             ]
@@ -283,28 +342,71 @@ class DeviceWorkerSide(RankWorker):
             )
             record.failed = True
             return
-        record.layers.update(range(len(self.layers)) if layer is None else (layer,))
+        record.layers.update(range(self.positions) if layer is None else (layer,))
 
     def save_layer(self, layer_name: str, saves: Sequence[PageOp]) -> None:
-        """Back layer ``layer_name`` of the step's new full blocks up (``backup_layer``)."""
+        """Back layer ``layer_name`` of the step's new full blocks up (``backup_layer``).
+
+        With several KV cache groups only the layer's own group's blocks: another group's
+        layer at the same position (the same memory) may not have run yet, so its blocks
+        there are backed up at that layer's call, or at the step's end."""
         layer = self.layers.get(layer_name)
         if not saves or not self.per_layer_save or layer is None:
             return
+        group = self.group_of.get(layer_name) if self.groups > 1 else None
+        if self.groups > 1 and group is None:
+            return  # a layer of no known group: end_step backs its position up
         for record in self._records(saves):
-            self._backup(record, layer)
+            if group is None or record.op.group == group:
+                self._backup(record, layer)
 
     def end_step(self, saves: Sequence[PageOp]) -> None:
-        """Finish the step: loads done, every layer of its new full blocks backed up."""
+        """Finish the step: loads done, every layer of its new full blocks backed up, and
+        the device -> host copies of blocks vLLM frees while the request runs (a
+        sliding-window group's, ``stage``) done before this returns."""
         if self._loads:
             self.finish_loads()
         records = self._records(saves) if saves else (self._current or [])
         self._current = None
         for record in records:
             if self.per_layer_save:
-                for layer in range(len(self.layers)):
+                for layer in range(self.positions):
                     self._backup(record, layer)
             else:
                 self._backup(record, None)
+        volatile = [record for record in records if record.op.stage]
+        if volatile:
+            self._wait_host(volatile, "sliding-window blocks vLLM frees after this step")
+
+    def _wait_host(self, records: Sequence[_Save], why: str) -> bool:
+        """Wait for ``records``' device -> host copies, at most ``preempt_wait_s`` in all,
+        before vLLM reuses their blocks (``why``); taint the copies still running then.
+        True if every copy was done in time."""
+        cache = self._require()
+        deadline = time.monotonic() + self.settings.preempt_wait_s
+        late = False
+        for record in records:
+            for handle in record.handles:
+                if not handle.wait_host(max(0.0, deadline - time.monotonic())):
+                    late = True
+                    self._taint(cache, record)
+        if late:
+            log.warning(
+                "kvtier: device -> host copies of %s still run after %.1f s; vLLM reuses the "
+                "blocks now, so their pages are dropped",
+                why,
+                self.settings.preempt_wait_s,
+            )
+        return not late
+
+    def _taint(self, cache: TieredCache, record: _Save) -> None:
+        """``record``'s copy may read blocks vLLM reuses now: out of the host pool at once
+        (no later load serves it, it is never written from there); once the backup
+        finished, out of both again (:meth:`_poll`); never reported stored."""
+        if not record.tainted:
+            record.tainted = True
+            self.counters.add("save_tainted_pages", len(record.names))
+            cache.discard(record.names)
 
     def _poll(self) -> None:
         """Account the backups that finished (host copy and storage write)."""
@@ -317,12 +419,17 @@ class DeviceWorkerSide(RankWorker):
                         keep.append(record)
                         continue
                     count = len(record.op.keys)
+                    if record.tainted:
+                        tainted.append(record)
+                    if not self.writes_pages:
+                        # an MLA rank other than 0: its copy is in its own host pool, and
+                        # rank 0 writes (and reports) the pages every rank shares
+                        self.counters.add("save_skipped_not_writer", count)
+                        continue
                     stored = count if record.ok() and not record.tainted else 0
                     if stored:
                         for key in record.op.keys:
                             self._report.stored[key] = self._report.stored.get(key, 0) + 1
-                    elif record.tainted:
-                        tainted.append(record)
                     self.counters.add("save_pages", count)
                     self.counters.add("save_stored_pages", stored)
                     self.counters.add("save_failed_pages", count - stored)
@@ -333,9 +440,11 @@ class DeviceWorkerSide(RankWorker):
         for record in tainted:  # written from blocks vLLM may have reused meanwhile
             try:
                 # a backup that ran after the preemption put its pages in the host pool
-                # after they were dropped there: out again, and out of storage
+                # after they were dropped there: out again, and out of storage (where this
+                # rank writes: a reader's pages in storage are the writer's)
                 self._require().discard(record.names)
-                self._page_store().delete(record.names)
+                if self.writes_pages:
+                    self._page_store().delete(record.names)
             except KvtierError as exc:
                 log.warning("kvtier: deleting %d tainted pages raised %s", len(record.names), exc)
 
@@ -355,27 +464,8 @@ class DeviceWorkerSide(RankWorker):
         if not records:
             return
         self.counters.add("preempt_waits")
-        deadline = time.monotonic() + self.settings.preempt_wait_s
-        late = False
-        for record in records:
-            for handle in record.handles:
-                if not handle.wait_host(max(0.0, deadline - time.monotonic())):
-                    late = True
-                    if not record.tainted:
-                        record.tainted = True
-                        self.counters.add("save_tainted_pages", len(record.names))
-                        # the copy may read blocks vLLM reuses now: out of the host pool at
-                        # once (no later load serves it, it is never written from there);
-                        # once the backup finished, out of both again (_poll)
-                        self.cache.discard(record.names)
-        if late:
+        if not self._wait_host(records, f"preempted requests {sorted(gone)}"):
             self.counters.add("preempt_wait_timeouts")
-            log.warning(
-                "kvtier: device -> host copies of preempted requests %s still run after "
-                "%.1f s; vLLM reuses their blocks now, so their pages are dropped",
-                sorted(gone),
-                self.settings.preempt_wait_s,
-            )
         with self._lock:
             for req_id in gone:
                 self._saving.discard(req_id)

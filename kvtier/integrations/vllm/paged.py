@@ -10,6 +10,15 @@ buffer ``[num_slots, num_kv_heads, head_size]`` (slot = block * block_size + off
 strided views of vLLM's memory: :class:`VLLMPagedPool` implements kvtier's
 ``MHADevicePool`` over them, so ``TieredCache`` moves pages through its IO backend.
 
+MLA models (DeepSeek-style latent KV) keep one latent per token and no K/V split: per
+layer ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``, which becomes the
+``MLADevicePool`` buffer ``latent_buffer(layer)`` ``[num_slots, 1, latent]``, a view too.
+
+Under vLLM's hybrid allocator the KV cache groups overlay the same memory: layers of
+different groups at one position alias one tensor (:func:`positions_of`), and the pool
+has one layer per distinct position, so a page is a block across every position,
+whichever group owns the block (only its key names the group).
+
 :func:`strategy_of` tells this path from the CPU backend's (``LBHNC`` blocks in host
 memory, stored in place by :mod:`.blocks`); a layout neither handles is refused at
 start-up with the reason.
@@ -23,18 +32,29 @@ from typing import Literal
 import torch
 
 from kvtier.core.device_pool import BufferDevicePool
-from kvtier.core.geometry import KVGeometry
+from kvtier.core.geometry import AttentionKind, KVGeometry
 from kvtier.integrations.vllm.blocks import SUPPORTED as HOST_SUPPORTED
-from kvtier.integrations.vllm.blocks import check_layer_count, refuse
+from kvtier.integrations.vllm.blocks import check_layer_count, layer_positions, refuse
 
-__all__ = ["DEVICE_SUPPORTED", "Strategy", "VLLMPagedPool", "block_slots", "strategy_of"]
+__all__ = [
+    "DEVICE_SUPPORTED",
+    "Strategy",
+    "VLLMPagedPool",
+    "block_slots",
+    "positions_of",
+    "strategy_of",
+]
 
 #: What the device path takes, as start-up errors list it.
 DEVICE_SUPPORTED = [
     "vLLM's accelerator attention backends with a token-major KV cache layout (LBNHC, "
     "VLLM_KV_CACHE_LAYOUT=NHD; FlashAttention, Triton): per layer [num_blocks, "
-    "num_kv_heads, block_size, 2 * head_size] with a block's tokens evenly spaced",
+    "num_kv_heads, block_size, 2 * head_size] with a block's tokens evenly spaced, MHA/GQA, "
+    "one group of full attention or hybrid (full and sliding-window groups of one head "
+    "shape and dtype)",
     "FlashAttention-style per layer [2, num_blocks, block_size, num_kv_heads, head_size]",
+    "vLLM's accelerator MLA backends: per layer [num_blocks, block_size, kv_lora_rank + "
+    "qk_rope_head_dim] (one latent per token), one group",
 ]
 
 #: ``"host"``: vLLM's CPU blocks, stored in place; ``"device"``: through ``TieredCache``.
@@ -73,6 +93,35 @@ def _slot_major(x: torch.Tensor, name: str, what: str) -> torch.Tensor:
     return x.as_strided((blocks * tokens, heads, width), (s_token, s_head, 1), x.storage_offset())
 
 
+def positions_of(
+    layers: Sequence[tuple[str, torch.Tensor]],
+) -> tuple[list[tuple[str, torch.Tensor]], dict[str, int]]:
+    """The distinct layer positions of ``layers`` (model order) and each layer name's
+    position: under vLLM's hybrid allocator layers of different groups alias one tensor,
+    and a position is moved once whichever group's layer asks for it."""
+    positions = layer_positions(layers)
+    where = {_region(tensor): i for i, (_, tensor) in enumerate(positions)}
+    return positions, {name: where[_region(tensor)] for name, tensor in layers}
+
+
+def _region(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """Where a layer's tensor lies: aliasing tensors (one position) share it."""
+    return (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+
+
+def _latent_view(tensor: torch.Tensor, name: str, latent: int) -> torch.Tensor:
+    """One MLA layer's latents as a ``[num_slots, 1, latent]`` view of ``tensor``."""
+    shape = tuple(tensor.shape)
+    if tensor.dim() == 3 and shape[2] == latent:
+        return _slot_major(tensor.unsqueeze(2), name, "[B, N, latent]")
+    raise refuse(
+        f"vLLM KV cache: MLA layer {name!r} has shape {shape}; expected [num_blocks, "
+        f"block_size, {latent}] (kv_lora_rank + qk_rope_head_dim, one latent per token)",
+        shape,
+        _EITHER,
+    )
+
+
 def _kv_views(tensor: torch.Tensor, name: str, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's K and V as ``[num_slots, heads, head_dim]`` views of ``tensor``."""
     shape = tuple(tensor.shape)
@@ -92,10 +141,12 @@ def _kv_views(tensor: torch.Tensor, name: str, head_dim: int) -> tuple[torch.Ten
 
 
 class VLLMPagedPool(BufferDevicePool):
-    """kvtier's MHA device pool over vLLM's per-layer KV tensors (views, no copy).
+    """kvtier's device pool over vLLM's per-layer KV tensors (views, no copy): MHA/GQA
+    (K and V buffers) or MLA (one latent buffer), as the geometry says.
 
     Token slot ``block * block_size + offset`` is vLLM's block ``block``, token
-    ``offset``, in every layer's K and V buffer.
+    ``offset``, in every layer's buffers. ``layers`` are the distinct positions
+    (:func:`positions_of`), in model order.
     """
 
     def __init__(
@@ -107,9 +158,9 @@ class VLLMPagedPool(BufferDevicePool):
     ) -> None:
         check_layer_count(layers, geometry, _EITHER)
         g = geometry
+        mla = g.attention is AttentionKind.MLA
         wanted = (num_blocks * g.page_size, g.num_kv_heads, g.head_dim)
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
+        buffers: list[list[torch.Tensor]] = [[] for _ in range(g.kv_count)]
         device = layers[0][1].device if layers else torch.device("cpu")
         for name, tensor in layers:
             if tensor.device != device:
@@ -126,18 +177,24 @@ class VLLMPagedPool(BufferDevicePool):
                     str(tensor.dtype),
                     _EITHER,
                 )
-            k, v = _kv_views(tensor, name, g.head_dim)
-            if tuple(k.shape) != wanted:
+            views = (
+                (_latent_view(tensor, name, g.head_dim),)
+                if mla
+                else _kv_views(tensor, name, g.head_dim)
+            )
+            if tuple(views[0].shape) != wanted:
+                what = "latent buffer" if mla else "K/V buffers"
+                dims = "1, latent" if mla else "num_kv_heads, head_dim"
                 raise refuse(
-                    f"vLLM KV cache: layer {name!r} gives K/V buffers {tuple(k.shape)}; "
+                    f"vLLM KV cache: layer {name!r} gives {what} {tuple(views[0].shape)}; "
                     f"{num_blocks} blocks of {g.describe()} take {wanted} ([num_slots, "
-                    "num_kv_heads, head_dim])",
-                    tuple(k.shape),
+                    f"{dims}])",
+                    tuple(views[0].shape),
                     _EITHER,
                 )
-            keys.append(k)
-            values.append(v)
-        super().__init__(g, wanted[0], device, (keys, values))
+            for kv, view in zip(buffers, views, strict=True):
+                kv.append(view)
+        super().__init__(g, wanted[0], device, buffers)
 
 
 def block_slots(blocks: Sequence[int], block_size: int) -> torch.Tensor:
