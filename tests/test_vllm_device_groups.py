@@ -9,6 +9,7 @@ engine whose device is ``cuda``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from kvtier.core.device_pool import MLADevicePool
-from kvtier.core.errors import UnsupportedCombinationError
+from kvtier.core.errors import InvalidFieldError, UnsupportedCombinationError
 from kvtier.integrations.vllm.device_worker import DeviceWorkerSide
 from kvtier.integrations.vllm.messages import PageOp
 from kvtier.integrations.vllm.plan import kv_groups, resolve_plan
@@ -147,11 +148,27 @@ def _step(worker: DeviceWorkerSide, names: list[str], saves: list[PageOp]) -> No
     worker.end_step(saves)  # wait_for_save
 
 
-def _load(worker: DeviceWorkerSide, names: list[str], loads: list[PageOp]) -> None:
-    """What vLLM does in a step that loads hits."""
+def _load(
+    worker: DeviceWorkerSide, names: list[str], loads: list[PageOp]
+) -> tuple[set[str], set[str]]:
+    """What vLLM does in the steps that load hits: in the step, layer by layer; or, for
+    asynchronous loads (hybrid models), over steps until the requests' loads ended.
+    Returns the requests that ended and those failed per request (asynchronous only)."""
     worker.start_loads(loads)  # start_load_kv
-    for name in names:
+    for name in names:  # a forward: of these requests, or (asynchronous) of others
         worker.wait_layer(name)  # wait_for_layer_load, before each attention layer
+    if not worker.async_loads:
+        return set(), set()
+    waiting = {op.req_id for op in loads}
+    ended: set[str] = set()
+    failed: set[str] = set()
+    deadline = time.monotonic() + 30
+    while waiting - ended and time.monotonic() < deadline:
+        done, bad = worker.poll_loads(0.01)  # get_finished's finished_recving, failed_recving
+        ended |= done
+        failed |= bad
+    assert ended == waiting, "the asynchronous loads did not end in time"
+    return ended, failed
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -319,13 +336,8 @@ def test_hybrid_pages_of_both_groups_round_trip_under_their_own_keys(
     worker = _hybrid_worker(root)
     worker.register(caches, HYBRID_INDEX, BLOCKS)
     loads = [PageOp("q", ["s0", "s1"], [5, 6], 0, 0), PageOp("q", ["f0", "f1"], [7, 8], 0, 1)]
-    worker.start_loads(loads)
-    worker.wait_layer(HYBRID_NAMES[0])  # position 0, both groups' blocks; position 1 not yet
-    for source, target in ((1, 5), (2, 6), (3, 7), (4, 8)):
-        assert torch.equal(_bits(memories[0][target]), expected[source][0]), target
-        assert not _bits(memories[1][target]).any()
-    for name in HYBRID_NAMES[1:]:
-        worker.wait_layer(name)
+    assert worker.async_loads  # device_loads "auto": a hybrid model loads between steps
+    assert _load(worker, HYBRID_NAMES, loads) == ({"q"}, set())
     for source, target in ((1, 5), (2, 6), (3, 7), (4, 8)):
         for position in (0, 1):
             got = _bits(memories[position][target])
@@ -402,8 +414,9 @@ def test_a_failed_load_of_one_group_is_reported_per_request(tmp_path: Path, devi
     expected = [_bits(memory[1]) for memory in memories]
 
     loads = [PageOp("q", ["s0"], [5], 0, 0), PageOp("q", ["f0", "f1"], [6, 7], 0, 1)]
-    _load(worker, HYBRID_NAMES, loads)
-    # vLLM takes no block errors with several groups: the request, from its first failed page
+    # vLLM takes no block errors with several groups: the request fails as a whole (vLLM
+    # recomputes it), and the scheduler learns its first failed page
+    assert _load(worker, HYBRID_NAMES, loads) == ({"q"}, {"q"})
     assert worker.take_load_errors() == set()
     report = worker.take_report()
     assert (report.failed, report.failed_from) == ({"f0": 1}, {"q": 0})
@@ -413,6 +426,13 @@ def test_a_failed_load_of_one_group_is_reported_per_request(tmp_path: Path, devi
     assert (stats["load_failed_requests"], stats["load_failed_pages"]) == (1, 1)
     assert stats["load_skipped_pages"] == 1
     worker.close()
+
+
+def test_hybrid_models_refuse_in_step_loads(tmp_path: Path) -> None:
+    """In the step, vLLM cannot be told a hybrid model's load failed: refused at start-up."""
+    with pytest.raises(InvalidFieldError, match=r"device_loads.*'async' or 'auto'"):
+        _hybrid_worker(tmp_path / "pages", device_loads="layerwise")
+    assert _hybrid_worker(tmp_path / "pages", device_loads="async").async_loads
 
 
 # --- what is still refused -------------------------------------------------------------------

@@ -233,6 +233,14 @@ class PrefetchHandle:
             if fence is not None:
                 fence.order()
 
+    @property
+    def copies_done(self) -> bool:
+        """Whether every load from the handle's pages has reached the device (never blocks;
+        always true off CUDA): a caller polls it before it uses the pages or releases."""
+        with self._lock:
+            fences = list(self._fences.values())
+        return all(fence.passed for fence in fences)
+
     def release(self) -> None:
         """Unpin the handle's host pages; idempotent. Loading all layers does it for you.
 

@@ -573,6 +573,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         failed: set[str] = set()
         if not isinstance(worker, WorkerSide):
             sending = worker.finished(finished_req_ids)
+            if worker.async_loads:
+                idle, self._idle_step = self._idle_step, False
+                ended, failed = worker.poll_loads(IDLE_LOAD_WAIT_S if idle else 0.0)
         else:
             idle, self._idle_step = self._idle_step, False
             # an idle step waits for what it waits on: a load if one runs, else stores

@@ -8,9 +8,14 @@ storage (L3) on the cache's threads. Per step, as vLLM calls it:
 
 - ``start_load_kv``: :meth:`start_loads` starts one prefetch per request (storage reads
   run while vLLM prepares the step);
-- ``wait_for_layer_load(layer)``: :meth:`wait_layer` loads that layer of every request
-  (``load_layer``), so later layers' copies overlap earlier layers' compute; without
-  ``load_layer`` the first call loads all layers;
+- ``wait_for_layer_load(layer)``: :meth:`wait_layer` has that layer of every request in
+  place (``load_layer``); on CUDA the first call queues every layer's copy on the cache's
+  load stream and each call orders the model's stream after its own layer only, so later
+  layers' copies overlap earlier layers' compute; without ``load_layer`` the first call
+  loads all layers;
+- or, with ``device_loads`` "async" (hybrid models by default), loads run between steps
+  as vLLM's ``load_async``: :meth:`poll_loads` (``get_finished``) reports a request once
+  its pages are on the device, and failed requests, which vLLM recomputes;
 - ``save_kv_layer(layer)``: :meth:`save_layer` backs that layer of the step's new full
   blocks up (``backup_layer``); :meth:`end_step` (``wait_for_save``) completes missing
   layers, or backs every layer up without ``backup_layer``;
@@ -21,8 +26,7 @@ A page that is missing or fails verification goes back to vLLM (:meth:`take_load
 to be recomputed, is counted, and is reported to the scheduler, as on the CPU path
 (:mod:`.worker`); the pages after it are recomputed too (chained keys) but kept, and
 nothing is deleted (the cache gives no per-page verdict; the recomputed page is written
-over a bad one). Loads run inside the step (vLLM's ``load_async`` is False here), one
-layer per call. Keys are the scheduler's chained keys plus this rank's suffix.
+over a bad one). Keys are the scheduler's chained keys plus this rank's suffix.
 
 The page kinds of the CPU path are stored here too:
 
@@ -38,8 +42,8 @@ The page kinds of the CPU path are stored here too:
   returns (at most ``preempt_wait_s``, else tainted as a preemption's). vLLM takes no
   block errors with several groups, so failed loads go back per request in the report
   (``failed_from``: the scheduler distrusts the page and re-plans the stores). vLLM
-  fails a load per request only while the request waits for an asynchronous load, which
-  this path's in-step loads are not: the step computes over that block as it was.
+  fails a load per request only while the request waits for an asynchronous load, so
+  these models load asynchronously (``device_loads`` "layerwise" is refused for them).
 
 Nothing here imports vLLM.
 """
@@ -61,6 +65,7 @@ from kvtier.core.errors import KvtierError
 from kvtier.core.geometry import AttentionKind
 from kvtier.core.metrics import zeroed
 from kvtier.core.specs import Operation
+from kvtier.core.streams import is_cuda
 from kvtier.integrations.vllm.blocks import order_layers, refuse
 from kvtier.integrations.vllm.messages import PageOp, Report
 from kvtier.integrations.vllm.paged import (
@@ -93,6 +98,18 @@ class _Load:
     loaded: int | None = None
     layers: set[int] = field(default_factory=set)
     failed: bool = False
+
+
+@dataclass(eq=False)
+class _Fetch:
+    """One request's asynchronous load: its prefetch, then its copy to the device."""
+
+    op: PageOp
+    slots: torch.Tensor
+    handle: PrefetchHandle | None
+    started: float
+    #: Pages whose copy was queued (None: still prefetching).
+    loaded: int | None = None
 
 
 @dataclass(eq=False)
@@ -173,7 +190,13 @@ class DeviceWorkerSide(RankWorker):
         self.writes_pages = not mla or int(plan.context.tp_rank) == 0
         self.per_layer_load = plan.declares(Operation.LOAD_LAYER)
         self.per_layer_save = plan.declares(Operation.BACKUP_LAYER)
+        #: Loads between steps (vLLM's ``load_async``) rather than inside them.
+        self.async_loads = settings.async_device_loads(groups)
         self._loads: list[_Load] = []
+        self._fetches: list[_Fetch] = []
+        self._queue_ahead = False
+        #: Requests of which an asynchronous load failed, until all their loads ended.
+        self._fetch_failed: set[str] = set()
         self._current: list[_Save] | None = None
         self._in_flight: dict[str, list[_Save]] = {}
 
@@ -211,6 +234,8 @@ class DeviceWorkerSide(RankWorker):
         cache = TieredCache.open(plan, pool, options=options)
         self.pool, self.cache = pool, cache
         self.layers, self.positions = where, len(positions)
+        #: Queue every layer's copy at the step's first layer (CUDA: copies are async).
+        self._queue_ahead = is_cuda(pool.device)
         self.watch(cache.page_store.events)
 
     def _require(self) -> TieredCache:
@@ -228,13 +253,16 @@ class DeviceWorkerSide(RankWorker):
     # --- loads --------------------------------------------------------------------------
 
     def start_loads(self, loads: Sequence[PageOp]) -> None:
-        """Start the prefetch of each request's pages; storage reads run on the cache's workers."""
+        """Start the prefetch of each request's pages; storage reads run on the cache's
+        workers. Asynchronous loads go on across steps (:meth:`poll_loads`); in-step ones
+        are loaded by :meth:`wait_layer`."""
         if not loads:
             return
         cache = self._require()
         if self._loads:
             self.finish_loads()
         ps = self.plan.geometry.page_size
+        now = time.monotonic()
         for op in loads:
             handle: PrefetchHandle | None = None
             try:
@@ -243,33 +271,124 @@ class DeviceWorkerSide(RankWorker):
                 log.warning(
                     "kvtier: a prefetch raised %s; its %d pages recompute", exc, len(op.keys)
                 )
-            self._loads.append(_Load(op, block_slots(op.blocks, ps), handle))
+            slots = block_slots(op.blocks, ps)
+            if self.async_loads:
+                self._fetches.append(_Fetch(op, slots, handle, now))
+            else:
+                self._loads.append(_Load(op, slots, handle))
+        if self.async_loads:
+            self._queue_copies()  # host hits go to the device at once
 
     @property
     def loading(self) -> bool:
-        return bool(self._loads)
+        return bool(self._loads or self._fetches)
+
+    # --- loads between steps (vLLM's load_async) ------------------------------------------
+
+    def _queue_copies(self) -> None:
+        """Queue the device copy of every fetch whose prefetch is done, or has run out of
+        ``max_load_wait_s`` (the pages ready by then load, the rest recompute). On CUDA
+        the copy runs on the cache's load stream; the model's stream never waits for it:
+        vLLM schedules the request once :meth:`poll_loads` reports the copy done."""
+        cache = self._require()
+        bound = cache.options.max_load_wait_s
+        layers: list[int | None] = (
+            [None] if self.plan.declares(Operation.LOAD_ALL) else list(range(self.positions))
+        )
+        for item in self._fetches:
+            if item.loaded is not None or item.handle is None:
+                continue
+            if not item.handle.done and time.monotonic() - item.started < bound:
+                continue
+            try:
+                counts = [
+                    cache.load(item.handle, item.slots, layer=layer, ordered=False)
+                    for layer in layers
+                ]
+            except KvtierError as exc:
+                log.warning(
+                    "kvtier: a load raised %s; its %d pages recompute", exc, len(item.op.keys)
+                )
+                counts = [0]
+            item.loaded = min(counts)
+
+    def poll_loads(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
+        """Requests whose asynchronous load ended since the last call (their pages are on
+        the device, or failed), and those of them vLLM should take as failed per request
+        (several KV cache groups: vLLM takes no block errors there). Waits ``wait_s`` at
+        most for one to end (the connector passes a wait only in a step without a
+        forward, when the engine has nothing but loads to wait for)."""
+        if not self._fetches:
+            return set(), set()
+        deadline = time.monotonic() + wait_s
+        while True:
+            self._queue_copies()
+            ended, failed = self._ended_fetches()
+            if ended or not self._fetches or time.monotonic() >= deadline:
+                return ended, failed
+            time.sleep(0.0005)
+
+    def _ended_fetches(self) -> tuple[set[str], set[str]]:
+        """Settle the fetches whose copies are done; a request ends with its last one."""
+        keep: list[_Fetch] = []
+        settled: set[str] = set()
+        for item in self._fetches:
+            handle = item.handle
+            if handle is not None and (item.loaded is None or not handle.copies_done):
+                keep.append(item)
+                continue
+            if handle is not None:
+                handle.release()  # the copies are done: returns at once
+            settled.add(item.op.req_id)
+            if self._account(item.op, item.loaded or 0):
+                self._fetch_failed.add(item.op.req_id)
+        self._fetches = keep
+        ended = settled - {item.op.req_id for item in keep}
+        failed = ended & self._fetch_failed
+        self._fetch_failed -= ended
+        if self.groups == 1:
+            failed = set()  # the failed blocks went back as block errors
+        else:
+            self.counters.add("load_failed_requests", len(failed))
+        return ended, failed
+
+    # --- loads inside the step ------------------------------------------------------------
 
     def wait_layer(self, layer_name: str) -> None:
-        """Load layer ``layer_name`` of this step's pages (all layers without ``load_layer``)."""
+        """Have layer ``layer_name`` of this step's pages in place before it runs (all
+        layers without ``load_layer``).
+
+        On CUDA the first call queues every layer's copy on the cache's load stream, and
+        each call makes the model's stream wait for its own layer only: layer i's copy
+        runs while the layers before it compute, and the host waits for none of it (the
+        step's end releases the pages once the copies are done). Elsewhere each call
+        copies its layer."""
         if not self._loads:
             return
         layer = self.layers.get(layer_name)
         if layer is None or not self.per_layer_load:
             self.finish_loads()
             return
+        if self._queue_ahead:
+            for item in self._loads:
+                for position in range(self.positions):
+                    self._load_layer(item, position, ordered=False)
+                if item.handle is not None and not item.failed:
+                    item.handle.order(layer)
+            return
         for item in self._loads:
             self._load_layer(item, layer)
         if all(item.failed or len(item.layers) == self.positions for item in self._loads):
             self._settle()
 
-    def _load_layer(self, item: _Load, layer: int | None) -> None:
+    def _load_layer(self, item: _Load, layer: int | None, *, ordered: bool = True) -> None:
         if item.failed or (layer is not None and layer in item.layers):
             return
         if item.handle is None:
             item.failed = True
             return
         try:
-            count = self._require().load(item.handle, item.slots, layer=layer)
+            count = self._require().load(item.handle, item.slots, layer=layer, ordered=ordered)
         except KvtierError as exc:
             log.warning("kvtier: a load raised %s; its %d pages recompute", exc, len(item.op.keys))
             item.failed = True
@@ -299,22 +418,29 @@ class DeviceWorkerSide(RankWorker):
         loads, self._loads = self._loads, []
         failed: set[str] = set()
         for item in loads:
-            count = len(item.op.keys)
-            good = 0 if item.failed else min(item.loaded or 0, count)
             if item.handle is not None:
                 item.handle.release()
-            self.counters.add("load_pages", count)
-            self.counters.add("load_hit_pages", good)
-            if good < count:
-                self._failed(item.op, [good])
+            if self._account(item.op, 0 if item.failed else (item.loaded or 0)):
                 failed.add(item.op.req_id)
-                skipped = item.op.blocks[good + 1 :]
-                self.counters.add("load_skipped_pages", len(skipped))
-                if self.groups == 1:
-                    with self._lock:
-                        self._load_errors.update(skipped)
         if self.groups > 1:  # failed per request, the only way with several groups
             self.counters.add("load_failed_requests", len(failed))
+
+    def _account(self, op: PageOp, loaded: int) -> bool:
+        """Count one request's load of which the first ``loaded`` pages arrived; record
+        the rest (block errors with one group); True if a page failed."""
+        count = len(op.keys)
+        good = min(loaded, count)
+        self.counters.add("load_pages", count)
+        self.counters.add("load_hit_pages", good)
+        if good >= count:
+            return False
+        self._failed(op, [good])
+        skipped = op.blocks[good + 1 :]
+        self.counters.add("load_skipped_pages", len(skipped))
+        if self.groups == 1:
+            with self._lock:
+                self._load_errors.update(skipped)
+        return True
 
     # --- saves --------------------------------------------------------------------------
 
@@ -515,10 +641,10 @@ class DeviceWorkerSide(RankWorker):
 
     def close(self) -> None:
         """Release loads in flight, then close the cache (drains its writes). Idempotent."""
-        for item in self._loads:
-            if item.handle is not None:
-                item.handle.release()
-        self._loads = []
+        for handle in [i.handle for i in self._loads] + [f.handle for f in self._fetches]:
+            if handle is not None:
+                handle.release()
+        self._loads, self._fetches = [], []
         self.stop_watching()
         cache, self.cache = self.cache, None
         if cache is not None:

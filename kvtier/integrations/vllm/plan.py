@@ -53,7 +53,7 @@ BLOCK_TAG = "vllm-cpu-lbhnc"
 #: moved by an IO backend, never read as CPU blocks (their bytes are ordered differently).
 DEVICE_TAG = "vllm-paged"
 #: Section fields that only the accelerator path uses.
-DEVICE_ONLY = ("io_backend", "host_pages", "operations")
+DEVICE_ONLY = ("io_backend", "host_pages", "operations", "device_loads")
 #: The kvtier layout the plan is resolved for: layer-major pages, as vLLM's blocks are.
 LAYOUT = Layout.LAYER_FIRST
 

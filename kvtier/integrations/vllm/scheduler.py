@@ -240,9 +240,14 @@ class SchedulerSide:
         self.keyers = TenantKeyers(plan, settings.tenant, self.groups)
         self._loads_on = loads
         self._saves_on = saves
-        #: On vLLM's CPU engine loads run between steps (``load_async``); the accelerator
-        #: path loads layer by layer inside the step.
-        self.async_loads = plan_strategy(plan) == "host" if async_loads is None else async_loads
+        #: Loads run between steps (``load_async``) on vLLM's CPU engine, and on the
+        #: accelerator path where ``device_loads`` says so (hybrid models by default);
+        #: otherwise the accelerator path loads layer by layer inside the step.
+        if async_loads is None:
+            async_loads = plan_strategy(plan) == "host" or settings.async_device_loads(
+                len(self.groups)
+            )
+        self.async_loads = async_loads
         self._limit = settings.known_keys
         self._wait_s = float(settings.lookup_wait_s)
         self._timeout_s = float(settings.lookup_timeout_s)

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from kvtier.core.config import ChecksumWorkers, ModelId, TenantLimits, TierChain
-from kvtier.core.errors import MissingFieldError
+from kvtier.core.errors import InvalidFieldError, MissingFieldError
 from kvtier.core.validation import validate_model
 from kvtier.integrations.section import (
     OPTIONS_AT,
@@ -65,6 +65,16 @@ class VLLMSection(EngineSection):
         description="Accelerator KV caches only: the transfers to run. 'load_layer' / "
         "'backup_layer' move one layer per vLLM call, overlapping compute; without "
         "them all layers move at the first layer's load and at the step's end.",
+    )
+    device_loads: Literal["auto", "layerwise", "async"] = Field(
+        "auto",
+        description="Accelerator KV caches only: when pages load. 'layerwise': inside the "
+        "step, every layer's copy queued at the first layer and each layer waited for just "
+        "before it runs, so copies overlap compute. 'async': between steps (vLLM's "
+        "load_async); the request waits until its pages are on the device, so the forward "
+        "never waits for storage, and a failed load is recomputed. 'auto': layerwise for one "
+        "KV cache group, async for hybrid models (vLLM takes their failed loads only from "
+        "asynchronous loads, so 'layerwise' is refused there).",
     )
     known_keys: int = Field(
         1 << 18,
@@ -153,6 +163,19 @@ class VLLMSection(EngineSection):
     @classmethod
     def _backend_of_tiers(cls, data: Any) -> Any:
         return backend_of_tiers(data)
+
+    def async_device_loads(self, groups: int) -> bool:
+        """Whether the accelerator path loads between steps, for a model of ``groups``
+        KV cache groups (``device_loads``); 'layerwise' with several groups is refused."""
+        if self.device_loads == "layerwise" and groups > 1:
+            raise InvalidFieldError(
+                f"{SECTION}.device_loads",
+                f"'layerwise' loads a model of {groups} KV cache groups inside the step, where "
+                "vLLM cannot be told that a load failed (it would compute over the block's old "
+                "contents); use 'async' or 'auto'",
+                value=self.device_loads,
+            )
+        return self.device_loads == "async" or (self.device_loads == "auto" and groups > 1)
 
 
 def read_section(extra: Mapping[str, Any] | None, backends: Mapping[str, Any]) -> VLLMSection:
