@@ -11,6 +11,9 @@
 - :mod:`kvtier.testing.content`: deterministic KV content per page key, for simulated
   engines (the multiturn bench, the cache tests).
 - :mod:`kvtier.testing.mooncake`: a Mooncake master started on loopback for tests.
+- :mod:`kvtier.testing.engine_loop`: an engine-like forward loop (real matmuls, a KV
+  cache in vLLM's accelerator layout) that calls the vLLM device worker's hooks in
+  vLLM's order, for ``benchmarks/engine_loop.py`` and the GPU check.
 
 Names of the kit are imported on first use, so ``kvtier.testing.content``,
 ``kvtier.testing.faults`` and :func:`require` import where pytest is not installed.
