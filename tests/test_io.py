@@ -775,3 +775,34 @@ def test_direct_gathers_scattered_device_pages_bit_exactly(
         # one op where the host keeps each slot's heads x dim row whole, as the device
         # does; page_head's rows are one head's dim values: a copy per page
         assert bool(scatters) is (layout is not Layout.PAGE_HEAD)
+
+
+@pytest.mark.parametrize(("spec", "layout", "attention"), ROUND_TRIPS)
+def test_staged_crossings_in_blocks_of_a_few_pages_round_trip_bit_exactly(
+    spec: IOBackendSpec,
+    layout: Layout,
+    attention: AttentionKind,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A large staged transfer crosses in blocks of at most STAGE_BYTES: here 1-2 pages."""
+    import kvtier.core.io as io_module
+
+    g = make_geometry(attention, "bfloat16")
+    io = build(spec, g, layout)
+    io.stage_always = True
+    monkeypatch.setattr(io_module, "STAGE_BYTES", g.bytes_per_page // g.kv_count + 1)
+    gen = torch.Generator().manual_seed(11)
+    source = TorchDevicePool(g, NUM_SLOTS, "cpu").fill_random_(gen)
+    target = TorchDevicePool(g, NUM_SLOTS, "cpu")
+    host = HostPool(g, layout, num_pages=NUM_PAGES)
+    pages = [4, 0, 1, 2, 5]  # runs of 1 and 3 pages, cut by the blocks
+    src, dst = pick_slots(spec, gen, g.page_size, 5), pick_slots(spec, gen, g.page_size, 5)
+    io.backup(source, host, src, pages)
+    io.load(host, target, pages, dst)
+    for a, b in zip(source.kv_tensors, target.kv_tensors, strict=True):
+        assert torch.equal(raw(a)[:, src], raw(b)[:, dst])
+    for layer in range(g.num_layers):  # one layer at a time crosses the same way
+        io.load(host, target, pages, dst, layer=layer)
+        io.backup(target, host, dst, pages, layer=layer)
+    for a, b in zip(source.kv_tensors, target.kv_tensors, strict=True):
+        assert torch.equal(raw(a)[:, src], raw(b)[:, dst])

@@ -60,6 +60,11 @@ __all__ = [
 #: Axis order of a device pool's memory of one kv (see kvtier.core.device_pool).
 _DEVICE_AXES = ("layer", "token", "head", "dim")
 
+#: The most device memory a staged crossing (a CUDA pool) takes for one block of pages,
+#: per kv: more pages cross in several blocks, so a large load fits beside the engine's
+#: KV cache, which leaves little of the device free.
+STAGE_BYTES = 64 << 20
+
 
 def full_matrix(operations: Iterable[Operation] = tuple(Operation)) -> frozenset[Capability]:
     """Every (layout, attention, operation) a host pool can take, for ``operations``."""
@@ -381,54 +386,99 @@ class IOBackend(ABC):
                 )
 
     def staged_copies(self, plan: TransferPlan, *, to_host: bool) -> None:
-        """Move a staged plan: each run of consecutive host pages crosses in one copy per kv.
+        """Move a staged plan in as few device launches and DMA copies as the pages allow.
 
-        A backup gathers the run's token slots on the device (``index_select``, or a
-        strided view when the slots are one ascending range) into one contiguous block
-        and copies it to the host pages in one DMA; a load copies the run's host pages to
-        the device in one DMA and scatters them (``index_copy_``). That is one launch and
-        one copy per run per kv, for all layers when the device buffers stack, else per
-        layer: the fewest a CUDA pool allows, whatever its block table looks like. Both
-        built-in IO backends take this path across devices (``direct``'s pages are whole
-        pages, so their slots are ranges more often). Where a run over all layers is not
-        one contiguous host block (``layer_first``), it crosses layer by layer.
+        Per kv (over all layers when the device buffers stack, else per layer), for each
+        chunk of at most :data:`STAGE_BYTES` of pages:
+
+        - a backup gathers every page's token slots into one contiguous device block
+          (one ``index_select``, or a strided view when the slots are one ascending
+          range, then one copy into host page order) and copies each run of consecutive
+          host pages out of it in one DMA;
+        - a load copies each run of consecutive host pages into one device block in one
+          DMA and scatters the block in one launch (``index_copy_``, or a strided copy
+          when the slots are one range).
+
+        So a chunk costs one or two launches and one DMA per run of host pages, whatever
+        the engine's block table looks like. Where a run over all layers is not one
+        contiguous host block (``layer_first``), the pages cross layer by layer. Both
+        built-in IO backends take this path across devices (a CUDA pool).
         """
         ps = self.geometry.page_size
         rows = plan.slots.view(-1, ps)
-        runs = _page_runs(plan.pages)
-        ranges = [_slot_range(rows[i0 : i0 + n]) for i0, _, n in runs]
-        indices: dict[int, torch.Tensor] = {}
         # a DMA needs a contiguous host block: where a run of pages over all layers is not
-        # one (layer_first, padded pages), the run crosses layer by layer
+        # one (layer_first, padded pages), the pages cross layer by layer
         whole = self._host_pages(plan.host, 0, None)[:2].is_contiguous()
+        page = self._host_pages(plan.host, 0, None if whole else 0)[0]
+        per_chunk = max(1, STAGE_BYTES // (page.numel() * page.element_size()))
+        chunks = []  # (first position, pages, runs in the chunk, first slot or index)
+        for c0 in range(0, len(plan.pages), per_chunk):
+            part = rows[c0 : c0 + per_chunk]
+            runs = [(i0 + c0, h0, n) for i0, h0, n in _page_runs(plan.pages[c0 : c0 + per_chunk])]
+            start = _slot_range(part)
+            where: int | torch.Tensor = (
+                start if start is not None else plan.on_device(part.reshape(-1))
+            )
+            chunks.append((c0, part.shape[0], runs, where))
         for layer, device_views in self._device_views(plan, by_layer=not whole):
             token_axis = self._native_axes(layer).index("token")
             for kv, dev in enumerate(device_views):
                 host_view = self._host_pages(plan.host, kv, layer)
-                for (i0, h0, n), start in zip(runs, ranges, strict=True):
-                    host_run = host_view[h0 : h0 + n]  # [n, *native axes with ps tokens]
-                    if start is not None:
-                        block = dev.narrow(token_axis, start, n * ps)
-                        if to_host:
-                            pages = _split_tokens(block, token_axis, n, ps).movedim(token_axis, 0)
-                            host_run.copy_(pages, non_blocking=plan.non_blocking)
-                        else:
-                            incoming = host_run.to(dev.device, non_blocking=plan.non_blocking)
-                            _split_tokens(block, token_axis, n, ps).copy_(
-                                incoming.movedim(0, token_axis)
-                            )
-                        continue
-                    index = indices.get(i0)
-                    if index is None:
-                        index = indices[i0] = plan.on_device(rows[i0 : i0 + n].reshape(-1))
+                for c0, count, runs, where in chunks:
                     if to_host:
-                        gathered = dev.index_select(token_axis, index)
-                        pages = _split_tokens(gathered, token_axis, n, ps).movedim(token_axis, 0)
-                        host_run.copy_(pages, non_blocking=plan.non_blocking)
+                        self._stage_out(plan, dev, host_view, token_axis, c0, count, runs, where)
                     else:
-                        incoming = host_run.to(dev.device, non_blocking=plan.non_blocking)
-                        tokens = incoming.movedim(0, token_axis).flatten(token_axis, token_axis + 1)
-                        dev.index_copy_(token_axis, index, tokens)
+                        self._stage_in(plan, dev, host_view, token_axis, c0, count, runs, where)
+
+    def _stage_out(
+        self,
+        plan: TransferPlan,
+        dev: torch.Tensor,
+        host_view: torch.Tensor,
+        token_axis: int,
+        c0: int,
+        count: int,
+        runs: list[tuple[int, int, int]],
+        where: int | torch.Tensor,
+    ) -> None:
+        """Device -> host for one chunk: one gather into page order, one DMA per host run."""
+        ps = self.geometry.page_size
+        if isinstance(where, int):
+            source = dev.narrow(token_axis, where, count * ps)
+        else:
+            source = dev.index_select(token_axis, where)
+        pages = _split_tokens(source, token_axis, count, ps).movedim(token_axis, 0)
+        if not pages.is_contiguous():
+            pages = pages.contiguous()  # [count, *native axes]: each run one block
+        for i0, h0, n in runs:
+            host_view[h0 : h0 + n].copy_(
+                pages[i0 - c0 : i0 - c0 + n], non_blocking=plan.non_blocking
+            )
+
+    def _stage_in(
+        self,
+        plan: TransferPlan,
+        dev: torch.Tensor,
+        host_view: torch.Tensor,
+        token_axis: int,
+        c0: int,
+        count: int,
+        runs: list[tuple[int, int, int]],
+        where: int | torch.Tensor,
+    ) -> None:
+        """Host -> device for one chunk: one DMA per host run into a block, one scatter."""
+        ps = self.geometry.page_size
+        block = torch.empty((count, *host_view.shape[1:]), dtype=host_view.dtype, device=dev.device)
+        for i0, h0, n in runs:
+            block[i0 - c0 : i0 - c0 + n].copy_(
+                host_view[h0 : h0 + n], non_blocking=plan.non_blocking
+            )
+        tokens = block.movedim(0, token_axis)  # [..., count, ps, ...] in device axis order
+        if isinstance(where, int):
+            target = dev.narrow(token_axis, where, count * ps)
+            _split_tokens(target, token_axis, count, ps).copy_(tokens)
+        else:
+            dev.index_copy_(token_axis, where, tokens.flatten(token_axis, token_axis + 1))
 
     # --- validation -----------------------------------------------------------------
 
