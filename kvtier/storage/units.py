@@ -6,7 +6,10 @@ tier's space manager (:mod:`kvtier.storage.space`) makes room there by reclaimin
 back less the live pages the policy would keep (rewriting them is the cost), hands the
 pages it drops down to a ``write: back`` tier below, then tells the backend which unit to
 reclaim and which pages to keep. The dropped pages are the chain's victims (evictions),
-never the backend's own choice.
+never the backend's own choice. A backend may drop a kept page it finds no room to
+rewrite (a segment store whose capacity the other processes' active segments fill), so
+above a write-back tier the kept pages are handed down too (all but the pages being
+written now): such a drop then loses nothing.
 """
 
 from __future__ import annotations
@@ -71,28 +74,39 @@ class UnitRoom:
                 break
             unit, keep = self._best(candidates, pinned)
             tried.add(unit.unit)
-            drop = self._hand_down_drops(unit, keep)
-            eviction.claim(drop)
+            drop, copied = self._hand_down_drops(
+                unit, keep, lambda key: key in held or key in writing
+            )
+            chosen = [*drop, *copied]  # evictions if they leave: both are safe below
+            eviction.claim(chosen)
             dropped = self.backend.reclaim(unit.unit, frozenset(keep))
             if dropped is None:  # another process holds it, or it is gone: try the next
-                eviction.forget_choice(drop)
+                eviction.forget_choice(chosen)
                 continue
-            eviction.forget_choice(set(drop) - set(dropped))
+            eviction.forget_choice(set(chosen) - set(dropped))
             room, rounds = free_now(), rounds + 1
         return room
 
-    def _hand_down_drops(self, unit: ReclaimUnit, keep: set[str]) -> list[str]:
-        """The unit's pages to drop, written into a ``write: back`` tier below first; one
-        that could not be (its read or write failed, or timed out) is added to ``keep``:
-        rewritten rather than lost, even for the engine's own put (the put is refused
-        room instead, if the rewrite leaves none: a False, never a lost page)."""
+    def _hand_down_drops(
+        self, unit: ReclaimUnit, keep: set[str], busy: Callable[[str], bool]
+    ) -> tuple[list[str], list[str]]:
+        """The unit's pages to drop, written into a ``write: back`` tier below first, and
+        the kept pages written there too. A page to drop that could not be handed down
+        (its read or write failed, or timed out) is added to ``keep``: rewritten rather
+        than dropped, even for the engine's own put (the put is refused room instead, if
+        the rewrite leaves none: a False). Kept pages are handed down as well, but for
+        ``busy`` ones (the put's own, writes in flight: their version here is about to
+        be replaced), since the backend drops a kept page it finds no room to rewrite."""
         drop = [key for key, _ in unit.live if key not in keep]
         below = self.parts.back_below(self.tier)
-        if not drop or below is None:
-            return drop
-        moved = set(self._hand_down(self.tier, below, drop, now=True))
+        if below is None:
+            return drop, []
+        kept = [key for key, _ in unit.live if key in keep and not busy(key)]
+        if not drop and not kept:
+            return drop, []
+        moved = set(self._hand_down(self.tier, below, [*drop, *kept], now=True))
         keep.update(key for key in drop if key not in moved)
-        return [key for key in drop if key in moved]
+        return [key for key in drop if key in moved], [key for key in kept if key in moved]
 
     def _best(
         self, units: list[ReclaimUnit], pinned: Callable[[str], bool]
