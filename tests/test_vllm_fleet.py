@@ -53,6 +53,8 @@ RECOVERED = [_tokens(6 * BLOCK) + _tokens(5) for _ in range(4)]  # after the mas
 HANDOFF = [_tokens(10 * BLOCK) + _tokens(11) for _ in range(3)]
 EVERY = [*ALTERNATING, *WRITTEN, *TENANT, *OUTAGE, *RECOVERED, *HANDOFF]
 MAX_TOKENS = 8
+#: Shorter than a page: a request that stores nothing, only makes its engine step.
+NUDGE = [11, 12, 13, 14, 15]
 #: The quota of the tenant ``small``, in pages.
 QUOTA_PAGES = 3
 
@@ -188,6 +190,9 @@ def fleet(
         # 1. a computes the shared prefix; then requests alternate, both engines running
         record["first"] = a.generate([ALTERNATING[0]], MAX_TOKENS)[0]
         a.flush()
+        # an engine publishes its tiers' events at its steps: the Mooncake stores the flush
+        # waited for (a cascade after the request's last step) reach the router at a's next
+        a.generate([NUDGE], 1)
         record["route"] = _routed(router, ALTERNATING[1], len(SHARED) // BLOCK)
         record["before_b"] = b.stats()
         for i, prompt in enumerate(ALTERNATING[1:], start=1):
