@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import sys
-from typing import Any
 
 os.environ.setdefault("KVTIER_DISABLE_PLUGIN_AUTOLOAD", "1")  # built-ins only, measured
 if importlib.util.find_spec("kvtier") is None:  # run from a checkout, not installed
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
+from _device import emit, pick_device
 
 from kvtier.testing.engine_loop import EngineLoop, LoopShape, Mode
 
@@ -58,23 +57,6 @@ CPU_SHAPE = LoopShape(
 QUICK_SHAPE = LoopShape()  # 4 small layers, 8 pages
 
 
-def pick_device(name: str | None) -> torch.device:
-    """``name``, or cuda where it is available and else cpu; a clear error if unusable."""
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise SystemExit(
-            f"--device: {name!r} is not a torch device ({exc}); use cpu or cuda"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device: {name!r} needs CUDA, which this torch/machine lacks")
-    if device.type not in ("cpu", "cuda"):
-        raise SystemExit(f"--device: {name!r}: only cpu and cuda are measured here")
-    return device
-
-
 def shape_from(args: argparse.Namespace, device: torch.device) -> LoopShape:
     """The default shape for the device (or ``--quick``), with the flags given applied."""
     base = QUICK_SHAPE if args.quick else (CUDA_SHAPE if device.type == "cuda" else CPU_SHAPE)
@@ -90,12 +72,6 @@ def shape_from(args: argparse.Namespace, device: torch.device) -> LoopShape:
         given["num_blocks"] = max(base.num_blocks, 2 * given["load_pages"])
     values = {**base.__dict__, **given}
     return LoopShape(**values)
-
-
-def line(record: dict[str, Any], table: str) -> None:
-    """One JSON line on stdout, one table row on stderr."""
-    print(json.dumps(record), flush=True)
-    print(table, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"engine_loop: {label} on {device}, {reps} rounds", file=sys.stderr)
     for mode in ("sync", "overlap"):
         ratio = med["sync"] / med[mode] if mode == "overlap" else 1.0
-        line(
+        emit(
             {
                 "bench": "engine_loop",
                 "case": f"step {mode} {label}",
@@ -199,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         **common,
     }
-    line(
+    emit(
         summary,
         f"hidden_fraction {summary['hidden_fraction']} "
         f"(of medians {summary['hidden_fraction_of_medians']}), "

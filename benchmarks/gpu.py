@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -38,6 +37,7 @@ if importlib.util.find_spec("kvtier") is None:  # run from a checkout, not insta
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
+from _device import emit, pick_device
 
 from kvtier.adapters import build_host_pool, build_io_backend, resolve
 from kvtier.core.config import EngineConfig
@@ -71,23 +71,6 @@ class Shape:
 
 FULL = Shape(layers=32, heads=8, head_dim=128, page_size=16, pages=512)  # 1 GiB
 QUICK = Shape(layers=4, heads=2, head_dim=64, page_size=16, pages=8)  # 256 KiB
-
-
-def pick_device(name: str | None) -> torch.device:
-    """``name``, or cuda where it is available and else cpu; a clear error if unusable."""
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise SystemExit(
-            f"--device: {name!r} is not a torch device ({exc}); use cpu or cuda"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device: {name!r} needs CUDA, which this torch/machine lacks")
-    if device.type not in ("cpu", "cuda"):
-        raise SystemExit(f"--device: {name!r}: only cpu and cuda are measured here")
-    return device
 
 
 def synchronizer(device: torch.device) -> Callable[[], None]:
@@ -295,12 +278,6 @@ def measure_pair(
             }
         )
     return records
-
-
-def emit(record: dict[str, Any], table: str) -> None:
-    """One JSON line on stdout, one table row on stderr."""
-    print(json.dumps(record), flush=True)
-    print(table, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
