@@ -22,25 +22,13 @@ from typing import Any
 
 import pytest
 import torch
+from test_streams import GEOMETRY, JOIN, LAYERED, backed_up, open_cache, slots
 
 from kvtier.cache import TieredCache
 from kvtier.core import io as io_module
 from kvtier.core import streams as streams_module
-from kvtier.core.config import load_engine_config
-from kvtier.core.device_pool import TorchDevicePool
 from kvtier.integrations.vllm import device_worker as device_worker_module
-from kvtier.plugins.manager import load_registry
 from kvtier.testing.content import check_pages, fill_pages
-
-JOIN = 20.0
-GEOMETRY: dict[str, Any] = {
-    "num_layers": 3,
-    "num_kv_heads": 2,
-    "head_dim": 16,
-    "dtype": "bfloat16",
-    "page_size": 4,
-}
-LAYERED = ["backup_all", "load_all", "load_layer", "backup_layer"]
 
 
 class FakeStream:
@@ -145,93 +133,74 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> RecordingCuda:
     return fake
 
 
-def open_cache(**config: Any) -> TieredCache:
-    settings = {"backend": "memory", **GEOMETRY, "host_pages": 64, **config}
-    engine = load_engine_config(settings)
-    pool = TorchDevicePool(engine.geometry(), 512)
-    return TieredCache.open(engine, pool, registry=load_registry())
-
-
-def slots(start: int, pages: int, ps: int = 4) -> torch.Tensor:
-    return torch.arange(start * ps, (start + pages) * ps, dtype=torch.int64)
+@pytest.fixture
+def cache(cuda: RecordingCuda) -> Iterator[TieredCache]:
+    """A cache over a CPU pool that takes the CUDA branches (opened once ``cuda`` stands in)."""
+    c = open_cache("cpu", operations=LAYERED)
+    yield c
+    c.close()
 
 
 def test_a_backup_copies_after_the_models_stream_and_is_waited_for_off_its_thread(
-    cuda: RecordingCuda,
+    cuda: RecordingCuda, cache: TieredCache
 ) -> None:
-    cache = open_cache(operations=LAYERED)
-    try:
-        save = cache._ctx.save_stream.stream.name
-        keys = cache.keys(list(range(12)))
-        where = slots(0, len(keys))
-        fill_pages(cache.device_pool, keys, where)
-        before = len(cuda.calls)
-        handle = cache.backup(keys, where)
-        # the call itself only marked the model's stream: nothing waited on the host
-        produced = cuda.calls[before]
-        assert produced[:2] == ("record", "model")
-        assert handle.wait(JOIN) and handle.ok, handle
-        waited = cuda.index("wait", save, produced[2])  # the save stream waits for it
-        copied = cuda.recorded(save)[0]
-        synced = cuda.index("sync", None, copied)
-        assert before < waited < cuda.index("record", save, copied) < synced
-        assert cuda.calls[synced][1] != "MainThread"  # the transfer worker waited
-        assert not [c for c in cuda.calls if c[0] == "sync" and c[1] == "MainThread"]
-    finally:
-        cache.close()
+    save = cache._ctx.save_stream.stream.name
+    keys = cache.keys(list(range(12)))
+    where = slots(0, len(keys))
+    fill_pages(cache.device_pool, keys, where)
+    before = len(cuda.calls)
+    handle = cache.backup(keys, where)
+    # the call itself only marked the model's stream: nothing waited on the host
+    produced = cuda.calls[before]
+    assert produced[:2] == ("record", "model")
+    assert handle.wait(JOIN) and handle.ok, handle
+    waited = cuda.index("wait", save, produced[2])  # the save stream waits for it
+    copied = cuda.recorded(save)[0]
+    synced = cuda.index("sync", None, copied)
+    assert before < waited < cuda.index("record", save, copied) < synced
+    assert cuda.calls[synced][1] != "MainThread"  # the transfer worker waited
+    assert not [c for c in cuda.calls if c[0] == "sync" and c[1] == "MainThread"]
 
 
 def test_unordered_loads_are_ordered_per_layer_and_waited_for_before_unpinning(
-    cuda: RecordingCuda,
+    cuda: RecordingCuda, cache: TieredCache
 ) -> None:
-    cache = open_cache(operations=LAYERED)
-    try:
-        load = cache._ctx.load_stream.stream.name
-        keys = cache.keys(list(range(12)))
-        where = slots(0, len(keys))
-        fill_pages(cache.device_pool, keys, where)
-        assert cache.backup(keys, where).wait(JOIN)
-        cache.device_pool.zero_()  # type: ignore[attr-defined]
-        target = slots(40, len(keys))
-        handle = cache.prefetch(keys)
-        cuda.events_done = False  # the copies are "still running" from here
-        start = len(cuda.calls)
-        for layer in range(GEOMETRY["num_layers"]):
-            assert cache.load(handle, target, layer=layer, ordered=False) == len(keys)
-        fences = cuda.recorded(load)
-        assert len(fences) == GEOMETRY["num_layers"]
-        # each copy waits for the model's stream as it was at the call
-        for fence in fences:
-            assert cuda.index("record", load, fence) > start
-        assert not any(w == "wait" and s == "model" for w, s, _ in cuda.calls[start:])
-        assert not handle.copies_done
-        handle.order(1)  # before layer 1 runs: the model's stream waits for layer 1 only
-        assert cuda.calls[-1] == ("wait", "model", fences[1])
-        pinned = cache.stats()["host"]["pages"]["pinned"]
-        assert pinned == len(keys)
-        handle.release()  # waits for every copy, then unpins
-        syncs = [e for w, _, e in cuda.calls if w == "sync"]
-        assert set(fences) <= set(syncs)
-        assert cache.stats()["host"]["pages"]["pinned"] == 0
-        assert all(check_pages(cache.device_pool, keys, target))
-    finally:
-        cache.close()
+    load = cache._ctx.load_stream.stream.name
+    keys = backed_up(cache, range(12))
+    cache.device_pool.zero_()  # type: ignore[attr-defined]
+    target = slots(40, len(keys))
+    handle = cache.prefetch(keys)
+    cuda.events_done = False  # the copies are "still running" from here
+    start = len(cuda.calls)
+    for layer in range(GEOMETRY["num_layers"]):
+        assert cache.load(handle, target, layer=layer, ordered=False) == len(keys)
+    fences = cuda.recorded(load)
+    assert len(fences) == GEOMETRY["num_layers"]
+    # each copy waits for the model's stream as it was at the call
+    for fence in fences:
+        assert cuda.index("record", load, fence) > start
+    assert not any(w == "wait" and s == "model" for w, s, _ in cuda.calls[start:])
+    assert not handle.copies_done
+    handle.order(1)  # before layer 1 runs: the model's stream waits for layer 1 only
+    assert cuda.calls[-1] == ("wait", "model", fences[1])
+    pinned = cache.stats()["host"]["pages"]["pinned"]
+    assert pinned == len(keys)
+    handle.release()  # waits for every copy, then unpins
+    syncs = [e for w, _, e in cuda.calls if w == "sync"]
+    assert set(fences) <= set(syncs)
+    assert cache.stats()["host"]["pages"]["pinned"] == 0
+    assert all(check_pages(cache.device_pool, keys, target))
 
 
-def test_an_ordered_load_makes_the_callers_stream_wait(cuda: RecordingCuda) -> None:
-    cache = open_cache(operations=LAYERED)
-    try:
-        load = cache._ctx.load_stream.stream.name
-        keys = cache.keys(list(range(8)))
-        where = slots(0, len(keys))
-        fill_pages(cache.device_pool, keys, where)
-        assert cache.backup(keys, where).wait(JOIN)
-        handle = cache.prefetch(keys)
-        cache.load(handle, slots(30, len(keys)))
-        fence = cuda.recorded(load)[-1]
-        assert cuda.index("wait", "model", fence) > cuda.index("record", load, fence)
-    finally:
-        cache.close()
+def test_an_ordered_load_makes_the_callers_stream_wait(
+    cuda: RecordingCuda, cache: TieredCache
+) -> None:
+    load = cache._ctx.load_stream.stream.name
+    keys = backed_up(cache, range(8))
+    handle = cache.prefetch(keys)
+    cache.load(handle, slots(30, len(keys)))
+    fence = cuda.recorded(load)[-1]
+    assert cuda.index("wait", "model", fence) > cuda.index("record", load, fence)
 
 
 # --- the vLLM device worker -----------------------------------------------------------------

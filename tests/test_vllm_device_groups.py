@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_vllm_device_path import BLOCK, DEVICES, DIM, HEADS, FullAttentionSpec
 
 from kvtier.core.device_pool import MLADevicePool
 from kvtier.core.errors import InvalidFieldError, UnsupportedCombinationError
@@ -26,32 +27,9 @@ from kvtier.integrations.vllm.plan import kv_groups, resolve_plan
 from kvtier.integrations.vllm.settings import VLLMSection
 from kvtier.plugins.manager import default_registry
 
-BLOCK = 16
 BLOCKS = 12
-HEADS = 2
-DIM = 64
 RANK, ROPE = 64, 32  # a small MLA latent: kv_lora_rank + qk_rope_head_dim
 LATENT = RANK + ROPE
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    ),
-]
-
-
-@dataclass
-class FullAttentionSpec:
-    """The fields of vLLM's FullAttentionSpec the plan reads (same class name)."""
-
-    block_size: int = BLOCK
-    num_kv_heads: int = HEADS
-    head_size: int = DIM
-    dtype: torch.dtype = torch.bfloat16
-    sliding_window: int | None = None
-    head_size_v: int | None = None
 
 
 @dataclass
