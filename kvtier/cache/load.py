@@ -17,7 +17,7 @@ from kvtier.cache.handles import PrefetchHandle
 from kvtier.core.errors import TransferError
 from kvtier.core.io import check_device_slots, check_slots_in_range
 from kvtier.core.metrics import Cause
-from kvtier.core.streams import Fence, current_fence
+from kvtier.core.streams import Fence
 
 __all__ = ["Loader"]
 
@@ -55,7 +55,6 @@ class Loader:
                 used = slots[: count * ps]
                 check_slots_in_range(used, ctx.device_pool.num_slots)
                 t0 = time.monotonic()
-                device = ctx.device_pool.device
                 try:
                     copied = ctx.io_backend.load(
                         ctx.host_pool,
@@ -64,8 +63,7 @@ class Loader:
                         used,
                         layer=layer,
                         checked=True,
-                        stream=ctx.load_stream,
-                        after=current_fence(device),
+                        stream=ctx.load_stream,  # after the caller's stream
                     )
                 except TransferError:
                     raise

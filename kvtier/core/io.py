@@ -31,7 +31,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -175,6 +175,17 @@ def _raw(tensor: torch.Tensor) -> torch.Tensor:
             except RuntimeError:  # strides or offset not divisible: try a narrower type
                 continue
     return raw
+
+
+class _Chunk(NamedTuple):
+    """Pages a staged crossing moves in one device block (:meth:`IOBackend.staged_copies`)."""
+
+    pages: int
+    #: Runs of consecutive host pages: (position in the chunk, first host page, length).
+    runs: list[tuple[int, int, int]]
+    #: The chunk's first device slot when its slots are one ascending range, else every
+    #: slot, on the device.
+    where: int | torch.Tensor
 
 
 def _split_tokens(tensor: torch.Tensor, axis: int, pages: int, page_size: int) -> torch.Tensor:
@@ -411,24 +422,24 @@ class IOBackend(ABC):
         whole = self._host_pages(plan.host, 0, None)[:2].is_contiguous()
         page = self._host_pages(plan.host, 0, None if whole else 0)[0]
         per_chunk = max(1, STAGE_BYTES // (page.numel() * page.element_size()))
-        chunks = []  # (first position, pages, runs in the chunk, first slot or index)
+        chunks: list[_Chunk] = []
         for c0 in range(0, len(plan.pages), per_chunk):
             part = rows[c0 : c0 + per_chunk]
-            runs = [(i0 + c0, h0, n) for i0, h0, n in _page_runs(plan.pages[c0 : c0 + per_chunk])]
             start = _slot_range(part)
-            where: int | torch.Tensor = (
-                start if start is not None else plan.on_device(part.reshape(-1))
+            chunks.append(
+                _Chunk(
+                    part.shape[0],
+                    _page_runs(plan.pages[c0 : c0 + per_chunk]),
+                    start if start is not None else plan.on_device(part.reshape(-1)),
+                )
             )
-            chunks.append((c0, part.shape[0], runs, where))
+        move = self._stage_out if to_host else self._stage_in
         for layer, device_views in self._device_views(plan, by_layer=not whole):
             token_axis = self._native_axes(layer).index("token")
             for kv, dev in enumerate(device_views):
                 host_view = self._host_pages(plan.host, kv, layer)
-                for c0, count, runs, where in chunks:
-                    if to_host:
-                        self._stage_out(plan, dev, host_view, token_axis, c0, count, runs, where)
-                    else:
-                        self._stage_in(plan, dev, host_view, token_axis, c0, count, runs, where)
+                for chunk in chunks:
+                    move(plan, dev, host_view, token_axis, chunk)
 
     def _stage_out(
         self,
@@ -436,13 +447,10 @@ class IOBackend(ABC):
         dev: torch.Tensor,
         host_view: torch.Tensor,
         token_axis: int,
-        c0: int,
-        count: int,
-        runs: list[tuple[int, int, int]],
-        where: int | torch.Tensor,
+        chunk: _Chunk,
     ) -> None:
         """Device -> host for one chunk: one gather into page order, one DMA per host run."""
-        ps = self.geometry.page_size
+        ps, count, where = self.geometry.page_size, chunk.pages, chunk.where
         if isinstance(where, int):
             source = dev.narrow(token_axis, where, count * ps)
         else:
@@ -450,10 +458,8 @@ class IOBackend(ABC):
         pages = _split_tokens(source, token_axis, count, ps).movedim(token_axis, 0)
         if not pages.is_contiguous():
             pages = pages.contiguous()  # [count, *native axes]: each run one block
-        for i0, h0, n in runs:
-            host_view[h0 : h0 + n].copy_(
-                pages[i0 - c0 : i0 - c0 + n], non_blocking=plan.non_blocking
-            )
+        for i0, h0, n in chunk.runs:
+            host_view[h0 : h0 + n].copy_(pages[i0 : i0 + n], non_blocking=plan.non_blocking)
 
     def _stage_in(
         self,
@@ -461,18 +467,13 @@ class IOBackend(ABC):
         dev: torch.Tensor,
         host_view: torch.Tensor,
         token_axis: int,
-        c0: int,
-        count: int,
-        runs: list[tuple[int, int, int]],
-        where: int | torch.Tensor,
+        chunk: _Chunk,
     ) -> None:
         """Host -> device for one chunk: one DMA per host run into a block, one scatter."""
-        ps = self.geometry.page_size
+        ps, count, where = self.geometry.page_size, chunk.pages, chunk.where
         block = torch.empty((count, *host_view.shape[1:]), dtype=host_view.dtype, device=dev.device)
-        for i0, h0, n in runs:
-            block[i0 - c0 : i0 - c0 + n].copy_(
-                host_view[h0 : h0 + n], non_blocking=plan.non_blocking
-            )
+        for i0, h0, n in chunk.runs:
+            block[i0 : i0 + n].copy_(host_view[h0 : h0 + n], non_blocking=plan.non_blocking)
         tokens = block.movedim(0, token_axis)  # [..., count, ps, ...] in device axis order
         if isinstance(where, int):
             target = dev.narrow(token_axis, where, count * ps)
@@ -707,7 +708,7 @@ class DirectIOBackend(IOBackend):
             for kv, dev in enumerate(device_views):
                 host_view = self._host_pages(plan.host, kv, layer)
                 if moves is None:
-                    moves = self._moves(plan, layer, same_device=host_view.device == dev.device)
+                    moves = self._moves(plan, layer)
                 usable = (dev.shape[axis] // ps) * ps
                 shape = list(dev.shape)
                 shape[axis : axis + 1] = [usable // ps, ps]
@@ -725,13 +726,13 @@ class DirectIOBackend(IOBackend):
                         dev_pages.index_copy_(0, where, host_run)
 
     def _moves(
-        self, plan: TransferPlan, layer: int | None, *, same_device: bool
+        self, plan: TransferPlan, layer: int | None
     ) -> list[tuple[int, int, int | torch.Tensor]]:
         """(first host page, pages, first device page or the device pages) per op.
 
         Pages consecutive on both sides are one strided ``copy_``. A run of consecutive
         host pages whose device pages are not consecutive (an engine's block table) is,
-        on one device (a CPU pool) and where the host page keeps each slot's heads x dim
+        where the host page keeps each slot's heads x dim
         row whole, as the device does (every layout but ``page_head``), one gather /
         ``index_copy_`` along the page axis rather than a ``copy_`` per page. Each CPU op
         forks and joins torch's intra-op threads, and on a small VM a join often waited
@@ -740,11 +741,11 @@ class DirectIOBackend(IOBackend):
         with one thread the gather costs 1.0-1.4x the copies (``benchmarks/io.py``,
         ``pages`` slots). ``page_head``'s rows are one head's ``dim`` values, which the
         index kernels move up to 2x slower than ``copy_`` does, so its copies stay per
-        page; across devices (a CUDA pool) each copy is one DMA, and they stay per run.
+        page. (Across devices, a CUDA pool, plans take :meth:`IOBackend.staged_copies`.)
         """
         assert plan.device_pages is not None
         whole_rows = self._native_axes(layer)[-2:] == ("head", "dim")
-        if not (same_device and whole_rows):
+        if not whole_rows:
             return [(h0, n, d0) for h0, d0, n in _runs(plan.pages, plan.device_pages)]
         moves: list[tuple[int, int, int | torch.Tensor]] = []
         for i0, h0, n in _page_runs(plan.pages):

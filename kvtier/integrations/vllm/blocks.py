@@ -40,6 +40,7 @@ __all__ = [
     "VLLMBlocks",
     "check_layer_count",
     "layer_positions",
+    "memory_region",
     "order_layers",
     "refuse",
 ]
@@ -88,13 +89,18 @@ def order_layers(
     return [(name, kv_caches[name]) for name in names]
 
 
+def memory_region(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """Where a layer's tensor lies: tensors that alias one another share it."""
+    return (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+
+
 def layer_positions(layers: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """One layer per distinct memory region, in order: layers that alias one tensor (the
     KV cache groups of vLLM's hybrid allocator overlay each other) are one position."""
     seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
     out = []
     for name, tensor in layers:
-        where = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        where = memory_region(tensor)
         if where not in seen:
             seen.add(where)
             out.append((name, tensor))

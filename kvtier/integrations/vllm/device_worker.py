@@ -412,18 +412,13 @@ class DeviceWorkerSide(RankWorker):
         the first one missing is the failed page; those after it were not read (chained
         keys: of no use past a hole) and are neither failed nor distrusted, only recomputed.
         Nothing is deleted: the cache gives no per-page verdict, and a recomputed page is
-        written over a bad one. With several KV cache groups vLLM takes no block errors
-        (vLLM 0.32 raises on them): the request goes to the scheduler as failed from its
-        first failed page (the report's ``failed_from``) instead."""
+        written over a bad one. (Only models of one KV cache group load in the step: see
+        ``device_loads``.)"""
         loads, self._loads = self._loads, []
-        failed: set[str] = set()
         for item in loads:
             if item.handle is not None:
                 item.handle.release()
-            if self._account(item.op, 0 if item.failed else (item.loaded or 0)):
-                failed.add(item.op.req_id)
-        if self.groups > 1:  # failed per request, the only way with several groups
-            self.counters.add("load_failed_requests", len(failed))
+            self._account(item.op, 0 if item.failed else (item.loaded or 0))
 
     def _account(self, op: PageOp, loaded: int) -> bool:
         """Count one request's load of which the first ``loaded`` pages arrived; record

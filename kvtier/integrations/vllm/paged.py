@@ -34,7 +34,12 @@ import torch
 from kvtier.core.device_pool import BufferDevicePool
 from kvtier.core.geometry import AttentionKind, KVGeometry
 from kvtier.integrations.vllm.blocks import SUPPORTED as HOST_SUPPORTED
-from kvtier.integrations.vllm.blocks import check_layer_count, layer_positions, refuse
+from kvtier.integrations.vllm.blocks import (
+    check_layer_count,
+    layer_positions,
+    memory_region,
+    refuse,
+)
 
 __all__ = [
     "DEVICE_SUPPORTED",
@@ -100,13 +105,8 @@ def positions_of(
     position: under vLLM's hybrid allocator layers of different groups alias one tensor,
     and a position is moved once whichever group's layer asks for it."""
     positions = layer_positions(layers)
-    where = {_region(tensor): i for i, (_, tensor) in enumerate(positions)}
-    return positions, {name: where[_region(tensor)] for name, tensor in layers}
-
-
-def _region(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-    """Where a layer's tensor lies: aliasing tensors (one position) share it."""
-    return (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+    where = {memory_region(tensor): i for i, (_, tensor) in enumerate(positions)}
+    return positions, {name: where[memory_region(tensor)] for name, tensor in layers}
 
 
 def _latent_view(tensor: torch.Tensor, name: str, latent: int) -> torch.Tensor:
